@@ -1,0 +1,21 @@
+"""The one exception tree of elasticctl; the CLI maps it to one-sentence errors."""
+
+
+class ElasticctlError(Exception):
+    """Base of every error elasticctl raises on purpose; its message is one sentence."""
+
+
+class ConfigError(ElasticctlError):
+    """A user-supplied value (flag, endpoint, rendezvous option) is invalid."""
+
+
+class EtcdUnavailableError(ElasticctlError):
+    """No etcd endpoint answered within the retry window."""
+
+
+class EtcdServerError(ElasticctlError):
+    """The embedded etcd server could not be found, started, or kept running."""
+
+
+class EtcdRequestError(ElasticctlError):
+    """etcd answered but refused the request (bad credentials, permission, bad argument)."""
