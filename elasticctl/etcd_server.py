@@ -65,6 +65,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def ensure_port_free(host: str, port: int, what: str) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
+        # As etcd itself binds: connections in TIME_WAIT do not make a port busy.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:

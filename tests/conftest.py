@@ -62,3 +62,20 @@ def etcd_client(etcd_server):
 def run_id() -> str:
     return f"test-{uuid.uuid4().hex[:10]}"
 
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    """Start nodes with ``nodes(name, command)``; every one is stopped at teardown, even on failure."""
+    from helpers import Node
+
+    started: list[Node] = []
+
+    def start(name: str, command: list[str], env: dict | None = None) -> Node:
+        node = Node(name, command, tmp_path, env)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()

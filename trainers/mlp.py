@@ -73,6 +73,9 @@ def main() -> None:
     if record is not None:
         record.write(json.dumps({"event": "done", "rank": rank, "world_size": world, "time": time.time()}) + "\n")
         record.close()
+    # Let every rank finish its last collective before gloo tears its pairs down;
+    # without it a fast rank's exit can abort a slower one ("terminate called ...").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,113 @@
+"""Build the torchrun command for this node and supervise it: signals in, exit code out."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+
+import psutil
+
+from elasticctl import processes
+from elasticctl.errors import ConfigError
+from elasticctl.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+# Liveness a few seconds long that survives CPU load (2 s thrashed with 3 agents
+# importing torch on 2 cores); a short last call so a full job starts at once.
+DEFAULT_RDZV_CONF = {
+    "last_call_timeout": "2",
+    "keep_alive_interval": "2",
+    "keep_alive_max_attempt": "3",
+}
+
+
+def visible_gpu_count() -> int:
+    """GPUs this node may use, without importing torch (the CLI stays fast)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def resolve_nproc(value: str) -> int:
+    gpus = visible_gpu_count()
+    if value == "auto":
+        return gpus or 1
+    count = int(value)
+    if gpus and count > gpus:
+        raise ConfigError(f"The processes per node ({count}) exceed the {gpus} GPUs visible on this node.")
+    return count
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def primary_address() -> str:
+    """This node's first non-loopback IPv4 address on an interface that is up."""
+    stats = psutil.net_if_stats()
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        if not stats.get(name) or not stats[name].isup:
+            continue
+        for address in addresses:
+            if address.family == socket.AF_INET and not is_loopback(address.address):
+                return address.address
+    return "127.0.0.1"
+
+
+def local_address_for(etcd_host: str) -> str:
+    """The address other nodes should use for this one: loopback for a loopback job."""
+    return "127.0.0.1" if is_loopback(etcd_host) else primary_address()
+
+
+def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: dict[str, str] | None = None) -> list[str]:
+    conf = {**DEFAULT_RDZV_CONF, **dict(spec.rdzv_conf), **(extra_conf or {})}
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={spec.nnodes}",
+        f"--nproc-per-node={resolve_nproc(spec.nproc_per_node)}",
+        "--rdzv-backend=etcd3",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={spec.name}",
+        "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+        f"--max-restarts={spec.max_restarts}",
+        f"--local-addr={local_addr}",
+    ]
+    if spec.module:
+        command.append("-m")
+    return [*command, spec.script, *spec.script_args]
+
+
+def check_script(spec: JobSpec) -> None:
+    if not spec.module and not os.path.isfile(spec.script):
+        raise ConfigError(f"The training script '{spec.script}' does not exist on this host.")
+
+
+def format_command(command: list[str]) -> str:
+    return shlex.join(command)
+
+
+def run_supervised(command: list[str], env: dict[str, str]) -> int:
+    """Run torchrun until it exits; SIGINT/SIGTERM stop it and all its workers."""
+    child = processes.spawn(command, env=env)
+    received: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        received.append(signum)
+        log.info("received %s; stopping torchrun and its workers", signal.Signals(signum).name)
+        processes.terminate(child, timeout=30)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        processes.terminate(child, timeout=5)
+    return 128 + received[0] if received else code

@@ -1,0 +1,165 @@
+"""The etcd client and the embedded server: endpoints, TLS, failover across members, bad input."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+
+import pytest
+
+from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
+from elasticctl.etcd import EtcdClient, EtcdSettings, parse_endpoints
+from elasticctl.etcd_server import EmbeddedEtcd, find_etcd_binary, free_port
+from elasticctl.rendezvous import EtcdRendezvousBackend
+from elasticctl import processes
+from helpers import wait_for
+
+
+def test_parse_endpoints_accepts_lists_schemes_and_ipv6():
+    endpoints, scheme = parse_endpoints("h1:2379, h2 ,https://[::1]:2400")
+    assert [str(e) for e in endpoints] == ["h1:2379", "h2:2379", "[::1]:2400"]
+    assert scheme == "https"
+
+
+@pytest.mark.parametrize("text", ["", "h1:", "h1:abc", "h1:2379:1", "h1:99999", "http://a:1,https://b:2"])
+def test_bad_endpoints_are_one_sentence_errors_naming_the_value(text):
+    with pytest.raises(ConfigError) as info:
+        EtcdSettings.from_string(text)
+    message = str(info.value)
+    assert message.endswith(".") and "\n" not in message
+    assert text.split(",")[0] in message or text == ""
+
+
+def test_half_given_credentials_are_refused():
+    with pytest.raises(ConfigError, match="together"):
+        EtcdSettings.from_string("h:1", user="root")
+    with pytest.raises(ConfigError, match="together"):
+        EtcdSettings.from_string("h:1", cert="c.pem")
+
+
+def test_unreachable_endpoint_error_names_it():
+    port = free_port()
+    client = EtcdClient(EtcdSettings.from_string(f"127.0.0.1:{port}", retry_timeout=0.5, read_timeout=0.5))
+    with pytest.raises(EtcdUnavailableError, match=f"127.0.0.1:{port}"):
+        client.get("k")
+
+
+def test_embedded_etcd_refuses_a_taken_port(etcd_server):
+    with pytest.raises(EtcdServerError, match=str(etcd_server.client_port)):
+        EmbeddedEtcd(client_port=etcd_server.client_port, peer_port=0).start()
+
+
+def test_embedded_etcd_serves_v3_only(etcd_server):
+    version = EtcdClient(etcd_server.client_settings()).server_version()
+    assert version.startswith("3.")
+    assert "--enable-v2" not in etcd_server.command()
+
+
+def test_client_rides_out_an_etcd_restart(tmp_path):
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0).start()
+    try:
+        client = EtcdClient(server.client_settings(retry_timeout=30))
+        client.put("/blip/k", b"before")
+        server.kill()
+        server.start()  # same ports and data dir: a blip of a few seconds
+        assert client.get("/blip/k").value == b"before"
+    finally:
+        server.stop()
+
+
+def _write_tls_material(directory):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    import ipaddress
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem, key, cert):
+        (directory / f"{stem}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("test-ca")).issuer_name(name("test-ca"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    write("ca", ca_key, ca)
+    for stem, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder().subject_name(name(stem)).issuer_name(ca.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if stem == "server":
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        write(stem, key, builder.sign(ca_key, hashes.SHA256()))
+
+
+def test_tls_with_client_certificates(tmp_path, run_id):
+    _write_tls_material(tmp_path)
+    tls = {"cacert": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "client.pem"), "key": str(tmp_path / "client.key")}
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=free_port(), peer_port=free_port(),
+                          cert_file=str(tmp_path / "server.pem"), key_file=str(tmp_path / "server.key"),
+                          client_ca_file=str(tmp_path / "ca.pem"))
+    server.start(client_settings=server.client_settings(**tls))
+    try:
+        client = EtcdClient(server.client_settings(**tls))
+        backend = EtcdRendezvousBackend(client, run_id)
+        _, token, ok = backend.set_state(b"over tls")
+        assert ok and backend.get_state() == (b"over tls", token)
+
+        anonymous = EtcdClient(server.client_settings(cacert=tls["cacert"], retry_timeout=1, read_timeout=1))
+        with pytest.raises(Exception):
+            anonymous.get("k")  # no client certificate: refused
+    finally:
+        server.stop()
+
+
+def test_failover_between_members_of_a_three_member_cluster(tmp_path):
+    binary = find_etcd_binary()
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    members = []
+    try:
+        for i, (client_port, peer_port) in enumerate(ports):
+            log = open(tmp_path / f"m{i}.log", "wb")
+            members.append(processes.spawn([
+                binary, "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
+                "--listen-client-urls", f"http://127.0.0.1:{client_port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+            ], stdout=log, stderr=subprocess.STDOUT))
+        endpoints = ",".join(f"127.0.0.1:{c}" for c, _ in ports)
+        client = EtcdClient(EtcdSettings.from_string(endpoints, retry_timeout=30, read_timeout=2))
+        wait_for(lambda: _answers(client), 60, "the three-member cluster to elect a leader")
+        client.put("/failover/k", b"v")
+        # Kill the member the client is talking to; the other two keep a quorum.
+        in_use = client._connect().endpoint_in_use.netloc
+        victim = [f"127.0.0.1:{c}" for c, _ in ports].index(in_use)
+        members[victim].kill()
+        members[victim].wait()
+        client.put("/failover/after", b"still writable")
+        assert client.get("/failover/k").value == b"v"
+        assert client._connect().endpoint_in_use.netloc != in_use
+    finally:
+        for member in members:
+            processes.terminate(member, timeout=5)
+
+
+def _answers(client: EtcdClient) -> bool:
+    try:
+        client.server_version()
+        return True
+    except EtcdUnavailableError:
+        return False
