@@ -180,6 +180,10 @@ class EtcdClient:
                     endpoints, timeout=self.settings.read_timeout, user=self.settings.user,
                     password=self.settings.password, failover=True,
                 )
+                if creds is None:
+                    # grpc refuses call credentials on plaintext channels; the token
+                    # still travels in the metadata pyetcd adds to every call.
+                    self._raw.call_credentials = None
             return self._raw
 
     def _reset(self) -> None:

