@@ -58,8 +58,8 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
         signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
-            if server._process is not None and server._process.poll() is not None:
-                _fail(f"etcd exited unexpectedly with code {server._process.returncode}.")
+            if server.exit_code() is not None:
+                _fail(f"etcd exited unexpectedly with code {server.exit_code()}.")
     finally:
         server.stop()
 

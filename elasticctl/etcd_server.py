@@ -120,6 +120,10 @@ class EmbeddedEtcd:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
+    def exit_code(self) -> int | None:
+        """The server's exit code if it has stopped on its own, else None."""
+        return self._process.poll() if self._process else None
+
     @property
     def client_scheme(self) -> str:
         return "https" if self.cert_file else "http"

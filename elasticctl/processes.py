@@ -11,17 +11,18 @@ from collections.abc import Sequence
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+# Loaded up front: the pre-exec hook runs in a forked child and must do almost nothing.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _die_with_parent() -> None:
-    # Linux only: if elasticctl is SIGKILLed, the kernel sends the child SIGTERM.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # If elasticctl is SIGKILLed, the kernel sends the child SIGTERM.
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn(command: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     """Start ``command`` in its own process group, tied to this process's life."""
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    preexec = _die_with_parent if _LIBC is not None else None
     return subprocess.Popen(list(command), preexec_fn=preexec, start_new_session=True, **popen_kwargs)
 
 

@@ -37,7 +37,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
     create_handler,
@@ -266,7 +265,11 @@ class EtcdStore(dist.Store):
         return self._wait_for(key, self.timeout).value
 
     def add(self, key: str, amount: int) -> int:
-        """Atomically add ``amount`` to the decimal integer at ``key`` (0 when absent)."""
+        """Atomically add ``amount`` to the decimal integer at ``key`` (0 when absent).
+
+        A compare-and-swap loop on the key's revision. Caveat: a swap whose answer
+        was lost to a timeout is retried, so such a rare ambiguous failure can add twice.
+        """
         full_key = self._key(key)
         current = self._client.get(full_key)
         while True:
@@ -275,7 +278,7 @@ class EtcdStore(dist.Store):
             revision = 0 if current is None else current.mod_revision
             succeeded, current, _ = _with_lease(
                 self._lease,
-                lambda lease_id: self._client.compare_and_swap(full_key, new_value, revision, lease_id),
+                lambda lease_id, v=new_value, r=revision: self._client.compare_and_swap(full_key, v, r, lease_id),
             )
             if succeeded:
                 return base + amount
@@ -295,9 +298,9 @@ class EtcdStore(dist.Store):
             if current is not None and current.value != expected:
                 return current.value
             revision = 0 if current is None else current.mod_revision
-            succeeded, kv, _ = _with_lease(
+            succeeded, _, _ = _with_lease(
                 self._lease,
-                lambda lease_id: self._client.compare_and_swap(full_key, desired, revision, lease_id),
+                lambda lease_id, r=revision: self._client.compare_and_swap(full_key, desired, r, lease_id),
             )
             if succeeded:
                 return desired
@@ -353,6 +356,19 @@ class EtcdStore(dist.Store):
 _RDZV_TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
 
 
+def _seconds(params: RendezvousParameters, name: str, default: float) -> float:
+    value = params.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ConfigError(f"The rendezvous option {name} ('{value}') must be a positive number of seconds.")
+    return seconds
+
+
 def settings_from_params(params: RendezvousParameters) -> EtcdSettings:
     """Build etcd connection settings from ``--rdzv-endpoint`` and ``--rdzv-conf``.
 
@@ -367,15 +383,6 @@ def settings_from_params(params: RendezvousParameters) -> EtcdSettings:
                 return str(value)
         return None
 
-    def seconds(name: str, default: float) -> float:
-        value = option(name)
-        if value is None:
-            return default
-        try:
-            return float(value)
-        except ValueError as exc:
-            raise ConfigError(f"The rendezvous option {name} ('{value}') must be a number of seconds.") from exc
-
     if not params.endpoint:
         raise ConfigError("The etcd3 rendezvous needs --rdzv-endpoint HOST:PORT[,HOST:PORT...].")
     return EtcdSettings.from_string(
@@ -386,8 +393,8 @@ def settings_from_params(params: RendezvousParameters) -> EtcdSettings:
         key=option("key", "ssl_cert_key"),
         user=option("user"),
         password=option("password") or os.environ.get(PASSWORD_ENV) or None,
-        read_timeout=seconds("read_timeout", 5.0),
-        retry_timeout=seconds("retry_timeout", 30.0),
+        read_timeout=_seconds(params, "read_timeout", 5.0),
+        retry_timeout=_seconds(params, "retry_timeout", 30.0),
     )
 
 
@@ -399,12 +406,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     """
     settings = settings_from_params(params)
     key_prefix = params.get("key_prefix") or DEFAULT_KEY_PREFIX
-    try:
-        ttl = int(params.get("ttl") or DEFAULT_TTL)
-    except ValueError as exc:
-        raise ConfigError(f"The rendezvous option ttl ('{params.get('ttl')}') must be a whole number of seconds.") from exc
+    ttl = int(_seconds(params, "ttl", DEFAULT_TTL))
     secret = (params.get("secret") or os.environ.get(SECRET_ENV) or "").encode() or None
-    connect_timeout = float(params.get("connect_timeout") or 10)
+    connect_timeout = _seconds(params, "connect_timeout", 10.0)
 
     client = EtcdClient(settings)
     try:
@@ -435,9 +439,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             except ValueError as exc:
                 raise ConfigError(f"The rendezvous option {key} ('{value}') must be a positive whole number.") from exc
     backend, store = create_backend(params)
-    handler = create_handler(store, backend, params)
-    assert isinstance(handler, DynamicRendezvousHandler)
-    return handler
+    return create_handler(store, backend, params)
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:

@@ -8,9 +8,9 @@ import sys
 
 import psutil
 import pytest
+from helpers import MLP, read_records, wait_for
 
 from elasticctl.etcd_server import free_port
-from helpers import MLP, read_records, wait_for
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 

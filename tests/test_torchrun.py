@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
+from helpers import read_records, torchrun_command, wait_for
 
 from elasticctl.etcd_server import free_port
-from helpers import read_records, torchrun_command, wait_for
 
 pytestmark = pytest.mark.slow
 
