@@ -28,6 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="extra seconds per step, to stretch a test run")
+    parser.add_argument("--log-every", type=int, default=50, help="rank 0 prints progress every N steps (0: never)")
     parser.add_argument("--record", default=None, help="append one JSON line per rank and step here")
     parser.add_argument("--pg-timeout", type=float, default=60.0,
                         help="process-group timeout in seconds (short, so a lost peer is noticed)")
@@ -67,6 +68,8 @@ def main() -> None:
                 "loss": round(loss.item(), 5), "time": time.time(), "host": host, "pid": os.getpid(),
                 "node": os.environ.get("ELASTICCTL_NODE", ""), "group_rank": int(os.environ.get("GROUP_RANK", "0")),
             }) + "\n")
+        if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step}/{args.steps} loss {loss.item():.4f} world {world} restart {restart}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
