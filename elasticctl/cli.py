@@ -107,11 +107,11 @@ def up(etcd_endpoints, job, nnodes, nproc_per_node, max_restarts, rdzv_conf, loc
             data_dir=etcd_data_dir, listen_host=etcd_listen, client_port=etcd_port, peer_port=etcd_peer_port,
             advertise_host=None if launcher.is_loopback(etcd_listen) else launcher.primary_address(),
         )
-        endpoint = server.endpoint
+        endpoint, etcd_host = server.endpoint, server.client_host
     else:
-        endpoint = EtcdSettings.from_string(etcd_endpoints).describe()
-    host = endpoint.split(",")[0].rsplit(":", 1)[0].strip("[]")
-    command = launcher.torchrun_command(spec, endpoint, local_addr or launcher.local_address_for(host))
+        settings = EtcdSettings.from_string(etcd_endpoints)
+        endpoint, etcd_host = settings.describe(), settings.endpoints[0].host
+    command = launcher.torchrun_command(spec, endpoint, local_addr or launcher.local_address_for(etcd_host))
     if dry_run:
         click.echo(launcher.format_command(command))
         return
