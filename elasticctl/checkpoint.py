@@ -1,0 +1,449 @@
+"""Checkpoints that survive kills at any instant and load at any world size.
+
+Layout of a checkpoint directory (shared by every node)::
+
+    step-00001200.pt          torch.save payload (see below)
+    step-00001200.pt.sha256   its digest; written last, so its presence marks the checkpoint complete
+    .tmp-...                  a write in progress (or killed mid-way); ignored and cleaned up
+
+A save writes a temp file, fsyncs it, renames it into place, then does the same
+for the digest and fsyncs the directory, so a SIGKILL or power cut at any
+instant leaves every earlier checkpoint intact and the newest one either
+complete or ignored. Loading verifies the digest (torch's zip reader does not
+notice flipped bytes in tensor data) and loads with ``weights_only=True``; a
+checkpoint that fails either check is skipped with a warning in favour of the
+one before it.
+
+The payload holds replicated (DDP) state, written by global rank 0 only: model
+(unwrapped from DDP, so it loads without DDP and at any world size), optimizer,
+LR scheduler, grad scaler, the :class:`~elasticctl.sampler.ResumableSampler`
+position (a global sample count), RNG states, step, epoch and caller extras.
+State sharded across ranks (FSDP, ZeRO) needs every rank to write its shard;
+:class:`ShardedCheckpointer` does that with ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticctl.errors import ConfigError, ElasticctlError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "elasticctl-checkpoint-1"
+_NAME_RE = re.compile(r"^step-(\d{8,})\.pt$")
+_DIGEST_SUFFIX = ".sha256"
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(ElasticctlError):
+    """A checkpoint could not be written, or the one every rank agreed on could not be read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore` loaded."""
+
+    step: int
+    epoch: int
+    path: Path
+    world_size: int  # the world size that wrote it
+    extra: dict
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _unwrap(obj: Any) -> Any:
+    """The module inside DDP / torch.compile wrappers, whose state dict has no wrapper prefixes."""
+    obj = getattr(obj, "_orig_mod", obj)
+    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        obj = obj.module
+    return getattr(obj, "_orig_mod", obj)
+
+
+def _copy_to_cpu(value: Any) -> Any:
+    """A deep copy with every tensor on the CPU: a snapshot training can keep mutating past."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: _copy_to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_to_cpu(v) for v in value)
+    return value
+
+
+def _rng_state(device: torch.device) -> dict:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state(legacy=False)
+        state["numpy"] = {**np_state, "state": {k: (v.tolist() if hasattr(v, "tolist") else v)
+                                                for k, v in np_state["state"].items()}}
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device, rank: int) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    try:
+        import numpy as np
+
+        if "numpy" in state:
+            np_state = dict(state["numpy"])
+            np_state["state"] = {k: (np.array(v, dtype=np.uint32) if isinstance(v, list) else v)
+                                 for k, v in np_state["state"].items()}
+            np.random.set_state(np_state)
+    except ImportError:
+        pass
+    if rank:
+        # Rank 0 continues its streams exactly; per-rank streams cannot survive a change of
+        # world size, so the other ranks get distinct streams derived from rank 0's.
+        seed = int(torch.randint(0, 2**62, (1,)).item()) + rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+        with contextlib.suppress(ImportError):
+            import numpy as np
+
+            np.random.seed(seed % 2**32)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only file wrapper that digests what passes through (torch.save writes sequentially)."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_atomically(directory: Path, name: str, write) -> str:
+    """Write ``directory/name`` through ``write(file)`` via temp file + fsync + rename; return its sha256."""
+    tmp = directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return writer.digest.hexdigest()
+
+
+def check_directory(directory: str | os.PathLike, writable: bool) -> Path:
+    """Create ``directory`` if needed and check access, or raise a one-sentence :class:`ConfigError`."""
+    path = Path(directory)
+    try:
+        if writable:
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"The checkpoint directory '{path}' cannot be created: {exc.strerror}.") from exc
+    if not path.is_dir():
+        raise ConfigError(f"The checkpoint directory '{path}' does not exist or is not a directory.")
+    mode = os.R_OK | os.X_OK | (os.W_OK if writable else 0)
+    if not os.access(path, mode):
+        what = "readable and writable" if writable else "readable"
+        raise ConfigError(f"The checkpoint directory '{path}' is not {what} by this user.")
+    return path
+
+
+class Checkpointer:
+    """Save and restore replicated training state in ``directory``.
+
+    Every rank constructs one and calls :meth:`save` at the same steps; only
+    ``writer_rank`` (global rank 0) writes. With ``async_save`` a save copies
+    the state to CPU memory and returns, and a background thread writes it;
+    at most one write is in flight (the next save waits for it). :meth:`wait`
+    blocks until the write in flight is committed; :meth:`close` waits too.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False,
+                 device: torch.device | str | None = None, writer_rank: int = 0) -> None:
+        if keep < 1:
+            raise ConfigError(f"The number of checkpoints to keep ({keep}) must be at least 1.")
+        self.rank = _rank()
+        self.is_writer = self.rank == writer_rank
+        self.directory = check_directory(directory, writable=self.is_writer)
+        self.keep = keep
+        self.async_save = async_save
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.last_step: int | None = None  # newest committed (or restored) checkpoint step
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self.is_writer:
+            self._remove_stale_temp_files()
+
+    # -- listing ------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints (digest present), newest first."""
+        found = []
+        for path in self.directory.iterdir():
+            match = _NAME_RE.match(path.name)
+            if match and path.with_name(path.name + _DIGEST_SUFFIX).exists():
+                found.append((int(match[1]), path))
+        return sorted(found, reverse=True)
+
+    def _remove_stale_temp_files(self) -> None:
+        for path in self.directory.glob(f"{_TMP_PREFIX}*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    # -- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, epoch: int = 0, *, extra: dict | None = None,
+             blocking: bool | None = None, **stateful: Any) -> None:
+        """Checkpoint ``stateful`` objects (anything with ``state_dict()``, or plain state) at ``step``.
+
+        ``blocking`` overrides ``async_save`` for this call (a final save on SIGTERM must block).
+        Raises :class:`CheckpointError` if this or the previous background write failed.
+        """
+        if not self.is_writer:
+            return
+        self.wait()
+        states = {name: (_unwrap(obj).state_dict() if hasattr(_unwrap(obj), "state_dict") else obj)
+                  for name, obj in stateful.items() if obj is not None}
+        payload = {
+            "format": FORMAT, "step": int(step), "epoch": int(epoch), "time": time.time(),
+            "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+            "state": states, "rng": _rng_state(self.device), "extra": dict(extra or {}),
+        }
+        if blocking if blocking is not None else not self.async_save:
+            self._commit(payload)
+            return
+        snapshot = _copy_to_cpu(payload)  # after this, training may change the live tensors
+        self._thread = threading.Thread(target=self._commit_in_background, args=(snapshot,),
+                                        name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    def _commit_in_background(self, payload: dict) -> None:
+        try:
+            self._commit(payload)
+        except BaseException as exc:  # surfaced by the next save() or wait()
+            self._error = exc
+
+    def _commit(self, payload: dict) -> None:
+        step = payload["step"]
+        name = f"step-{step:08d}.pt"
+        try:
+            digest = _write_atomically(self.directory, name, lambda f: torch.save(payload, f))
+            # The digest goes last: its appearance is the commit.
+            _write_atomically(self.directory, name + _DIGEST_SUFFIX, lambda f: f.write(digest.encode()))
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            raise CheckpointError(
+                f"Writing the checkpoint of step {step} to '{self.directory}' failed: {exc.strerror or exc}."
+            ) from exc
+        self.last_step = step
+        log.info("rank %d saved checkpoint %s", self.rank, self.directory / name)
+        self._prune()
+
+    def _prune(self) -> None:
+        complete = self.checkpoints()
+        newest_kept = complete[min(self.keep, len(complete)) - 1][0] if complete else 0
+        for _, path in complete[self.keep:]:
+            for victim in (path.with_name(path.name + _DIGEST_SUFFIX), path):
+                with contextlib.suppress(OSError):
+                    victim.unlink()
+        # Data files whose digest never landed (killed mid-commit) and are older than what we keep.
+        for path in self.directory.glob("step-*.pt"):
+            match = _NAME_RE.match(path.name)
+            if match and int(match[1]) < newest_kept and not path.with_name(path.name + _DIGEST_SUFFIX).exists():
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    def wait(self) -> None:
+        """Block until the background write (if any) is committed; re-raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from error
+            raise CheckpointError(f"The background checkpoint write failed: {error!r}.") from error
+
+    @property
+    def saving(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self.wait()
+
+    # -- loading ------------------------------------------------------------------------
+
+    def read(self, path: Path) -> dict:
+        """Load and verify one checkpoint file onto this rank's device; raise on any defect."""
+        digest_path = path.with_name(path.name + _DIGEST_SUFFIX)
+        expected = digest_path.read_text().strip()
+        actual = _file_digest(path)
+        if actual != expected:
+            raise CheckpointError(f"The checkpoint '{path}' does not match its digest (corrupt or partial).")
+        payload = torch.load(path, map_location=self.device, weights_only=True)
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise CheckpointError(f"The file '{path}' is not an elasticctl checkpoint.")
+        return payload
+
+    def _newest_readable(self) -> tuple[Path | None, dict | None]:
+        for _, path in self.checkpoints():
+            try:
+                return path, self.read(path)
+            except Exception as exc:  # any defect: fall back to the previous checkpoint
+                log.warning("Skipping checkpoint %s: %s", path, exc)
+        return None, None
+
+    def load_latest(self) -> dict | None:
+        """The newest complete, verified checkpoint payload; every rank gets the same one.
+
+        Rank 0 picks it (skipping defective files) and tells the others, so ranks
+        never resume from different steps.
+        """
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not distributed or self.rank == 0:
+            path, payload = self._newest_readable()
+        if distributed:
+            chosen = [str(path) if self.rank == 0 and path else None]
+            dist.broadcast_object_list(chosen, src=0)
+            if self.rank != 0:
+                if chosen[0] is None:
+                    return None
+                path = Path(chosen[0])
+                try:
+                    payload = self.read(path)
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"Rank {self.rank} cannot read the checkpoint '{path}' that rank 0 resumes from: {exc}"
+                    ) from exc
+        if payload is not None:
+            payload["path"] = str(path)
+        return payload
+
+    def restore(self, **stateful: Any) -> Restored | None:
+        """Load the newest checkpoint into ``stateful`` objects (by the names used in :meth:`save`).
+
+        Returns None (and changes nothing) when there is no usable checkpoint.
+        Restore the model before wrapping it in DDP or after: both work.
+        """
+        payload = self.load_latest()
+        if payload is None:
+            return None
+        states = payload["state"]
+        for name, obj in stateful.items():
+            if obj is None:
+                continue
+            if name not in states:
+                raise CheckpointError(f"The checkpoint '{payload['path']}' has no '{name}' state.")
+            _unwrap(obj).load_state_dict(states[name])
+        _set_rng_state(payload["rng"], self.device, self.rank)
+        self.last_step = payload["step"]
+        return Restored(step=payload["step"], epoch=payload["epoch"], path=Path(payload["path"]),
+                        world_size=payload["world_size"], extra=payload["extra"])
+
+
+class ShardedCheckpointer:
+    """Checkpoints of sharded state (FSDP2 ``fully_shard``, DTensor) with ``torch.distributed.checkpoint``.
+
+    Every rank writes its own shard into ``step-NNNNNNNN/`` (via a temp
+    directory renamed by rank 0 after all ranks finished, so a partial save is
+    never mistaken for a complete one); DCP reshards on load, so a checkpoint
+    written at world size W loads at any other size. Model and optimizer go
+    through ``get_state_dict`` / ``set_state_dict``, which handle FSDP's
+    parameter sharding; ``extra`` holds step, epoch and sampler position.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3) -> None:
+        self.rank = _rank()
+        self.directory = check_directory(directory, writable=True)
+        self.keep = keep
+        self.last_step: int | None = None
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        found = [(int(p.name[5:]), p) for p in self.directory.glob("step-*")
+                 if p.is_dir() and p.name[5:].isdigit() and (p / ".metadata").exists()]
+        return sorted(found, reverse=True)
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict | None = None) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        final = self.directory / f"step-{step:08d}"
+        tmp = self.directory / f"{_TMP_PREFIX}step-{step:08d}"
+        dcp.save({"model": model_state, "optim": optim_state,
+                  "extra": {"step": step, **(extra or {})}}, checkpoint_id=str(tmp))
+        dist.barrier()  # every shard is on disk
+        if self.rank == 0:
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+            for _, old in self.checkpoints()[self.keep:]:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        self.last_step = step
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+        """Load the newest complete sharded checkpoint; returns its ``extra`` dict, or None."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        found = self.checkpoints()
+        chosen = [str(found[0][1]) if found else None]
+        dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is None:
+            return None
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state, "extra": {}}
+        dcp.load(state, checkpoint_id=chosen[0])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.last_step = int(state["extra"]["step"])
+        return state["extra"]
