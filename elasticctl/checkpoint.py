@@ -377,11 +377,18 @@ class Checkpointer:
             return None
         states = payload["state"]
         for name, obj in stateful.items():
-            if obj is None:
+            if obj is None or states.get(name) == {}:  # e.g. a GradScaler saved while disabled
                 continue
             if name not in states:
                 raise CheckpointError(f"The checkpoint '{payload['path']}' has no '{name}' state.")
-            _unwrap(obj).load_state_dict(states[name])
+            try:
+                _unwrap(obj).load_state_dict(states[name])
+            except (RuntimeError, KeyError, ValueError) as exc:
+                reason = str(exc).strip().splitlines()[0].rstrip(":. \t")
+                raise CheckpointError(
+                    f"The '{name}' state in the checkpoint '{payload['path']}' does not fit this run "
+                    f"(other model or flags?): {reason}."
+                ) from exc
         _set_rng_state(payload["rng"], self.device, self.rank)
         self.last_step = payload["step"]
         return Restored(step=payload["step"], epoch=payload["epoch"], path=Path(payload["path"]),

@@ -1,0 +1,171 @@
+"""Checkpointer in one process: round trip, keep-N, async snapshots, atomicity, fallback on corruption."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import wait_for
+from torch import nn
+
+from elasticctl.checkpoint import Checkpointer, CheckpointError, check_directory
+from elasticctl.errors import ConfigError
+from elasticctl.sampler import ResumableSampler
+
+
+def make_state(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    sampler = ResumableSampler(range(100), num_replicas=1, rank=0)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    sampler.advance(30)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+
+
+def test_round_trip_restores_everything_and_the_random_streams(tmp_path):
+    saved = make_state()
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt.save(7, epoch=3, extra={"note": "x"}, **saved)
+    expected_rand, expected_py = torch.rand(3), random.random()
+
+    fresh = make_state(seed=1)
+    restored = Checkpointer(tmp_path).restore(**fresh)
+    assert (restored.step, restored.epoch, restored.extra, restored.world_size) == (7, 3, {"note": "x"}, 1)
+    for a, b in zip(saved["model"].parameters(), fresh["model"].parameters()):
+        assert torch.equal(a, b)
+    assert fresh["optimizer"].state_dict()["state"][0]["exp_avg"].equal(saved["optimizer"].state_dict()["state"][0]["exp_avg"])
+    assert fresh["scheduler"].last_epoch == 1 and fresh["optimizer"].param_groups[0]["lr"] == pytest.approx(0.005)
+    assert fresh["sampler"].consumed == 30
+    assert torch.equal(torch.rand(3), expected_rand) and random.random() == expected_py
+
+
+def test_keeps_the_newest_n(tmp_path):
+    state = make_state()
+    ckpt = Checkpointer(tmp_path, keep=3)
+    for step in range(1, 7):
+        ckpt.save(step, **state)
+    assert [s for s, _ in ckpt.checkpoints()] == [6, 5, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"step-{s:08d}.pt{suffix}" for s in (4, 5, 6) for suffix in ("", ".sha256"))
+
+
+def test_async_save_writes_the_snapshot_taken_at_save_time(tmp_path):
+    model = nn.Linear(512, 512)
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    ckpt.save(1, model=model)
+    with torch.no_grad():  # training goes on while the background thread writes
+        model.weight.add_(1.0)
+    ckpt.save(2, model=model)  # waits for save 1: at most one write in flight
+    assert [s for s, _ in ckpt.checkpoints()][-1] == 1
+    ckpt.close()
+    assert not ckpt.saving and ckpt.last_step == 2
+    first = ckpt.read(tmp_path / "step-00000001.pt")["state"]["model"]
+    assert torch.equal(first["weight"], at_save["weight"])
+    assert torch.equal(ckpt.read(tmp_path / "step-00000002.pt")["state"]["model"]["weight"], at_save["weight"] + 1)
+
+
+def test_a_failed_background_write_is_reported(tmp_path):
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory, async_save=True)
+    directory.rmdir()  # the storage went away
+    ckpt.save(1, model=nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match="step 1"):
+        ckpt.wait()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-a-byte", "garbage", "empty", "no-digest"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, damage):
+    state = make_state()
+    ckpt = Checkpointer(tmp_path, keep=3)
+    ckpt.save(1, **state)
+    ckpt.save(2, **state)
+    newest = tmp_path / "step-00000002.pt"
+    data = newest.read_bytes()
+    if damage == "truncate":
+        newest.write_bytes(data[: len(data) // 2])
+    elif damage == "flip-a-byte":  # inside tensor data, which torch's zip reader does not check
+        at = data.find(state["model"][0].weight.detach().numpy().tobytes())
+        assert at > 0
+        newest.write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:])
+    elif damage == "garbage":
+        newest.write_bytes(os.urandom(len(data)))
+    elif damage == "empty":
+        newest.write_bytes(b"")
+    else:
+        (tmp_path / "step-00000002.pt.sha256").unlink()
+    with caplog.at_level(logging.WARNING, logger="elasticctl.checkpoint"):
+        restored = Checkpointer(tmp_path).restore(**make_state(seed=1))
+    assert restored.step == 1
+    if damage != "no-digest":  # without its digest the file never counted as a checkpoint
+        assert "Skipping checkpoint" in caplog.text and "step-00000002.pt" in caplog.text
+
+
+def test_no_checkpoint_means_nothing_restored(tmp_path):
+    assert Checkpointer(tmp_path).restore(**make_state()) is None
+
+
+def test_stale_temp_files_are_ignored_and_removed(tmp_path):
+    Checkpointer(tmp_path).save(3, model=nn.Linear(2, 2))
+    (tmp_path / ".tmp-step-00000004.pt.123").write_bytes(b"partial")
+    ckpt = Checkpointer(tmp_path)
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert ckpt.restore(model=nn.Linear(2, 2)).step == 3
+
+
+def test_a_checkpoint_of_another_model_is_a_one_sentence_error(tmp_path):
+    Checkpointer(tmp_path).save(1, model=nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match=r"'model' state .* does not fit this run"):
+        Checkpointer(tmp_path).restore(model=nn.Linear(3, 2))
+
+
+def test_bad_directory_and_keep_are_one_sentence_errors(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ConfigError, match=f"'{a_file / 'sub'}' cannot be created"):
+        check_directory(a_file / "sub", writable=True)
+    with pytest.raises(ConfigError, match="not a directory"):
+        check_directory(a_file, writable=False)
+    with pytest.raises(ConfigError, match=r"keep \(0\)"):
+        Checkpointer(tmp_path, keep=0)
+
+
+SAVE_FOREVER = """
+import sys, torch
+from torch import nn
+from elasticctl.checkpoint import Checkpointer
+model = nn.Linear(1024, 4096)  # 16 MB: each save takes a while
+ckpt = Checkpointer(sys.argv[1], keep=2)
+step = 0
+while True:
+    step += 1
+    with torch.no_grad():
+        model.bias.fill_(step)
+    ckpt.save(step, model=model)
+"""
+
+
+def test_sigkill_during_a_save_leaves_a_loadable_newest_checkpoint(tmp_path):
+    def writing_after_a_commit():
+        return list(tmp_path.glob(".tmp-*")) and list(tmp_path.glob("step-*.pt.sha256"))
+
+    for attempt in range(3):
+        writer = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(tmp_path)])
+        try:
+            wait_for(writing_after_a_commit, 120, "a save in progress after a committed one", interval=0.01)
+            writer.kill()
+        finally:
+            writer.kill()
+            writer.wait(30)
+        payload = Checkpointer(tmp_path).load_latest()
+        assert payload is not None, f"attempt {attempt}: nothing loadable"
+        assert torch.all(payload["state"]["model"]["bias"] == payload["step"])
