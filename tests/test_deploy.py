@@ -222,7 +222,9 @@ def test_compose_file_passes_docker_compose_config(profile):
     # What the tool resolved (anchors merged, defaults filled) keeps what the recipes rely on.
     for name, service in trainer_services(resolved).items():
         assert service["depends_on"]["etcd"]["condition"] == "service_healthy", name
-        assert any(str(v).startswith("checkpoints:/checkpoints") for v in service["volumes"]), name
+        # docker-compose 1.x prints short syntax, Compose v2 long syntax.
+        mounts = [v if isinstance(v, dict) else dict(zip(("source", "target"), v.split(":"))) for v in service["volumes"]]
+        assert any(m.get("source") == "checkpoints" and m.get("target") == "/checkpoints" for m in mounts), name
     gpu = resolved["services"]["trainer-gpu"]
     device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
