@@ -216,7 +216,7 @@ def test_compose_file_passes_docker_compose_config(profile):
     command = [docker_compose(), "--project-directory", str(ROOT), "-f", str(COMPOSE)]
     if profile:
         command += ["--profile", profile]
-    result = subprocess.run([*command, "config"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run([*command, "config"], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     # What the tool resolved (anchors merged, defaults filled) keeps what the recipes rely on.
@@ -303,7 +303,7 @@ def test_no_recipe_turns_on_the_etcd_v2_api():
             texts = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
         assert texts, path
         for text in texts:
-            assert not re.search(r"enable[-_]v2", text, flags=re.I), f"{path}: {text}"
+            assert not re.search(r"enable[-_]v2", text, flags=re.IGNORECASE), f"{path}: {text}"
 
 
 # --- Kubernetes ----------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_k8s_kustomize_renders(variant):
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: `kubectl kustomize` render not checked")
-    result = subprocess.run([kubectl, "kustomize", str(K8S / variant)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([kubectl, "kustomize", str(K8S / variant)], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     rendered = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout) if d}
     cont = container(rendered[("Deployment", "trainer")], "trainer")
@@ -436,7 +436,7 @@ def test_k8s_kustomize_renders(variant):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "elasticctl.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT,
+        [sys.executable, "-m", "elasticctl.cli", *args], check=False, capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
 
 
@@ -475,18 +475,18 @@ def test_health_checks_call_status_with_flags_it_has():
 
 
 def test_sbatch_script_syntax_and_directives():
-    result = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n", str(SBATCH)], check=False, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     text = SBATCH.read_text()
     header = text.split("\nset ", 1)[0]  # Slurm reads #SBATCH only before the first command
-    directives = re.findall(r"^#SBATCH\s+(\S+)", header, flags=re.M)
+    directives = re.findall(r"^#SBATCH\s+(\S+)", header, flags=re.MULTILINE)
     assert "--requeue" in directives
     signal_directive = next(d for d in directives if d.startswith("--signal="))
     match = re.fullmatch(r"--signal=(B:)?(TERM|USR1|USR2|INT)@(\d+)", signal_directive)
     assert match and match.group(1) == "B:", "the batch shell must get the warning, to forward it and requeue"
     assert int(match.group(3)) >= 60, "leave time for the final checkpoint"
-    assert re.search(r"^\s*trap on_term " + match.group(2), text, flags=re.M), "the warning signal must be trapped"
-    assert "elasticctl etcd" in text and re.search(r"^\s*srun\b", text, flags=re.M)
+    assert re.search(r"^\s*trap on_term " + match.group(2), text, flags=re.MULTILINE), "the warning signal must be trapped"
+    assert "elasticctl etcd" in text and re.search(r"^\s*srun\b", text, flags=re.MULTILINE)
 
 
 STUBS = {
@@ -549,7 +549,7 @@ def test_sbatch_runs_etcd_then_up_on_every_node_and_cleans_up(fake_slurm, tmp_pa
     env, state = fake_slurm
     env["STUB_UP"] = "finish"
     result = subprocess.run(
-        ["bash", str(SBATCH), "trainers/mlp.py", "--steps", "5"], env=env, capture_output=True, text=True, timeout=30,
+        ["bash", str(SBATCH), "trainers/mlp.py", "--steps", "5"], env=env, check=False, capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 0, result.stderr
     log = _log(state)
