@@ -6,18 +6,30 @@ Every option can also come from an ``ELASTICCTL_<OPTION>`` environment variable.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 import threading
+import time
 
 import click
+import yaml
 
 from elasticctl import __version__
-from elasticctl.errors import ElasticctlError
+from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
+from elasticctl.etcd import EtcdSettings
+from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
+from elasticctl.spec import JobSpec, parse_env, parse_nnodes, parse_rdzv_conf
 
 log = logging.getLogger("elasticctl")
+
+
+# ELASTICCTL_ETCD, ELASTICCTL_JOB, ... for every command, not ELASTICCTL_UP_ETCD.
+_FLAT_ENV = {"auto_envvar_prefix": "ELASTICCTL"}
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -36,7 +48,7 @@ def cli(verbose: bool) -> None:
     )
 
 
-@cli.command()
+@cli.command(context_settings=_FLAT_ENV)
 @click.option("--data-dir", default=None, help="Where etcd keeps its data (default: a temporary directory).")
 @click.option("--listen", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--advertise", default=None, help="Address other hosts use to reach this etcd.")
@@ -64,14 +76,112 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
         server.stop()
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--etcd", "etcd_endpoints", default=None,
-              help="etcd endpoints HOST:PORT[,...]; without it, start an embedded etcd on this host.")
+# -- options shared by every command that talks to etcd ----------------------------------
+
+def etcd_options(func):
+    """--etcd and the TLS/auth options; the password only from ELASTICCTL_ETCD_PASSWORD."""
+    options = [
+        click.option("--etcd", "etcd_endpoints", envvar="ELASTICCTL_ETCD", default=None, metavar="HOST:PORT[,...]",
+                     help="etcd endpoints (default: the embedded etcd `elasticctl up` runs on this host)."),
+        click.option("--etcd-cacert", default=None, help="CA bundle that signed etcd's certificate (enables TLS)."),
+        click.option("--etcd-cert", default=None, help="Client certificate for etcd."),
+        click.option("--etcd-key", default=None, help="Client key for etcd."),
+        click.option("--etcd-user", default=None, help="etcd user; the password comes from ELASTICCTL_ETCD_PASSWORD."),
+        click.option("--key-prefix", default=DEFAULT_KEY_PREFIX, show_default=True, help="Where jobs live in etcd."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
+    from elasticctl.etcd_server import embedded_endpoint
+
+    endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
+    if not endpoints:
+        raise ConfigError("No --etcd was given and no embedded etcd runs on this host; pass --etcd HOST:PORT.")
+    password = os.environ.get("ELASTICCTL_ETCD_PASSWORD") if params["etcd_user"] else None
+    return EtcdSettings.from_string(
+        endpoints, protocol="https" if params["etcd_cacert"] else None, cacert=params["etcd_cacert"],
+        cert=params["etcd_cert"], key=params["etcd_key"], user=params["etcd_user"], password=password,
+    )
+
+
+def _connect(settings: EtcdSettings, timeout: float = 10.0):
+    from elasticctl.etcd import EtcdClient, wait_until_healthy
+
+    client = EtcdClient(settings)
+    try:
+        wait_until_healthy(client, timeout)
+    except ElasticctlError as exc:
+        client.close()
+        raise EtcdUnavailableError(f"Cannot reach etcd at {settings.describe()}: {exc}") from exc
+    return client
+
+
+class _JobFileLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``nnodes: 2:4`` as the base-60 integer 124; job files mean "2:4"."""
+
+
+_JobFileLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_JobFileLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_JobFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$"), list("-+0123456789.")
+)
+
+
+def _load_config(ctx: click.Context, _param, path: str | None):
+    """``--config job.yaml``: its keys become the command's defaults; flags still win."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            data = yaml.load(f, Loader=_JobFileLoader) or {}
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read '{path}': {exc.strerror}.") from exc
+    except yaml.YAMLError as exc:
+        raise click.BadParameter(f"'{path}' is not valid YAML: {exc}.") from exc
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"'{path}' must hold a mapping of option names to values.")
+    known = {p.name for p in ctx.command.params}
+    aliases = {"etcd": "etcd_endpoints", "args": "script_args"}
+    defaults = {}
+    for key, value in data.items():
+        name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name not in known or name == "config":
+            raise click.BadParameter(f"'{path}' has the unknown key '{key}'.")
+        if name == "env" and isinstance(value, dict):
+            value = [f"{k}={v}" for k, v in value.items()]
+        elif name == "rdzv_conf" and isinstance(value, dict):
+            value = ",".join(f"{k}={v}" for k, v in value.items())
+        elif name == "script_args":
+            value = [str(v) for v in value]
+        defaults[name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return path
+
+
+# -- up / join ------------------------------------------------------------------------------
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False, **_FLAT_ENV})
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
+              help="A YAML job file; any flag can be set there, and flags override it.")
+@etcd_options
 @click.option("--job", default="elastic-job", show_default=True, help="The job name (torchrun's --rdzv-id).")
-@click.option("--nnodes", required=True, help="Node count: N, or MIN:MAX for an elastic job.")
+@click.option("--nnodes", default=None, help="Node count: N, or MIN:MAX for an elastic job.  [required]")
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
-@click.option("--max-restarts", type=int, default=3, show_default=True, help="Worker-group failures tolerated.")
-@click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, TLS, secret).")
+@click.option("--max-restarts", type=int, default=3, show_default=True,
+              help="Failures of this node's own workers tolerated (a lost peer never counts).")
+@click.option("--checkpoint-dir", default=None, help="Where trainers checkpoint (handed to them as ELASTICCTL_CHECKPOINT_DIR).")
+@click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
+@click.option("--node-ttl", type=int, default=5, show_default=True,
+              help="Seconds a silent node is given before the others re-form without it.")
+@click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, secret, quarantine).")
+@click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
+@click.option("--node-id", default=None, help="This node's id in the job (default: the host name, made unique).")
 @click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
 @click.option("--etcd-listen", default="0.0.0.0", show_default=True, help="Embedded etcd: address to listen on.")
 @click.option("--etcd-port", type=int, default=2379, show_default=True, help="Embedded etcd: client port.")
@@ -79,58 +189,215 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.option("--etcd-data-dir", default=None, help="Embedded etcd: data directory (default: temporary).")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a Python module name, as with python -m.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
-@click.argument("script")
+@click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def up(etcd_endpoints, job, nnodes, nproc_per_node, max_restarts, rdzv_conf, local_addr, etcd_listen,
-       etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script, script_args) -> None:
-    """Start a job: launch this node's torchrun with the etcd3 rendezvous.
+def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, legacy_local_rank,
+       node_id, local_addr, etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script,
+       script_args, **etcd_params) -> None:
+    """Start a job (or join it with the same spec): publish it, register, run torchrun.
 
     Without --etcd, an embedded etcd starts on this host and the line for
     other hosts is printed.
     """
     from elasticctl import launcher
-    from elasticctl.etcd import EtcdSettings
     from elasticctl.etcd_server import EmbeddedEtcd
-    from elasticctl.spec import JobSpec, parse_nnodes, parse_rdzv_conf
 
+    if script is None:
+        raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
+    if nnodes is None:
+        raise ConfigError("--nnodes N or MIN:MAX is required (on the command line or in --config).")
     low, high = parse_nnodes(nnodes)
     spec = JobSpec(
         name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
-        nproc_per_node=nproc_per_node, max_restarts=max_restarts,
-        rdzv_conf=tuple(parse_rdzv_conf(rdzv_conf).items()), module=module,
+        nproc_per_node=str(nproc_per_node), max_restarts=max_restarts,
+        rdzv_conf=tuple(parse_rdzv_conf(rdzv_conf).items()), checkpoint_dir=checkpoint_dir, module=module,
+        env=parse_env(env), legacy_local_rank=legacy_local_rank, node_ttl=node_ttl,
     )
     launcher.check_script(spec)
 
     server = None
-    if etcd_endpoints is None:
+    if etcd_params["etcd_endpoints"] is None:
         server = EmbeddedEtcd(
             data_dir=etcd_data_dir, listen_host=etcd_listen, client_port=etcd_port, peer_port=etcd_peer_port,
             advertise_host=None if launcher.is_loopback(etcd_listen) else launcher.primary_address(),
         )
-        endpoint, etcd_host = server.endpoint, server.client_host
+        settings = _settings(etcd_params, server.endpoint)
     else:
-        settings = EtcdSettings.from_string(etcd_endpoints)
-        endpoint, etcd_host = settings.describe(), settings.endpoints[0].host
-    command = launcher.torchrun_command(spec, endpoint, local_addr or launcher.local_address_for(etcd_host))
+        settings = _settings(etcd_params)
+    local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
     if dry_run:
-        click.echo(launcher.format_command(command))
+        from elasticctl.node import torchrun_for
+
+        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
         return
 
     if server is not None:
+        from elasticctl.etcd_server import forget_embedded, remember_embedded
+
         server.start()
+        remember_embedded(server.endpoint, os.getpid())
         click.echo(f"Embedded etcd serving at {server.endpoint}. On every other host run:", err=True)
-        click.echo(
-            f"  elasticctl up --etcd {server.endpoint} --job {job} --nnodes {nnodes} "
-            f"--nproc-per-node {nproc_per_node} {launcher.format_command([script, *script_args])}",
-            err=True,
-        )
+        click.echo(f"  elasticctl join --etcd {server.endpoint} --job {job}", err=True)
     try:
-        click.echo(f"+ {launcher.format_command(command)}", err=True)
-        code = launcher.run_supervised(command, dict(os.environ))
+        client = _connect(settings)
+        registry = Registry(client, job, etcd_params["key_prefix"])
+        if registry.publish_spec(spec):
+            click.echo(f"published job {job} ({spec.nnodes} nodes, script {spec.script})", err=True)
+        else:
+            click.echo(f"job {job} already runs with this spec: joining it", err=True)
+        _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None)
     finally:
         if server is not None:
+            forget_embedded(os.getpid())
             server.stop()
-    sys.exit(code)
+
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, help="The job to join (default: the only job in etcd).")
+@click.option("--wait", "wait_seconds", type=float, default=0.0, show_default=True,
+              help="Wait this long for the job to be published (nodes started before `up`).")
+@click.option("--node-id", default=None, help="This node's id in the job (default: the host name, made unique).")
+@click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
+@click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
+def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None:
+    """Join a running job: read its spec from etcd, register, run the same torchrun."""
+    from elasticctl import launcher
+
+    settings = _settings(etcd_params)
+    client = _connect(settings)
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            job = resolve_job(client, job, etcd_params["key_prefix"])
+            break
+        except ConfigError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)  # polling etcd for the job, bounded by --wait
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    spec = registry.read_spec()
+    local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
+    if dry_run:
+        from elasticctl.node import torchrun_for
+
+        launcher.check_script(spec)
+        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
+        return
+    _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False)
+
+
+def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> None:
+    from elasticctl.node import NodeSession, wait_for_other_nodes
+
+    session = NodeSession(client, registry, spec, local_addr, node_id, echo=lambda m: click.echo(m, err=True))
+    outcome = session.run()
+    if hosts_etcd:
+        # The others need this etcd to stop cleanly; down also clears the job's keys.
+        wait_for_other_nodes(registry, session.node_id, timeout=60)
+        if session._request == "down":
+            registry.delete_job()
+    click.echo(f"elasticctl: {outcome.reason}", err=True)
+    sys.exit(outcome.code)
+
+
+# -- status / jobs / leave / down -------------------------------------------------------------
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, help="The job (default: the only job in etcd).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+def status(job, as_json, watch, interval, **etcd_params) -> None:
+    """The job at a glance, from etcd alone: nodes, round, world size, trainer progress."""
+    from elasticctl.status import render
+
+    client = _connect(_settings(etcd_params))
+    job = resolve_job(client, job, etcd_params["key_prefix"])
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    while True:
+        view = registry.view()
+        text = json.dumps(view.to_dict(), indent=2) if as_json else render(view)
+        if watch and not as_json:
+            click.clear()
+        click.echo(text)
+        if not watch:
+            return
+        time.sleep(interval)  # the refresh period the user asked for
+
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def jobs(as_json, **etcd_params) -> None:
+    """The jobs known to this etcd, with their live node counts."""
+    client = _connect(_settings(etcd_params))
+    known = list_jobs(client, etcd_params["key_prefix"])
+    if as_json:
+        click.echo(json.dumps([{"job": name, "nodes": count} for name, count in known.items()]))
+        return
+    if not known:
+        click.echo("no jobs")
+    for name, count in known.items():
+        click.echo(f"{name}\t{count} node{'s' if count != 1 else ''}")
+
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, help="The job (default: the only job in etcd).")
+@click.option("--node", "node_id", default=None, help="The node to remove (default: the one on this host).")
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the node to go.")
+@click.option("--no-wait", is_flag=True, help="Ask the node to leave and return at once.")
+def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
+    """Scale down by one node: it checkpoints, stops, and the others continue without a restart."""
+    client = _connect(_settings(etcd_params))
+    job = resolve_job(client, job, etcd_params["key_prefix"])
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    nodes = registry.live_nodes()
+    if node_id is None:
+        host = socket.gethostname()
+        local = sorted(n for n, r in nodes.items() if r.get("host") == host)
+        if len(local) != 1:
+            raise ConfigError(
+                f"{len(local)} nodes of job '{job}' run on this host ({', '.join(local) or 'none'}); name one with --node."
+            )
+        node_id = local[0]
+    elif node_id not in nodes:
+        raise ConfigError(f"The node '{node_id}' is not in job '{job}' (nodes: {', '.join(sorted(nodes)) or 'none'}).")
+    registry.request_leave(node_id)
+    if no_wait:
+        click.echo(f"asked node {node_id} to leave job {job}")
+        return
+    _wait_until(lambda: node_id not in registry.live_nodes(), timeout, f"node {node_id} to leave")
+    click.echo(f"node {node_id} left job {job}")
+
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, help="The job (default: the only job in etcd).")
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the nodes to stop.")
+def down(job, timeout, **etcd_params) -> None:
+    """Stop the job on every node (each exits 0) and remove its keys."""
+    client = _connect(_settings(etcd_params))
+    job = resolve_job(client, job, etcd_params["key_prefix"])
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    registry.request_down()
+    count = len(registry.live_nodes())
+    try:
+        _wait_until(lambda: not registry.live_nodes(), timeout, f"the {count} nodes of job {job} to stop")
+        registry.delete_job()
+    except EtcdUnavailableError:
+        pass  # the embedded etcd of the `up` node stopped with the job, keys and all
+    click.echo(f"job {job} is down ({count} node{'s' if count != 1 else ''} stopped)")
+
+
+def _wait_until(done, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")
+        time.sleep(0.5)  # polling etcd, bounded by --timeout
 
 
 def main() -> None:
@@ -139,8 +406,8 @@ def main() -> None:
     except click.exceptions.Abort:
         _fail("aborted.", 130)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        # One line, like every other error; `--help` has the usage.
+        _fail(exc.format_message().replace("\n", " "), exc.exit_code)
     except ElasticctlError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ The v2 API is never enabled: elasticctl speaks v3 only.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -16,6 +17,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from elasticctl import processes
 from elasticctl.errors import EtcdServerError, EtcdUnavailableError
@@ -227,3 +230,39 @@ class EmbeddedEtcd:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+# -- "the embedded etcd this host started": the default --etcd of every command ------------
+
+STATE_DIR_ENV = "ELASTICCTL_STATE_DIR"
+
+
+def _embedded_state_file() -> Path:
+    base = os.environ.get(STATE_DIR_ENV) or os.path.join(Path.home(), ".local", "state", "elasticctl")
+    return Path(base) / "embedded-etcd.json"
+
+
+def remember_embedded(endpoint: str, pid: int) -> None:
+    path = _embedded_state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"endpoint": endpoint, "pid": pid}))
+    tmp.replace(path)
+
+
+def forget_embedded(pid: int) -> None:
+    path = _embedded_state_file()
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def embedded_endpoint() -> str | None:
+    """The endpoint of the embedded etcd an `elasticctl up` on this host is running, if any."""
+    try:
+        state = json.loads(_embedded_state_file().read_text())
+    except (OSError, ValueError):
+        return None
+    return state.get("endpoint") if psutil.pid_exists(int(state.get("pid", 0))) else None

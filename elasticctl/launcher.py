@@ -18,13 +18,17 @@ from elasticctl.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-# Liveness a few seconds long that survives CPU load (2 s thrashed with 3 agents
-# importing torch on 2 cores); a short last call so a full job starts at once.
+# Heartbeats every second, a node declared dead after 5 silent seconds (2 s thrashed
+# with 3 agents importing torch on 2 cores); a short last call so re-forming is quick.
 DEFAULT_RDZV_CONF = {
-    "last_call_timeout": "2",
-    "keep_alive_interval": "2",
-    "keep_alive_max_attempt": "3",
+    "last_call_timeout": "1",
+    "keep_alive_interval": "1",
+    "keep_alive_max_attempt": "5",
 }
+# elasticctl's handler keeps the real restart budget (peer losses are free); torch's
+# own counter would also spend one on every collateral failure, so it gets no limit.
+UNLIMITED_RESTARTS = 1_000_000
+MONITOR_INTERVAL = "0.5"
 
 
 def visible_gpu_count() -> int:
@@ -67,7 +71,13 @@ def local_address_for(etcd_host: str) -> str:
 
 
 def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: dict[str, str] | None = None) -> list[str]:
-    conf = {**DEFAULT_RDZV_CONF, **dict(spec.rdzv_conf), **(extra_conf or {})}
+    conf = {
+        **DEFAULT_RDZV_CONF,
+        "node_ttl": str(spec.node_ttl),
+        "max_restarts": str(spec.max_restarts),
+        **dict(spec.rdzv_conf),
+        **(extra_conf or {}),
+    }
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={spec.nnodes}",
@@ -76,9 +86,14 @@ def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: 
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={spec.name}",
         "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
-        f"--max-restarts={spec.max_restarts}",
+        f"--max-restarts={UNLIMITED_RESTARTS}",
+        f"--monitor-interval={MONITOR_INTERVAL}",
         f"--local-addr={local_addr}",
     ]
+    if spec.legacy_local_rank:
+        # Each worker runs the script through a shim that adds --local_rank=N.
+        shim = ["-m", "elasticctl.legacy_local_rank"] + (["--module"] if spec.module else [])
+        return [*command, *shim, spec.script, *spec.script_args]
     if spec.module:
         command.append("-m")
     return [*command, spec.script, *spec.script_args]

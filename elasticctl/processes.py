@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
 
 import psutil
 
-_PR_SET_PDEATHSIG = 1
-# Loaded up front: the pre-exec hook runs in a forked child and must do almost nothing.
-_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent() -> None:
-    # If elasticctl is SIGKILLed, the kernel sends the child SIGTERM.
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# The parent-death signal is set by a tiny exec shim rather than a pre-exec hook: a
+# hook forces a plain fork() of this process, whose grpc threads (the etcd client)
+# then abort the child. Without a hook, Python vforks, and no fork handler runs.
+_PDEATHSIG_SHIM = """
+import ctypes, os, signal, sys
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(143)  # the parent died before the signal was armed
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 def spawn(command: Sequence[str], **popen_kwargs) -> subprocess.Popen:
-    """Start ``command`` in its own process group, tied to this process's life."""
-    preexec = _die_with_parent if _LIBC is not None else None
-    return subprocess.Popen(list(command), preexec_fn=preexec, start_new_session=True, **popen_kwargs)
+    """Start ``command`` in its own session; if this process dies, the kernel sends it SIGTERM."""
+    argv = list(command)
+    if sys.platform.startswith("linux"):
+        argv = [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
+    return subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
 
 
 def terminate(process: subprocess.Popen, timeout: float = 10.0) -> int | None:

@@ -38,17 +38,17 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
+    RendezvousTimeout,
     Token,
-    create_handler,
 )
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, wait_until_healthy
+from elasticctl.registry import DEFAULT_KEY_PREFIX, DEFAULT_NODE_TTL, Registry, job_prefix
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
-DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
 DEFAULT_TTL = 7200
 SECRET_ENV = "ELASTICCTL_RDZV_SECRET"
 PASSWORD_ENV = "ELASTICCTL_ETCD_PASSWORD"
@@ -56,11 +56,6 @@ PASSWORD_ENV = "ELASTICCTL_ETCD_PASSWORD"
 _STATE_MAGIC = b"elasticctl-rdzv/1\n"
 _CHECKSUM = b"sha256"
 _SIGNATURE = b"hmac-sha256"
-
-
-def job_prefix(key_prefix: str, run_id: str) -> str:
-    """Where every key of one run lives."""
-    return f"{key_prefix.rstrip('/')}/{run_id}"
 
 
 class RunLease:
@@ -182,6 +177,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
     @property
     def key(self) -> str:
         return self._key
+
+    @property
+    def client(self) -> EtcdClient:
+        return self._client
+
+    @property
+    def lease(self) -> RunLease:
+        return self._lease
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
@@ -425,21 +428,55 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     return backend, store
 
 
+def _whole(params: RendezvousParameters, key: str, default: int | None, minimum: int) -> int | None:
+    value = params.get(key)
+    if value in (None, ""):
+        return default
+    try:
+        number = int(value)
+        if number < minimum:
+            raise ValueError
+    except ValueError as exc:
+        raise ConfigError(f"The rendezvous option {key} ('{value}') must be a whole number of at least {minimum}.") from exc
+    return number
+
+
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Create torch's dynamic rendezvous handler on the etcd3 backend."""
+    """Create the elasticctl handler (torch's dynamic handler + liveness) on the etcd3 backend.
+
+    Extra ``--rdzv-conf`` keys: node_ttl (seconds a node may be silent, default 5),
+    max_restarts (the real restart budget; torch's own counts every failure),
+    quarantine_after (counted failures, default 2) within quarantine_window (s, 600)
+    put the node aside for quarantine_seconds (60).
+    """
+    from elasticctl.handler import NODE_ENV, ElasticctlRendezvousHandler
+
     # torch's shared agent TCPStore deadlocks a scale-up in which the joiner is not
     # rank 0; the etcd store serves the agents instead, and workers build their own.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    for key in _RDZV_TIMEOUT_KEYS + ("keep_alive_interval", "keep_alive_max_attempt"):
-        value = params.get(key)
-        if value is not None:
-            try:
-                if int(value) <= 0:
-                    raise ValueError
-            except ValueError as exc:
-                raise ConfigError(f"The rendezvous option {key} ('{value}') must be a positive whole number.") from exc
+    for key in _RDZV_TIMEOUT_KEYS:
+        _whole(params, key, None, 1)
+    node_ttl = _whole(params, "node_ttl", DEFAULT_NODE_TTL, 2)
+    max_restarts = _whole(params, "max_restarts", None, 0)
+    quarantine_after = _whole(params, "quarantine_after", 2, 1)
+    quarantine_window = _seconds(params, "quarantine_window", 600.0)
+    quarantine_seconds = _seconds(params, "quarantine_seconds", 60.0)
+
     backend, store = create_backend(params)
-    return create_handler(store, backend, params)
+    timeout = RendezvousTimeout(
+        *(datetime.timedelta(seconds=int(params.get(f"{key}_timeout")))
+          if params.get(f"{key}_timeout") else None for key in ("join", "last_call", "close", "heartbeat"))
+    )
+    handler = ElasticctlRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        keep_alive_interval=_whole(params, "keep_alive_interval", 5, 1),
+        keep_alive_max_attempt=_whole(params, "keep_alive_max_attempt", 3, 1),
+    )
+    registry = Registry(backend.client, params.run_id, params.get("key_prefix") or DEFAULT_KEY_PREFIX)
+    return handler.attach(
+        backend.client, registry, backend.lease, os.environ.get(NODE_ENV) or None, node_ttl, max_restarts,
+        quarantine_after, quarantine_window, quarantine_seconds,
+    )
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:

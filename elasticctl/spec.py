@@ -8,6 +8,7 @@ import re
 from elasticctl.errors import ConfigError
 
 _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -34,6 +35,17 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+def parse_env(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    """Parse repeated ``NAME=VALUE`` options into sorted pairs."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not _ENV_NAME_RE.match(name):
+            raise ConfigError(f"The environment setting '{item}' must be of the form NAME=VALUE.")
+        pairs[name] = value
+    return tuple(sorted(pairs.items()))
+
+
 def validate_job_name(name: str) -> str:
     if not _JOB_NAME_RE.match(name):
         raise ConfigError(
@@ -56,8 +68,15 @@ class JobSpec:
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     checkpoint_dir: str | None = None
     module: bool = False
+    env: tuple[tuple[str, str], ...] = ()
+    legacy_local_rank: bool = False
+    node_ttl: int = 5
 
     def __post_init__(self) -> None:
+        # Canonical order, so that specs from flags, YAML and etcd compare equal.
+        object.__setattr__(self, "rdzv_conf", tuple(sorted(dict(self.rdzv_conf).items())))
+        object.__setattr__(self, "env", tuple(sorted(dict(self.env).items())))
+        object.__setattr__(self, "script_args", tuple(self.script_args))
         validate_job_name(self.name)
         if self.nproc_per_node != "auto" and not (self.nproc_per_node.isdigit() and int(self.nproc_per_node) > 0):
             raise ConfigError(
@@ -65,6 +84,37 @@ class JobSpec:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"The maximum number of restarts ({self.max_restarts}) must not be negative.")
+        if self.node_ttl < 2:
+            raise ConfigError(f"The node liveness TTL ({self.node_ttl} s) must be at least 2 seconds.")
+        for name, _ in self.env:
+            if not _ENV_NAME_RE.match(name):
+                raise ConfigError(f"The environment variable name '{name}' is not valid.")
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["script_args"] = list(self.script_args)
+        data["rdzv_conf"] = dict(self.rdzv_conf)
+        data["env"] = dict(self.env)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> JobSpec:
+        """Rebuild a spec read from etcd; fields this version does not know are ignored."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["script_args"] = tuple(values.get("script_args", ()))
+        values["rdzv_conf"] = tuple(sorted(dict(values.get("rdzv_conf", {})).items()))
+        values["env"] = tuple(sorted(dict(values.get("env", {})).items()))
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"The job spec in etcd is unreadable: {exc}.") from exc
+
+    def describe_difference(self, other: JobSpec) -> str:
+        """'nnodes 1:3 != 1:4, script a.py != b.py': what makes two specs differ."""
+        ours, theirs = self.to_dict(), other.to_dict()
+        diffs = [f"{key} {ours[key]!r} != {theirs[key]!r}" for key in ours if ours[key] != theirs[key]]
+        return ", ".join(diffs) or "no difference"
 
     @property
     def nnodes(self) -> str:

@@ -1,0 +1,208 @@
+"""One node of a job: register in etcd, run torchrun, honour leave/down, leave nothing behind.
+
+The node record (``nodes/<id>``) is bound to a lease this process renews, so
+``status`` shows exactly the nodes whose elasticctl is alive. The rendezvous
+handler inside torchrun does the fast part of leaving (see handler.py); this
+process is the backstop: if torchrun has not stopped some seconds after a
+request, it is terminated with its workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from elasticctl import launcher, processes
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd import EtcdClient, EtcdSettings
+from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now
+from elasticctl.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+# How long torchrun may take to stop its workers (final checkpoint) after a request.
+STOP_GRACE = 60.0
+REQUEST_POLL = 1.0
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How the node ended: the exit code for the shell, and why."""
+
+    code: int
+    reason: str
+
+
+def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: str) -> dict[str, str]:
+    """What torchrun and the workers get on top of this process's environment."""
+    env = {
+        **dict(spec.env),
+        "ELASTICCTL_JOB": spec.name,
+        "ELASTICCTL_NODE": node_id,
+        "ELASTICCTL_ETCD": settings.describe(),
+        "ELASTICCTL_KEY_PREFIX": key_prefix,
+    }
+    for name in ("cacert", "cert", "key", "user"):
+        value = getattr(settings, name)
+        if value:
+            env[f"ELASTICCTL_ETCD_{name.upper()}"] = value
+    if settings.password:
+        env["ELASTICCTL_ETCD_PASSWORD"] = settings.password
+    if spec.checkpoint_dir:
+        env["ELASTICCTL_CHECKPOINT_DIR"] = os.path.abspath(spec.checkpoint_dir)
+    return env
+
+
+def tls_conf(settings: EtcdSettings) -> dict[str, str]:
+    """The rendezvous options that make torchrun's handler reach etcd like we do."""
+    conf = {"protocol": settings.protocol} if settings.protocol != "http" else {}
+    for name in ("cacert", "cert", "key", "user"):
+        value = getattr(settings, name)
+        if value:
+            conf[name] = value
+    return conf
+
+
+def torchrun_for(spec: JobSpec, settings: EtcdSettings, key_prefix: str, local_addr: str) -> list[str]:
+    """The exact torchrun command a node of ``spec`` runs (also what --dry-run prints)."""
+    extra = tls_conf(settings)
+    if key_prefix != DEFAULT_KEY_PREFIX:
+        extra["key_prefix"] = key_prefix
+    return launcher.torchrun_command(spec, settings.describe(), local_addr, extra)
+
+
+class NodeSession:
+    """Run this host's part of ``spec`` until the job ends, the node leaves, or it fails."""
+
+    def __init__(self, client: EtcdClient, registry: Registry, spec: JobSpec, local_addr: str,
+                 node_id: str | None = None, echo=print) -> None:
+        self.client = client
+        self.registry = registry
+        self.spec = spec
+        self.local_addr = local_addr
+        self.wanted_id = node_id
+        self.echo = echo
+        self.node_id = ""
+        self.record: dict = {}
+        self._lease: KeptLease | None = None
+        self._request: str | None = None
+        self._request_at = 0.0
+        self._signals = 0
+
+    def command(self) -> list[str]:
+        return torchrun_for(self.spec, self.client.settings, self.registry.key_prefix, self.local_addr)
+
+    def run(self) -> Outcome:
+        launcher.check_script(self.spec)
+        command = self.command()
+        nproc = launcher.resolve_nproc(self.spec.nproc_per_node)
+        self.record = {
+            "host": socket.gethostname(), "addr": self.local_addr, "pid": os.getpid(), "nproc": nproc,
+            "gpus": launcher.visible_gpu_count(), "joined_at": now(), "state": "running",
+        }
+        self._lease = KeptLease(self.client, self.spec.node_ttl, self._rewrite_record, name="node")
+        try:
+            self.node_id = self.registry.register_node(self.record, self._lease.id, self.wanted_id)
+            env = {**os.environ, **worker_env(self.spec, self.client.settings, self.node_id, self.registry.key_prefix)}
+            self.echo(f"node {self.node_id} joins job {self.spec.name}: + {launcher.format_command(command)}")
+            return self._supervise(processes.spawn(command, env=env))
+        finally:
+            self._lease.stop(revoke=True)
+            if self._request == "leave":
+                self._ignore_errors(lambda: self.registry.clear_request(self.node_id))
+
+    def _rewrite_record(self, lease_id: int) -> None:
+        if self.node_id:
+            self.registry.update_node(self.node_id, self.record, lease_id)
+
+    def _supervise(self, child) -> Outcome:
+        def on_signal(signum, _frame) -> None:
+            self._signals += 1
+            if self._signals == 1 or signum == signal.SIGTERM:
+                # Ctrl-C or a preemption notice: leave like `elasticctl leave`.
+                if self._request:
+                    return
+                log.warning("received %s: node %s leaves the job", signal.Signals(signum).name, self.node_id)
+                self._note_request("leave")
+                threading.Thread(target=self._ignore_errors,
+                                 args=(lambda: self.registry.request_leave(self.node_id),), daemon=True).start()
+            else:
+                # A second Ctrl-C means now. Repeated SIGTERMs (Slurm, kubelet) do not
+                # cut a final checkpoint short: STOP_GRACE bounds the wait instead.
+                processes.terminate(child, timeout=10)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            next_poll = 0.0
+            while True:
+                try:
+                    code = child.wait(timeout=0.2)
+                    break
+                except Exception:  # subprocess.TimeoutExpired: still running
+                    pass
+                if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + REQUEST_POLL
+                    self._poll_request()
+                if self._request and time.monotonic() - self._request_at > STOP_GRACE:
+                    log.warning("torchrun did not stop within %.0f s of the %s request; terminating it",
+                                STOP_GRACE, self._request)
+                    processes.terminate(child, timeout=10)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            processes.terminate(child, timeout=10)
+        return self._outcome(code)
+
+    def _poll_request(self) -> None:
+        try:
+            request = self.registry.requested(self.node_id)
+        except ElasticctlError as exc:
+            log.warning("cannot read requests for node %s: %s", self.node_id, exc)
+            return
+        if request and not self._request:
+            self._note_request(request)
+
+    def _note_request(self, request: str) -> None:
+        if not self._request:
+            self._request, self._request_at = request, time.monotonic()
+            self.record = {**self.record, "state": "leaving"}
+            self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
+
+    def _outcome(self, code: int) -> Outcome:
+        if self._request:
+            verb = "stopped (job down)" if self._request == "down" else "left the job"
+            return Outcome(0, f"node {self.node_id} {verb}")
+        if code == 0:
+            return Outcome(0, f"node {self.node_id}: training finished")
+        member = self._ignore_errors(lambda: self.registry.members().get(self.node_id)) or {}
+        if member.get("state") == "failed":
+            return Outcome(code, f"node {self.node_id} stopped: its workers failed {member.get('restarts')} times, "
+                                 f"more than --max-restarts {self.spec.max_restarts}")
+        return Outcome(code, f"node {self.node_id}: torchrun exited with code {code}")
+
+    @staticmethod
+    def _ignore_errors(action):
+        try:
+            return action()
+        except ElasticctlError as exc:
+            log.warning("%s", exc)
+            return None
+
+
+def wait_for_other_nodes(registry: Registry, node_id: str, timeout: float) -> None:
+    """Keep an embedded etcd up until the other nodes are gone (they need it to stop cleanly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            others = [n for n in registry.live_nodes() if n != node_id]
+        except ElasticctlError:
+            return
+        if not others:
+            return
+        time.sleep(0.5)  # polling etcd, bounded by the deadline
+

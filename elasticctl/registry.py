@@ -1,0 +1,270 @@
+"""What etcd knows about a job: its spec, its nodes, their rounds, requests and progress.
+
+Everything is JSON (never pickle), under one prefix per job::
+
+    <prefix>/<job>/spec              the JobSpec every node launches (no lease)
+    <prefix>/<job>/nodes/<node>      one record per elasticctl process, bound to its lease
+    <prefix>/<job>/members/<node>    the rendezvous round the node's torchrun is in, bound to
+                                     the torchrun agent's lease: gone = that node is lost
+    <prefix>/<job>/failures/<round>/<node>  worker-group failures, ordered by revision
+    <prefix>/<job>/control/<node>    "leave" requests; control/_job = "down"
+    <prefix>/<job>/progress          what the trainer's rank 0 publishes
+    <prefix>/<job>/finished          written when a node's workers all succeeded
+    <prefix>/<job>/rdzv, store/...   the rendezvous (see rendezvous.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.etcd import EtcdClient
+from elasticctl.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
+DEFAULT_NODE_TTL = 5
+JOB_CONTROL = "_job"
+
+
+def job_prefix(key_prefix: str, job: str) -> str:
+    return f"{key_prefix.rstrip('/')}/{job}"
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _load(raw: bytes) -> dict:
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class KeptLease:
+    """An etcd lease renewed by a daemon thread every ``ttl / 3`` seconds.
+
+    When the lease is lost anyway (this process was frozen, or etcd was away for
+    longer than the TTL) a new one is granted and ``on_regrant(lease_id)`` rewrites
+    the keys that were bound to the old one.
+    """
+
+    def __init__(self, client: EtcdClient, ttl: int, on_regrant: Callable[[int], None] | None = None,
+                 name: str = "lease") -> None:
+        if ttl < 2:
+            raise ConfigError(f"The node liveness TTL ({ttl}) must be at least 2 seconds.")
+        self._client = client
+        self._ttl = ttl
+        self._on_regrant = on_regrant
+        self._stopped = threading.Event()
+        self.id = client.grant_lease(ttl)
+        self._thread = threading.Thread(target=self._renew, name=f"elasticctl-{name}", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stopped.wait(self._ttl / 3):
+            try:
+                if self._client.refresh_lease(self.id) > 0:
+                    continue
+                log.warning("lease %x expired while this process was unreachable; re-registering", self.id)
+                self.id = self._client.grant_lease(self._ttl)
+                if self._on_regrant is not None:
+                    self._on_regrant(self.id)
+            except ElasticctlError as exc:
+                log.warning("cannot renew lease %x: %s", self.id, exc)
+
+    def stop(self, revoke: bool = True) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=self._ttl)
+        if revoke:
+            try:
+                self._client.revoke_lease(self.id)
+            except ElasticctlError as exc:
+                log.warning("cannot revoke lease %x: %s", self.id, exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """One read of a job, for ``status``."""
+
+    name: str
+    spec: JobSpec | None
+    nodes: dict[str, dict]
+    members: dict[str, dict]
+    progress: dict | None
+    down_requested: bool
+
+    @property
+    def round(self) -> int | None:
+        rounds = [m.get("round") for m in self.members.values() if m.get("state") == "training"]
+        return max(rounds) if rounds else None
+
+    @property
+    def world_size(self) -> int:
+        current = self.round
+        return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == "training"])
+
+    def to_dict(self) -> dict:
+        return {
+            "job": self.name,
+            "spec": None if self.spec is None else self.spec.to_dict(),
+            "round": self.round,
+            "world_size": self.world_size,
+            "nodes": [
+                {**record, **{k: v for k, v in self.members.get(node, {}).items() if k in ("round", "rank", "restarts")},
+                 "id": node, "rendezvous": self.members.get(node, {}).get("state", "joining")}
+                for node, record in sorted(self.nodes.items())
+            ],
+            "progress": self.progress,
+            "down_requested": self.down_requested,
+        }
+
+
+class Registry:
+    """Reads and writes one job's records."""
+
+    def __init__(self, client: EtcdClient, job: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        self.client = client
+        self.job = job
+        self.key_prefix = key_prefix
+        self.prefix = job_prefix(key_prefix, job)
+
+    # -- spec --------------------------------------------------------------------------
+
+    def read_spec(self) -> JobSpec | None:
+        kv = self.client.get(f"{self.prefix}/spec")
+        return None if kv is None else JobSpec.from_dict(_load(kv.value))
+
+    def publish_spec(self, spec: JobSpec) -> bool:
+        """Publish ``spec``; True if it was new, False if an identical one was there.
+
+        A different spec of a job that still has live nodes is an error; one whose
+        nodes are all gone belongs to a finished run, whose keys are cleared first.
+        """
+        key = f"{self.prefix}/spec"
+        for _ in range(3):
+            ok, current, _ = self.client.compare_and_swap(key, _json(spec.to_dict()), 0)
+            if ok:
+                return True
+            existing = JobSpec.from_dict(_load(current.value)) if current else None
+            if existing == spec and not self._rendezvous_closed():
+                return False
+            if self.live_nodes():
+                raise ConfigError(
+                    f"The job '{spec.name}' is already running with a different spec "
+                    f"({existing.describe_difference(spec) if existing else 'unreadable'}); "
+                    f"use another --job, or stop it first with 'elasticctl down --job {spec.name}'."
+                )
+            log.info("clearing the finished run of job %s", spec.name)
+            self.client.delete_prefix(self.prefix + "/")
+        raise ElasticctlError(f"Could not publish the spec of job '{spec.name}': it kept changing under us.")
+
+    def _rendezvous_closed(self) -> bool:
+        # torch closes the rendezvous when a job finishes; a new run needs a fresh one.
+        return self.client.get(f"{self.prefix}/finished") is not None
+
+    # -- nodes -------------------------------------------------------------------------
+
+    def register_node(self, record: dict, lease: int, wanted_id: str | None = None) -> str:
+        """Claim a node id (``wanted_id``, else the host name, suffixed while taken)."""
+        base = wanted_id or socket.gethostname().split(".")[0]
+        for attempt in range(1, 1000):
+            node = base if attempt == 1 else f"{base}-{attempt}"
+            ok, _, _ = self.client.compare_and_swap(
+                f"{self.prefix}/nodes/{node}", _json({**record, "id": node}), 0, lease=lease
+            )
+            if ok:
+                return node
+            if wanted_id:
+                raise ConfigError(f"The node id '{wanted_id}' is already taken in job '{self.job}'.")
+        raise ElasticctlError(f"No free node id for '{base}' in job '{self.job}'.")
+
+    def update_node(self, node: str, record: dict, lease: int) -> None:
+        self.client.put(f"{self.prefix}/nodes/{node}", _json({**record, "id": node}), lease=lease)
+
+    def live_nodes(self) -> dict[str, dict]:
+        return self._records("nodes")
+
+    def members(self) -> dict[str, dict]:
+        return self._records("members")
+
+    def _records(self, kind: str) -> dict[str, dict]:
+        start = f"{self.prefix}/{kind}/"
+        return {kv.key.decode()[len(start):]: _load(kv.value) for kv in self.client.get_prefix(start)}
+
+    # -- requests ----------------------------------------------------------------------
+
+    def request_leave(self, node: str) -> None:
+        self.client.put(f"{self.prefix}/control/{node}", "leave")
+
+    def request_down(self) -> None:
+        self.client.put(f"{self.prefix}/control/{JOB_CONTROL}", "down")
+
+    def requested(self, node: str) -> str | None:
+        """'down' for the whole job, 'leave' for this node, else None."""
+        controls = {kv.key.decode().rsplit("/", 1)[-1]: kv.value.decode()
+                    for kv in self.client.get_prefix(f"{self.prefix}/control/")}
+        if controls.get(JOB_CONTROL) == "down":
+            return "down"
+        return "leave" if controls.get(node) == "leave" else None
+
+    def clear_request(self, node: str) -> None:
+        self.client.delete(f"{self.prefix}/control/{node}")
+
+    def delete_job(self) -> int:
+        return self.client.delete_prefix(self.prefix + "/")
+
+    # -- progress ----------------------------------------------------------------------
+
+    def progress(self) -> dict | None:
+        kv = self.client.get(f"{self.prefix}/progress")
+        return None if kv is None else _load(kv.value)
+
+    def view(self) -> JobView:
+        spec = self.read_spec()
+        return JobView(
+            name=self.job, spec=spec, nodes=self.live_nodes(), members=self.members(),
+            progress=self.progress(), down_requested=self.requested("") == "down",
+        )
+
+
+def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:
+    """Jobs with a published spec, and how many live nodes each has."""
+    root = key_prefix.rstrip("/") + "/"
+    specs: set[str] = set()
+    nodes: dict[str, int] = {}
+    for kv in client.get_prefix(root):
+        parts = kv.key.decode()[len(root):].split("/")
+        if len(parts) == 2 and parts[1] == "spec":
+            specs.add(parts[0])
+        elif len(parts) == 3 and parts[1] == "nodes":
+            nodes[parts[0]] = nodes.get(parts[0], 0) + 1
+    return {job: nodes.get(job, 0) for job in sorted(specs)}
+
+
+def resolve_job(client: EtcdClient, job: str | None, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The job named, or the only job in etcd when none is named."""
+    jobs = list_jobs(client, key_prefix)
+    if job is not None:
+        if job not in jobs:
+            known = ", ".join(jobs) or "none"
+            raise ConfigError(f"The job '{job}' does not exist in etcd (jobs: {known}).")
+        return job
+    if len(jobs) == 1:
+        return next(iter(jobs))
+    if not jobs:
+        raise ConfigError("There is no job in etcd; start one with 'elasticctl up'.")
+    raise ConfigError(f"There are {len(jobs)} jobs in etcd ({', '.join(jobs)}); name one with --job.")
+
+
+def now() -> float:
+    return round(time.time(), 3)

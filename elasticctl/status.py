@@ -1,0 +1,58 @@
+"""`elasticctl status` as text: the job, its nodes, and what the trainer last reported."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from elasticctl.registry import JobView
+
+
+def _age(timestamp: float | None) -> str:
+    if not timestamp:
+        return "-"
+    seconds = max(0, int(time.time() - timestamp))
+    if seconds < 120:
+        return f"{seconds}s ago"
+    if seconds < 7200:
+        return f"{seconds // 60}m ago"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def render(view: JobView) -> str:
+    data = view.to_dict()
+    spec = view.spec
+    lines = [f"job {view.name}" + (" (down requested)" if view.down_requested else "")]
+    if spec is not None:
+        lines.append(f"  script    {spec.script} {' '.join(spec.script_args)}".rstrip())
+        lines.append(f"  nnodes    {spec.nnodes}   nproc/node {spec.nproc_per_node}   max restarts {spec.max_restarts}"
+                     f"   checkpoints {spec.checkpoint_dir or '-'}")
+    lines.append(f"  round     {data['round'] if data['round'] is not None else '-'}   world size {data['world_size']} nodes")
+    rows = [["NODE", "HOST", "ADDRESS", "STATE", "RANK", "GPUS", "NPROC", "RESTARTS", "JOINED"]]
+    for node in data["nodes"]:
+        state = node.get("state", "?")
+        if state == "running":
+            state = node.get("rendezvous", "joining")
+        rows.append([
+            node["id"], str(node.get("host", "-")), str(node.get("addr", "-")), state,
+            str(node.get("rank", "-")), str(node.get("gpus", 0)), str(node.get("nproc", "-")),
+            str(node.get("restarts", 0)), _age(node.get("joined_at")),
+        ])
+    lines.append("")
+    lines.extend(_table(rows) if len(rows) > 1 else ["no live nodes"])
+    progress = view.progress
+    if progress:
+        fields = [f"step {progress.get('step', '-')}"]
+        for key, label in (("epoch", "epoch"), ("loss", "loss"), ("samples_per_s", "samples/s"),
+                           ("world_size", "workers"), ("last_checkpoint_step", "last checkpoint at step")):
+            if progress.get(key) is not None:
+                value = progress[key]
+                fields.append(f"{label} {value:.4g}" if isinstance(value, float) else f"{label} {value}")
+        lines.append("")
+        lines.append("trainer   " + ", ".join(fields) + f"   ({_age(progress.get('time'))})")
+    return "\n".join(lines)

@@ -1,0 +1,246 @@
+"""The orchestrator end to end: real elasticctl processes, real torchrun, a real etcd, loopback.
+
+Every wait is on the trainer's JSON record or on etcd keys, never a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MLP, read_records, wait_for
+
+from elasticctl.etcd import EtcdClient
+from elasticctl.registry import Registry
+
+ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
+ALLREDUCE = str(Path(__file__).parent / "workers" / "allreduce.py")
+TRAIN = [MLP, "--steps", "100000", "--step-sleep", "0.05", "--log-every", "0"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*ELASTICCTL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def steps_at(records: list[dict], world: int, nodes: set[str] | None = None) -> list[dict]:
+    return [r for r in records if "step" in r and r.get("world_size") == world
+            and (nodes is None or r.get("node") in nodes)]
+
+
+def after(records: list[dict], t: float) -> list[dict]:
+    return [r for r in records if r.get("time", 0) > t]
+
+
+class Job:
+    """A job on the test's etcd: start nodes with `up`/`join`, read its records and keys."""
+
+    def __init__(self, nodes, etcd, run_id, tmp_path, nnodes="1:3", extra=(), train=TRAIN):
+        self.nodes, self.etcd, self.name = nodes, etcd, run_id
+        self.record = tmp_path / "record.jsonl"
+        self.up_args = ["--etcd", etcd.endpoint, "--job", run_id, "--nnodes", nnodes, *extra,
+                        *train, "--record", str(self.record)]
+        self.client = EtcdClient(etcd.client_settings())
+        self.registry = Registry(self.client, run_id)
+
+    def up(self, node_id: str):
+        return self.nodes(node_id, [*ELASTICCTL, "up", "--node-id", node_id, *self.up_args])
+
+    def join(self, node_id: str):
+        return self.nodes(node_id, [*ELASTICCTL, "join", "--etcd", self.etcd.endpoint, "--job", self.name,
+                                    "--node-id", node_id])
+
+    def records(self) -> list[dict]:
+        return read_records(self.record)
+
+    def wait_world(self, world: int, nodes: set[str], timeout: float = 180, since: float = 0.0) -> list[dict]:
+        """Wait until every node in ``nodes`` trained a step at ``world`` workers after ``since``."""
+        def reached():
+            recent = steps_at(after(self.records(), since), world)
+            return recent if {r["node"] for r in recent} >= nodes else None
+
+        return wait_for(reached, timeout, f"nodes {sorted(nodes)} training at world size {world}")
+
+    def status(self) -> dict:
+        result = cli("status", "--etcd", self.etcd.endpoint, "--job", self.name, "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+
+@pytest.fixture
+def job(nodes, default_etcd, run_id, tmp_path):
+    created = []
+
+    def make(**kwargs) -> Job:
+        created.append(Job(nodes, default_etcd, run_id, tmp_path, **kwargs))
+        return created[-1]
+
+    yield make
+    for j in created:
+        j.client.close()
+
+
+def test_up_join_status_leave_join_down(job):
+    j = job()
+    a = j.up("a")
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    b, c = j.join("b"), j.join("c")
+    j.wait_world(3, {"a", "b", "c"})
+
+    status = j.status()
+    assert status["world_size"] == 3
+    assert {n["id"] for n in status["nodes"]} == {"a", "b", "c"}
+    assert {n["rendezvous"] for n in status["nodes"]} == {"training"}
+    assert sorted(n["rank"] for n in status["nodes"]) == [0, 1, 2]
+    assert status["spec"]["min_nodes"] == 1 and status["spec"]["max_nodes"] == 3
+    text = cli("status", "--etcd", j.etcd.endpoint)  # the only job: no --job needed
+    assert text.returncode == 0 and "world size 3" in text.stdout, text.stderr
+
+    # leave: c exits 0, a and b continue at world 2 without spending a restart
+    left_at = max(r["time"] for r in j.records())
+    result = cli("leave", "--etcd", j.etcd.endpoint, "--job", j.name, "--node", "c")
+    assert result.returncode == 0, result.stderr
+    assert c.wait(60) == 0, c.log()
+    smaller = j.wait_world(2, {"a", "b"}, since=left_at)
+    assert {r["restart"] for r in smaller} == {0}
+
+    # a later join grows the world again
+    d = j.join("d")
+    grown_at = max(r["time"] for r in j.records())
+    grown = j.wait_world(3, {"a", "b", "d"}, since=grown_at)
+    assert {r["restart"] for r in grown} == {0}
+
+    # down: every node exits 0 and the job's keys are gone
+    result = cli("down", "--etcd", j.etcd.endpoint, "--job", j.name)
+    assert result.returncode == 0, result.stderr
+    for node in (a, b, d):
+        assert node.wait(60) == 0, node.log()
+    assert j.client.get_prefix(j.registry.prefix + "/") == []
+    listed = cli("jobs", "--etcd", j.etcd.endpoint, "--json")
+    assert j.name not in {entry["job"] for entry in json.loads(listed.stdout)}
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_lost_node_survivors_continue_without_spending_a_restart(job, fault):
+    j = job()
+    j.up("a")
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    j.join("b")
+    c = j.join("c")
+    j.wait_world(3, {"a", "b", "c"})
+
+    lost_at = max(r["time"] for r in j.records())
+    c.signal_tree(fault)
+    smaller = j.wait_world(2, {"a", "b"}, since=lost_at)
+    assert {r["restart"] for r in smaller} == {0}, "a lost peer must not spend a restart"
+    members = j.registry.members()
+    assert members["a"]["restarts"] == 0 and members["b"]["restarts"] == 0
+
+    if fault == signal.SIGSTOP:
+        # The frozen node thaws, finds the job moved on, and is absorbed again.
+        thawed_at = max(r["time"] for r in j.records())
+        c.signal_tree(signal.SIGCONT)
+        j.wait_world(3, {"a", "b", "c"}, since=thawed_at)
+
+
+def test_own_failure_counts_and_exhausted_node_stops_alone(job, tmp_path):
+    # Node c's worker raises at step 5 every time: its own failure, not its peers'.
+    j = job(extra=["--max-restarts", "1"], train=[ALLREDUCE, "--fail-node", "c", "--fail-at", "5"])
+    j.up("a")
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    j.join("b")
+    c = j.join("c")
+    j.wait_world(3, {"a", "b", "c"})
+    assert c.wait(240) != 0
+    assert "more than the 1 restarts allowed" in c.log() or "failed 2 times" in c.log(), c.log()
+    recovered_at = max(r["time"] for r in j.records())
+    survivors = j.wait_world(2, {"a", "b"}, since=recovered_at)
+    assert {r["restart"] for r in survivors} == {0}, "collateral failures must not count"
+
+
+def test_join_errors_are_one_sentence(default_etcd, run_id, tmp_path):
+    missing = cli("join", "--etcd", default_etcd.endpoint, "--job", "no-such-job")
+    assert missing.returncode != 0 and "The job 'no-such-job' does not exist" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+    from elasticctl.etcd_server import free_port
+
+    port = free_port()
+    unreachable = cli("join", "--etcd", f"127.0.0.1:{port}", timeout=60)
+    assert unreachable.returncode != 0 and f"127.0.0.1:{port}" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
+
+
+def test_spec_conflict_and_missing_script_on_join(default_etcd, run_id, tmp_path):
+    client = EtcdClient(default_etcd.client_settings())
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    registry = Registry(client, run_id)
+    from elasticctl.registry import KeptLease
+    from elasticctl.spec import JobSpec
+
+    spec = JobSpec(name=run_id, script=str(script), min_nodes=1, max_nodes=2)
+    registry.publish_spec(spec)
+    lease = KeptLease(client, 5)
+    try:
+        registry.register_node({"host": "elsewhere"}, lease.id, "other")  # a live node holds the job
+        conflict = cli("up", "--dry-run", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:4",
+                       str(script))
+        # --dry-run never writes; a real `up` must refuse the different spec
+        assert conflict.returncode == 0
+        real = cli("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:4", str(script))
+        assert real.returncode != 0
+        assert f"The job '{run_id}' is already running with a different spec" in real.stderr
+        assert "max_nodes 2 != 4" in real.stderr
+        assert JobSpec.from_dict(json.loads(client.get(registry.prefix + "/spec").value)) == spec
+
+        script.unlink()
+        gone = cli("join", "--etcd", default_etcd.endpoint, "--job", run_id)
+        assert gone.returncode != 0 and f"'{script}' does not exist on this host" in gone.stderr
+    finally:
+        lease.stop()
+        client.close()
+
+
+def test_nproc_above_gpu_count_is_refused():
+    result = subprocess.run([*ELASTICCTL, "up", "--dry-run", "--etcd", "127.0.0.1:2379", "--nnodes", "1",
+                             "--nproc-per-node", "3", MLP], capture_output=True, text=True,
+                            env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "0,1"})
+    assert result.returncode != 0
+    assert "processes per node (3) exceed the 2 GPUs" in result.stderr
+
+
+def test_config_file_supplies_flags_and_flags_win(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "job: from-yaml\nnnodes: 2:4\netcd: 127.0.0.1:2379\nnproc-per-node: 1\n"
+        f"script: {MLP}\nargs: [--steps, 9]\nenv: {{A: 1}}\n"
+    )
+    result = cli("up", "--config", str(config), "--dry-run", "--nnodes", "1:2")
+    assert result.returncode == 0, result.stderr
+    assert "--nnodes=1:2" in result.stdout and "--rdzv-id=from-yaml" in result.stdout
+    assert result.stdout.rstrip().endswith("--steps 9")
+
+    config.write_text("nnodes: 2\nbogus: 1\n")
+    bad = cli("up", "--config", str(config), "--dry-run", MLP)
+    assert bad.returncode != 0 and "unknown key 'bogus'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_legacy_local_rank_script_runs_unchanged(default_etcd, run_id, tmp_path):
+    script = tmp_path / "legacy.py"
+    out = tmp_path / "out.txt"
+    script.write_text(
+        "import argparse, os\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--local_rank', type=int, required=True)\n"
+        "p.add_argument('--out')\n"
+        "a = p.parse_args()\n"
+        "open(a.out, 'a').write(f\"{a.local_rank} {os.environ['LOCAL_RANK']}\\n\")\n"
+    )
+    result = cli("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1", "--nproc-per-node", "2",
+                 "--legacy-local-rank", str(script), "--out", str(out), timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert sorted(out.read_text().split("\n")[:-1]) == ["0 0", "1 1"]
