@@ -214,6 +214,7 @@ class Checkpointer:
         self.directory = check_directory(directory, writable=self.is_writer)
         self.keep = keep
         self.async_save = async_save
+        self.stale_after = 600.0  # seconds after which an untouched temp file is a killed write
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.last_step: int | None = None  # newest committed (or restored) checkpoint step
         self._thread: threading.Thread | None = None
@@ -233,9 +234,13 @@ class Checkpointer:
         return sorted(found, reverse=True)
 
     def _remove_stale_temp_files(self) -> None:
+        # Only long-untouched ones: a fresh temp file may be another process's write in progress
+        # (a previous rank 0 still shutting down, or a tool reading this directory).
+        cutoff = time.time() - self.stale_after
         for path in self.directory.glob(f"{_TMP_PREFIX}*"):
             with contextlib.suppress(OSError):
-                path.unlink()
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
 
     # -- saving -------------------------------------------------------------------------
 

@@ -114,11 +114,14 @@ def test_no_checkpoint_means_nothing_restored(tmp_path):
     assert Checkpointer(tmp_path).restore(**make_state()) is None
 
 
-def test_stale_temp_files_are_ignored_and_removed(tmp_path):
+def test_temp_files_are_ignored_and_only_stale_ones_removed(tmp_path):
     Checkpointer(tmp_path).save(3, model=nn.Linear(2, 2))
-    (tmp_path / ".tmp-step-00000004.pt.123").write_bytes(b"partial")
+    killed, in_progress = tmp_path / ".tmp-step-00000004.pt.123", tmp_path / ".tmp-step-00000005.pt.456"
+    killed.write_bytes(b"partial")
+    in_progress.write_bytes(b"partial")
+    os.utime(killed, (0, 0))
     ckpt = Checkpointer(tmp_path)
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert list(tmp_path.glob(".tmp-*")) == [in_progress]
     assert ckpt.restore(model=nn.Linear(2, 2)).step == 3
 
 

@@ -42,7 +42,7 @@ from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
 from elasticctl.worker import (
-    LR_POLICIES, GracefulStop, WorkerContext, checkpoint_dir, init, plan_batches, reduce_mean, shutdown,
+    LR_POLICIES, GracefulStop, PeerLeaving, WorkerContext, checkpoint_dir, init, plan_batches, reduce_mean, shutdown,
 )
 
 
@@ -291,6 +291,9 @@ def main() -> None:
                           file=sys.stderr)
         train_set, test_set = cifar10_datasets(args, ctx)
         fit(args, ctx, model, train_set, test_set)
+    except PeerLeaving as exc:  # not an error: exit non-zero so the agent re-forms the job
+        print(f"{os.path.basename(sys.argv[0])}: {exc}", file=sys.stderr)
+        sys.exit(1)
     except ElasticctlError as exc:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -42,7 +42,9 @@ from elasticctl.checkpoint import Checkpointer
 from elasticctl.errors import ElasticctlError
 from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
-from elasticctl.worker import LR_POLICIES, GracefulStop, checkpoint_dir, init, plan_batches, shutdown
+from elasticctl.worker import (
+    LR_POLICIES, GracefulStop, PeerLeaving, checkpoint_dir, init, plan_batches, shutdown,
+)
 
 EXIT_MODES = ("kill", "exception", "hang")
 
@@ -225,6 +227,9 @@ def main() -> None:
     args = parse_args()
     try:
         train(args)
+    except PeerLeaving as exc:  # not an error: exit non-zero so the agent re-forms the job
+        print(f"{os.path.basename(sys.argv[0])}: {exc}", file=sys.stderr)
+        sys.exit(1)
     except ElasticctlError as exc:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -21,7 +21,7 @@ except ImportError:  # run from a source checkout without `pip install`
 from cifar10 import add_training_flags, check_training_flags, fit  # trainers/ is the script's directory
 
 from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.worker import init
+from elasticctl.worker import PeerLeaving, init
 
 ARCHS = ("resnet18", "resnet50")
 
@@ -71,6 +71,9 @@ def main() -> None:
         ctx = init(timeout=args.pg_timeout)
         model = getattr(torchvision.models, args.arch)(num_classes=len(train_set.classes))
         fit(args, ctx, model, train_set, val_set, amp=ctx.device.type == "cuda" and not args.no_amp)
+    except PeerLeaving as exc:  # not an error: exit non-zero so the agent re-forms the job
+        print(f"{os.path.basename(sys.argv[0])}: {exc}", file=sys.stderr)
+        sys.exit(1)
     except ElasticctlError as exc:
         print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
         sys.exit(2)
