@@ -181,9 +181,8 @@ def _write_atomically(directory: Path, name: str, write) -> str:
 def check_directory(directory: str | os.PathLike, writable: bool) -> Path:
     """Create ``directory`` if needed and check access, or raise a one-sentence :class:`ConfigError`."""
     path = Path(directory)
-    try:
-        if writable:
-            path.mkdir(parents=True, exist_ok=True)
+    try:  # every rank may create it: readers must not race the writer that would
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"The checkpoint directory '{path}' cannot be created: {exc.strerror}.") from exc
     if not path.is_dir():

@@ -136,7 +136,7 @@ def test_bad_directory_and_keep_are_one_sentence_errors(tmp_path):
     a_file.write_text("")
     with pytest.raises(ConfigError, match=f"'{a_file / 'sub'}' cannot be created"):
         check_directory(a_file / "sub", writable=True)
-    with pytest.raises(ConfigError, match="not a directory"):
+    with pytest.raises(ConfigError, match="cannot be created"):
         check_directory(a_file, writable=False)
     with pytest.raises(ConfigError, match=r"keep \(0\)"):
         Checkpointer(tmp_path, keep=0)

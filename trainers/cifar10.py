@@ -175,6 +175,7 @@ def fit(args: argparse.Namespace, ctx: WorkerContext, model: nn.Module, train_se
             write({"event": "final_checkpoint", "step": step})
         stop.exit()
 
+    write({"event": "start", "step": step, "epoch": sampler.epoch})
     try:
         while sampler.epoch < args.epochs and (args.max_steps is None or step < args.max_steps):
             epoch = sampler.epoch
