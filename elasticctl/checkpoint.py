@@ -402,59 +402,66 @@ class Checkpointer:
 class ShardedCheckpointer:
     """Checkpoints of sharded state (FSDP2 ``fully_shard``, DTensor) with ``torch.distributed.checkpoint``.
 
-    Every rank writes its own shard into ``step-NNNNNNNN/`` (via a temp
-    directory renamed by rank 0 after all ranks finished, so a partial save is
-    never mistaken for a complete one); DCP reshards on load, so a checkpoint
-    written at world size W loads at any other size. Model and optimizer go
-    through ``get_state_dict`` / ``set_state_dict``, which handle FSDP's
-    parameter sharding; ``extra`` holds step, epoch and sampler position.
+    Every rank writes its own shard into a temp directory; once all are done,
+    rank 0 adds ``extra.json`` (step, epoch, sampler position, ...) and renames
+    it to ``step-NNNNNNNN/``, so a partial save is never taken for a complete
+    one. DCP reshards on load, so a checkpoint written at world size W loads at
+    any other size. Model and optimizer go through ``get_state_dict`` /
+    ``set_state_dict``, which understand FSDP's parameter sharding. Saving and
+    restoring are collectives: call them on every rank.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3) -> None:
+        if keep < 1:
+            raise ConfigError(f"The number of checkpoints to keep ({keep}) must be at least 1.")
         self.rank = _rank()
-        self.directory = check_directory(directory, writable=True)
+        self.directory = check_directory(directory, writable=self.rank == 0)
         self.keep = keep
         self.last_step: int | None = None
 
     def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete sharded checkpoints, newest first."""
         found = [(int(p.name[5:]), p) for p in self.directory.glob("step-*")
-                 if p.is_dir() and p.name[5:].isdigit() and (p / ".metadata").exists()]
+                 if p.is_dir() and p.name[5:].isdigit() and (p / "extra.json").exists()]
         return sorted(found, reverse=True)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict | None = None) -> None:
+        import json
+        import shutil
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer)
-        final = self.directory / f"step-{step:08d}"
-        tmp = self.directory / f"{_TMP_PREFIX}step-{step:08d}"
-        dcp.save({"model": model_state, "optim": optim_state,
-                  "extra": {"step": step, **(extra or {})}}, checkpoint_id=str(tmp))
-        dist.barrier()  # every shard is on disk
-        if self.rank == 0:
-            os.replace(tmp, final)
+        name = f"step-{step:08d}"
+        tmp = self.directory / f"{_TMP_PREFIX}{name}"
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        if self.rank == 0:  # dcp.save returns on every rank once the metadata is written
+            (tmp / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}))
+            os.replace(tmp, self.directory / name)
             _fsync_dir(self.directory)
             for _, old in self.checkpoints()[self.keep:]:
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         self.last_step = step
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        """Load the newest complete sharded checkpoint; returns its ``extra`` dict, or None."""
+        """Load the newest complete sharded checkpoint into model and optimizer; return its extras or None."""
+        import json
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        found = self.checkpoints()
+        found = self.checkpoints() if self.rank == 0 else []
         chosen = [str(found[0][1]) if found else None]
         dist.broadcast_object_list(chosen, src=0)
         if chosen[0] is None:
             return None
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state, "extra": {}}
+        state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=chosen[0])
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.last_step = int(state["extra"]["step"])
-        return state["extra"]
+        extra = json.loads((Path(chosen[0]) / "extra.json").read_text())
+        self.last_step = int(extra["step"])
+        return extra

@@ -199,3 +199,53 @@ def test_progress_publisher_rate_limits_and_never_blocks_on_a_dead_etcd(default_
         publisher.publish(step=step, **update)
     publisher.close(timeout=30)
     assert "Dropped a progress update" in caplog.text
+
+
+FSDP_SCRIPT = """
+import json, sys, torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from elasticctl.checkpoint import ShardedCheckpointer
+from elasticctl.worker import init, shutdown
+
+directory, step = sys.argv[1], int(sys.argv[2])
+ctx = init()
+torch.manual_seed(ctx.world_size)  # different initial weights per world size: only a restore makes them equal
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+for layer in (model[0], model[2], model):
+    fully_shard(layer)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+checkpointer = ShardedCheckpointer(directory, keep=2)
+extra = checkpointer.restore(model, optimizer)
+full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+if ctx.rank == 0:
+    print(json.dumps({"world_size": ctx.world_size, "restored": extra,
+                      "params": {k: v.sum().item() for k, v in full.items()}}), flush=True)
+model(torch.randn(4, 8)).sum().backward()
+optimizer.step()
+checkpointer.save(step, model, optimizer, extra={"epoch": 1, "consumed": 40})
+full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+if ctx.rank == 0:
+    print(json.dumps({"saved": {k: v.sum().item() for k, v in full.items()}}), flush=True)
+shutdown()
+"""
+
+
+def test_sharded_fsdp_checkpoint_written_at_world_2_loads_at_world_1(tmp_path):
+    script, ckpt = tmp_path / "fsdp.py", tmp_path / "ckpt"
+    script.write_text(FSDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(MLP).parents[1])}
+
+    def run(nproc: int, step: int) -> list[dict]:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+             str(script), str(ckpt), str(step)], capture_output=True, text=True, timeout=180, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+    first = run(2, 5)
+    assert first[0]["restored"] is None
+    second = run(1, 6)
+    assert second[0]["restored"] == {"step": 5, "epoch": 1, "consumed": 40}
+    assert second[0]["params"] == pytest.approx(first[1]["saved"])
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000005", "step-00000006"]
