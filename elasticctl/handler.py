@@ -215,6 +215,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         self._counted_at.append(time.monotonic())
         log.warning("[%s] workers failed on their own (%d so far)", self._node_id, self._spent)
         if self._max_restarts is not None and self._spent > self._max_restarts:
+            self._left = True  # so that torchrun's shutdown does not close the job for the others
             self._leave_round("failed")
             raise RendezvousError(
                 f"The node '{self._node_id}' stops: its workers failed {self._spent} times, more than the "

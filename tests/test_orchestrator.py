@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,47 @@ def test_legacy_local_rank_script_runs_unchanged(default_etcd, run_id, tmp_path)
                  "--legacy-local-rank", str(script), "--out", str(out), timeout=180)
     assert result.returncode == 0, result.stderr
     assert sorted(out.read_text().split("\n")[:-1]) == ["0 0", "1 1"]
+
+
+def test_repeatedly_failing_node_is_quarantined_while_the_others_train(job):
+    j = job(extra=["--max-restarts", "5", "--rdzv-conf", "quarantine_after=2,quarantine_seconds=30"],
+            train=[ALLREDUCE, "--fail-node", "c", "--fail-at", "5"])
+    j.up("a")
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    j.join("b")
+    j.join("c")
+    j.wait_world(3, {"a", "b", "c"})
+    member = wait_for(lambda: (j.registry.members().get("c") or {}).get("state") == "quarantined"
+                      and j.registry.members()["c"], 180, "node c to be quarantined")
+    assert member["restarts"] == 2
+    status = {n["id"]: n for n in j.status()["nodes"]}
+    assert status["c"]["rendezvous"] == "quarantined"
+    quarantined_at = max(r["time"] for r in j.records())
+    survivors = j.wait_world(2, {"a", "b"}, since=quarantined_at)
+    assert {r["restart"] for r in survivors} == {0}
+
+
+def test_etcd_blip_does_not_stop_training(nodes, run_id, tmp_path):
+    from elasticctl.etcd_server import EmbeddedEtcd, free_port
+
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path / "etcd"), client_port=free_port(), peer_port=free_port())
+    with etcd:
+        j = Job(nodes, etcd, run_id, tmp_path, nnodes="2")
+        try:
+            a = j.up("a")
+            wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+            b = j.join("b")
+            j.wait_world(2, {"a", "b"})
+
+            etcd.stop()
+            stopped_at = time.time()
+            # Training goes on without etcd for 4 s (a blip: shorter than the retry window).
+            wait_for(lambda: max(r["time"] for r in j.records()) > stopped_at + 4, 60, "4 s of training without etcd")
+            etcd.start()
+            back_at = time.time()
+            after_blip = j.wait_world(2, {"a", "b"}, since=back_at + 6)
+            assert {r["restart"] for r in after_blip} == {0}
+            assert a.process.poll() is None and b.process.poll() is None
+            assert set(j.registry.live_nodes()) == {"a", "b"}
+        finally:
+            j.client.close()
