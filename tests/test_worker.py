@@ -249,3 +249,28 @@ def test_sharded_fsdp_checkpoint_written_at_world_2_loads_at_world_1(tmp_path):
     assert second[0]["restored"] == {"step": 5, "epoch": 1, "consumed": 40}
     assert second[0]["params"] == pytest.approx(first[1]["saved"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000005", "step-00000006"]
+
+
+@pytest.mark.parametrize(("policy", "world", "expected"), [
+    ("linear", 1, (0.1, 32, 1)),
+    ("linear", 3, (pytest.approx(0.3), 32, 1)),
+    ("constant-batch", 2, (0.1, 32, 1)),   # global 64 = 32 x 2
+    ("constant-batch", 1, (0.1, 32, 2)),   # the lone survivor accumulates two micro-batches
+    ("constant-batch", 3, (0.1, 22, 1)),   # 64 over 3 workers: rounded up to 66
+])
+def test_lr_policy_plans_lr_and_batching_for_the_world_size(policy, world, expected):
+    from elasticctl.worker import plan_batches
+
+    plan = plan_batches(policy, base_lr=0.1, batch_size=32, world_size=world, global_batch=64)
+    assert (plan.lr, plan.micro_batch, plan.accumulation) == expected
+    if policy == "constant-batch":
+        assert 64 <= plan.global_batch(world) < 64 + world
+
+
+def test_constant_batch_policy_accumulates_to_the_global_batch(tmp_path):
+    record = tmp_path / "record.jsonl"
+    subprocess.run([sys.executable, MLP, "--steps", "3", "--batch-size", "16", "--lr-policy", "constant-batch",
+                    "--global-batch", "64", "--record", str(record)], check=True, timeout=120)
+    trained = steps(read_records(record))
+    assert [len(r["indices"]) for r in trained] == [64, 64, 64]
+    assert [r["samples_seen"] for r in trained] == [64, 128, 192]
