@@ -271,7 +271,7 @@ class Checkpointer:
     def _commit_in_background(self, payload: dict) -> None:
         try:
             self._commit(payload)
-        except BaseException as exc:  # surfaced by the next save() or wait()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the next save() or wait()
             self._error = exc
 
     def _commit(self, payload: dict) -> None:
@@ -340,7 +340,7 @@ class Checkpointer:
         for _, path in self.checkpoints():
             try:
                 return path, self.read(path)
-            except Exception as exc:  # any defect: fall back to the previous checkpoint
+            except Exception as exc:  # noqa: BLE001 - any defect: fall back to the previous checkpoint
                 log.warning("Skipping checkpoint %s: %s", path, exc)
         return None, None
 

@@ -87,7 +87,7 @@ class ProgressPublisher:
             last_put = time.monotonic()
             try:
                 self.client.put(self.key, json.dumps(update))
-            except Exception as exc:  # etcd away or refusing: training goes on without this update
+            except Exception as exc:  # noqa: BLE001 - etcd away or refusing: training goes on without it
                 log.warning("Dropped a progress update for %s: %s", self.key, exc)
 
     def close(self, timeout: float = 5.0) -> None:

@@ -42,7 +42,14 @@ from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
 from elasticctl.worker import (
-    LR_POLICIES, GracefulStop, PeerLeaving, WorkerContext, checkpoint_dir, init, plan_batches, reduce_mean, shutdown,
+    LR_POLICIES,
+    GracefulStop,
+    PeerLeaving,
+    WorkerContext,
+    checkpoint_dir,
+    init,
+    plan_batches,
+    shutdown,
 )
 
 
@@ -127,7 +134,7 @@ def fit(args: argparse.Namespace, ctx: WorkerContext, model: nn.Module, train_se
 
     rank, world, device = ctx.rank, ctx.world_size, ctx.device
     stop = GracefulStop()
-    record = open(args.record, "a", buffering=1) if args.record and rank == 0 else None
+    record = open(args.record, "a", buffering=1) if args.record and rank == 0 else None  # noqa: SIM115 - open for the run
 
     def write(entry: dict) -> None:
         if record is not None:

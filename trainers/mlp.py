@@ -43,7 +43,14 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
 from elasticctl.worker import (
-    LR_POLICIES, GracefulStop, PeerLeaving, checkpoint_dir, init, plan_batches, shutdown,
+    LR_POLICIES,
+    GracefulStop,
+    PeerLeaving,
+    checkpoint_dir,
+    init,
+    plan_batches,
+    reduce_mean,
+    shutdown,
 )
 
 EXIT_MODES = ("kill", "exception", "hang")
@@ -118,8 +125,9 @@ def train(args: argparse.Namespace) -> None:
     ctx = init(timeout=args.pg_timeout)
     rank, world, device = ctx.rank, ctx.world_size, ctx.device
     stop = GracefulStop()
-    record = open(args.record, "a", buffering=1) if args.record else None
-    host, node, group_rank = socket.gethostname(), os.environ.get("ELASTICCTL_NODE", ""), int(os.environ.get("GROUP_RANK", "0"))
+    record = open(args.record, "a", buffering=1) if args.record else None  # noqa: SIM115 - open for the run
+    host, node = socket.gethostname(), os.environ.get("ELASTICCTL_NODE", "")
+    group_rank = int(os.environ.get("GROUP_RANK", "0"))
 
     def write(entry: dict) -> None:
         if record is not None:
@@ -187,9 +195,11 @@ def train(args: argparse.Namespace) -> None:
                 write({"step": step, "epoch": sampler.epoch, "loss": round(loss_sum, 5), "host": host,
                        "pid": os.getpid(), "node": node, "group_rank": group_rank,
                        "samples_seen": samples_seen, "consumed": sampler.consumed, "indices": indices})
-                if rank == 0 and args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
-                    print(f"step {step}/{args.steps} loss {loss_sum:.4f} world {world} restart {ctx.restart}",
-                          flush=True)
+                if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
+                    mean_loss = reduce_mean(loss_sum, device)  # a collective: every rank takes part
+                    if rank == 0:
+                        print(f"step {step}/{args.steps} loss {mean_loss:.4f} world {world} restart {ctx.restart}",
+                              flush=True)
                 step += 1  # steps completed; a checkpoint taken now resumes at this step
                 if progress:
                     elapsed = time.monotonic() - started

@@ -18,7 +18,11 @@ try:
 except ImportError:  # run from a source checkout without `pip install`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cifar10 import add_training_flags, check_training_flags, fit  # trainers/ is the script's directory
+from cifar10 import (  # trainers/ is the script's directory
+    add_training_flags,
+    check_training_flags,
+    fit,
+)
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.worker import PeerLeaving, init
