@@ -21,11 +21,11 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_dry_run_prints_the_torchrun_command():
     result = run_cli("up", "--dry-run", "--etcd", "etcd-a:2379,etcd-b", "--job", "exp1", "--nnodes", "2:4",
-                     "--max-restarts", "5", MLP, "--steps", "7")
+                     "--max-restarts", "5", "--local-addr", "127.0.0.1", MLP, "--steps", "7")
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
     for expected in ("torch.distributed.run", "--nnodes=2:4", "--rdzv-backend=etcd3",
-                     "--rdzv-endpoint=etcd-a:2379,etcd-b:2379", "--rdzv-id=exp1", "--max-restarts=5",
+                     "--rdzv-endpoint=etcd-a:2379,etcd-b:2379", "--rdzv-id=exp1", "max_restarts=5",
                      f"{MLP} --steps 7"):
         assert expected in line
 
@@ -64,7 +64,7 @@ def test_up_with_embedded_etcd_trains_and_leaves_nothing_behind(tmp_path):
                      "--record", str(record), timeout=180)
     assert result.returncode == 0, result.stderr
     assert f"--etcd 127.0.0.1:{port}" in result.stderr  # the line to run on other hosts
-    assert [r["step"] for r in read_records(record) if "step" in r] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_records(record) if "event" not in r] == [0, 1, 2, 3, 4]
     assert not _listening(port), "the embedded etcd outlived elasticctl"
 
 
@@ -75,7 +75,7 @@ def test_embedded_etcd_port_in_use_is_a_clear_error(default_etcd):
     assert f"port {default_etcd.client_port}" in result.stderr and "already in use" in result.stderr
 
 
-def test_sigterm_stops_torchrun_and_every_worker(default_etcd, tmp_path, run_id):
+def test_sigterm_leaves_gracefully_and_stops_every_worker(default_etcd, tmp_path, run_id):
     record = tmp_path / "record.jsonl"
     with open(tmp_path / "up.log", "wb") as log:
         up = subprocess.Popen([*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
@@ -85,8 +85,9 @@ def test_sigterm_stops_torchrun_and_every_worker(default_etcd, tmp_path, run_id)
         wait_for(lambda: read_records(record), 120, "the first training step")
         tree = psutil.Process(up.pid).children(recursive=True)
         assert any("mlp.py" in " ".join(p.cmdline()) for p in tree)
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(60) != 0
+        up.send_signal(signal.SIGTERM)  # preemption: leave like `elasticctl leave`
+        assert up.wait(60) == 0
+        assert "left the job" in (tmp_path / "up.log").read_text()
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"orphans left behind: {alive}"
     finally:

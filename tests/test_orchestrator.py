@@ -28,7 +28,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def steps_at(records: list[dict], world: int, nodes: set[str] | None = None) -> list[dict]:
-    return [r for r in records if "step" in r and r.get("world_size") == world
+    return [r for r in records if "event" not in r and r.get("world_size") == world
             and (nodes is None or r.get("node") in nodes)]
 
 

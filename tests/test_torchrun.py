@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def _steps_at(records: list[dict], world: int, group_rank: int | None = None) -> list[dict]:
-    return [r for r in records if r.get("world_size") == world and "step" in r
+    return [r for r in records if r.get("world_size") == world and "event" not in r
             and (group_rank is None or r.get("group_rank") == group_rank)]
 
 
