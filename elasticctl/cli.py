@@ -6,6 +6,7 @@ Every option can also come from an ``ELASTICCTL_<OPTION>`` environment variable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -379,7 +380,8 @@ def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the nodes to stop.")
 def down(job, timeout, **etcd_params) -> None:
     """Stop the job on every node (each exits 0) and remove its keys."""
-    client = _connect(_settings(etcd_params))
+    # Short retries: an embedded etcd may stop with the job, right after its nodes.
+    client = _connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
     registry.request_down()

@@ -156,9 +156,15 @@ class Registry:
             if ok:
                 return True
             existing = JobSpec.from_dict(_load(current.value)) if current else None
-            if existing == spec and not self._rendezvous_closed():
+            finished = self._rendezvous_closed()
+            if existing == spec and not finished:
                 return False
             if self.live_nodes():
+                if finished:
+                    raise ConfigError(
+                        f"The job '{spec.name}' has finished and its last nodes are still stopping; "
+                        "run it again in a few seconds."
+                    )
                 raise ConfigError(
                     f"The job '{spec.name}' is already running with a different spec "
                     f"({existing.describe_difference(spec) if existing else 'unreadable'}); "

@@ -97,8 +97,10 @@ def test_up_join_status_leave_join_down(job):
     assert {n["rendezvous"] for n in status["nodes"]} == {"training"}
     assert sorted(n["rank"] for n in status["nodes"]) == [0, 1, 2]
     assert status["spec"]["min_nodes"] == 1 and status["spec"]["max_nodes"] == 3
-    text = cli("status", "--etcd", j.etcd.endpoint)  # the only job: no --job needed
-    assert text.returncode == 0 and "world size 3" in text.stdout, text.stderr
+    # the trainer's rank 0 publishes its progress for `status`
+    wait_for(lambda: (j.registry.progress() or {}).get("world_size") == 3, 60, "progress at world size 3")
+    text = cli("status", "--etcd", j.etcd.endpoint, "--job", j.name)
+    assert text.returncode == 0 and "world size 3" in text.stdout and "trainer   step" in text.stdout, text.stdout
 
     # leave: c exits 0, a and b continue at world 2 without spending a restart
     left_at = max(r["time"] for r in j.records())
@@ -289,3 +291,14 @@ def test_etcd_blip_does_not_stop_training(nodes, run_id, tmp_path):
             assert set(j.registry.live_nodes()) == {"a", "b"}
         finally:
             j.client.close()
+
+
+def test_finished_job_runs_again_under_the_same_name(default_etcd, run_id, tmp_path):
+    record = tmp_path / "record.jsonl"
+    for attempt in (1, 2):
+        result = cli("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1", MLP, "--steps", "3",
+                     "--record", str(record), timeout=180)
+        assert result.returncode == 0, result.stderr
+        assert "training finished" in result.stderr
+        done = [r for r in read_records(record) if r.get("event") == "done"]
+        assert len(done) == attempt
