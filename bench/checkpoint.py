@@ -3,8 +3,11 @@
 Runs each trainer under ``torchrun --standalone`` (world size 2, CPU/gloo by
 default) three ways in the same session, interleaved, and reports the mean
 step time of each run and its overhead over the run without checkpoints
-(min/median/max over the repeats). The step time comes from the trainers' own
-records: mlp writes one timestamped line per step, cifar10 a start and a done line.
+(min/median/max over the repeats), and how long each save held up the
+training thread (``save_blocked_ms``, min/median/max over all saves): the
+low-noise figure on a shared machine. The step time comes from the trainers'
+own records: mlp writes one timestamped line per step, cifar10 a start and a
+done line.
 
 Run: python -m bench.checkpoint --every 10 --repeat 3 [--trainers mlp cifar10] [--mlp-hidden 64 65536]
 """
@@ -43,8 +46,14 @@ def cifar10_step_time(records: list[dict]) -> float:
     return (done["time"] - start["time"]) / (done["step"] - start["step"])
 
 
+def blocked_ms(records: list[dict]) -> list[float]:
+    """How long each periodic save held up rank 0's training thread."""
+    return [r["blocked_ms"] for r in records if r.get("event") == "checkpoint"]
+
+
 def bench(name: str, script: str, base_args: list[str], step_time, every: int, repeat: int, nproc: int) -> dict:
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    blocked: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(repeat):
         for mode, extra in MODES.items():  # interleaved, so load drift hits every mode alike
             with tempfile.TemporaryDirectory() as tmp:
@@ -53,13 +62,18 @@ def bench(name: str, script: str, base_args: list[str], step_time, every: int, r
                     args += ["--checkpoint-every", "0"]  # no directory either: nothing is written
                 else:
                     args += ["--checkpoint-dir", str(Path(tmp) / "ckpt"), "--keep", "2"]
-                times[mode].append(step_time(run(script, args, nproc, Path(tmp))))
+                records = run(script, args, nproc, Path(tmp))
+                times[mode].append(step_time(records))
+                blocked[mode] += blocked_ms(records)
     base = statistics.median(times["none"])
     result = {"trainer": name, "every": every, "world_size": nproc}
     for mode, values in times.items():
         ms = sorted(v * 1000 for v in values)
         result[mode] = {"step_ms": [round(ms[0], 2), round(statistics.median(ms), 2), round(ms[-1], 2)],
                         "overhead_pct_of_median": round((statistics.median(values) / base - 1) * 100, 1)}
+        if blocked[mode]:
+            b = sorted(blocked[mode])
+            result[mode]["save_blocked_ms"] = [b[0], round(statistics.median(b), 2), b[-1]]
     return result
 
 

@@ -171,8 +171,10 @@ def fit(args: argparse.Namespace, ctx: WorkerContext, model: nn.Module, train_se
     criterion = nn.CrossEntropyLoss()
 
     def save(blocking: bool | None = None) -> None:
+        began = time.perf_counter()
         checkpointer.save(step, sampler.epoch, extra={"global_batch": global_batch}, blocking=blocking, **state)
-        write({"event": "checkpoint", "step": step, "epoch": sampler.epoch, "consumed": sampler.consumed})
+        write({"event": "checkpoint", "step": step, "epoch": sampler.epoch, "consumed": sampler.consumed,
+               "blocked_ms": round((time.perf_counter() - began) * 1000, 2)})
 
     def final_checkpoint_and_exit() -> None:
         if checkpointer:

@@ -160,11 +160,13 @@ def train(args: argparse.Namespace) -> None:
     extra = {"global_batch": global_batch}
 
     def save(blocking: bool | None = None) -> None:
+        began = time.perf_counter()
         checkpointer.save(step, sampler.epoch, model=model, optimizer=optimizer, sampler=sampler,
                           extra={**extra, "samples_seen": samples_seen}, blocking=blocking)
-        if checkpointer.is_writer:
+        if checkpointer.is_writer:  # blocked_ms: how long training stood still for this save
             write({"event": "checkpoint", "step": step, "epoch": sampler.epoch, "consumed": sampler.consumed,
-                   "async": not blocking and args.async_checkpoint})
+                   "async": not blocking and args.async_checkpoint,
+                   "blocked_ms": round((time.perf_counter() - began) * 1000, 2)})
 
     started, samples_at_start = time.monotonic(), samples_seen
     try:
