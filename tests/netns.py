@@ -18,7 +18,9 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
+from typing import Self
 
 import psutil
 from helpers import Node
@@ -38,7 +40,7 @@ class NetnsError(RuntimeError):
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:
         raise NetnsError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
     return result
@@ -68,15 +70,25 @@ def sweep_stale() -> None:
     for owner_file in STATE_DIR.glob("*.pid"):
         try:
             pid = int(owner_file.read_text().strip())
+            written = owner_file.stat().st_mtime
         except (OSError, ValueError):
             continue
-        if psutil.pid_exists(pid):
+        if _owner_alive(pid, written):
             continue
         prefix = owner_file.stem
         for ns in sorted(n for n in existing if n.startswith(prefix + "-")):
             _kill_inside(ns)
             _ip("netns", "del", ns, check=False)
         owner_file.unlink(missing_ok=True)
+
+
+def _owner_alive(pid: int, written: float) -> bool:
+    """Whether the process that wrote an owner file at ``written`` still runs (not a zombie, not a reused pid)."""
+    try:
+        owner = psutil.Process(pid)
+        return owner.status() != psutil.STATUS_ZOMBIE and owner.create_time() <= written + 1
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _kill_inside(ns: str) -> None:
@@ -175,7 +187,7 @@ class Topology:
         self._created.clear()
         self._owner_file.unlink(missing_ok=True)
 
-    def __enter__(self) -> Topology:
+    def __enter__(self) -> Self:
         return self.create()
 
     def __exit__(self, *exc_info) -> None:
@@ -190,15 +202,16 @@ class Topology:
     def heal(self, host: str) -> None:
         _ip("-n", self.bridge_ns, "link", "set", f"v-{host}", "up")
 
-    def link_up(self, host: str) -> bool:
-        out = _ip("-n", self.bridge_ns, "-o", "link", "show", f"v-{host}").stdout
-        return ",UP" in out or "<UP" in out
-
     # -- probes ----------------------------------------------------------------------------
 
     def run(self, host: str, command: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.exec_prefix(host), *command], capture_output=True, text=True,
-                              timeout=timeout, env=host_env())
+        return subprocess.run([*self.exec_prefix(host), *command], check=False, capture_output=True,
+                              text=True, timeout=timeout, env=host_env())
+
+    def connects(self, src: str, dst_addr: str, port: int, timeout: float = 1.0) -> bool:
+        """Whether ``src`` opens a TCP connection to ``dst_addr:port`` within ``timeout``."""
+        code = f"import socket; socket.create_connection(({dst_addr!r}, {port}), timeout={timeout}).close()"
+        return self.run(src, [sys.executable, "-c", code], timeout=timeout + 30).returncode == 0
 
     def tcp_peers(self, host: str) -> set[str]:
         """Remote addresses of the established TCP connections of ``host``."""
@@ -208,6 +221,10 @@ class Topology:
 
     def namespaces(self) -> list[str]:
         return list(self._created)
+
+
+def existing_namespaces(prefix: str) -> list[str]:
+    return [n for n in _ip("netns", "list", check=False).stdout.split() if n.startswith(prefix + "-")]
 
 
 def host_env(extra: dict | None = None) -> dict[str, str]:

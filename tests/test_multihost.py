@@ -21,7 +21,7 @@ import time
 
 import pytest
 from helpers import MLP, read_records, wait_for
-from netns import Topology, sweep_stale, unavailable_reason
+from netns import NetnsError, Topology, existing_namespaces, sweep_stale, unavailable_reason
 
 pytestmark = [
     pytest.mark.slow,
@@ -77,13 +77,13 @@ class Cluster:
     def start_nodes(self) -> None:
         common = ["--etcd", self.endpoint, "--job", self.job]
         self.nodes["a"] = self.topology.spawn("a", "a", [
-            *ELASTICCTL, "up", *common, "--nnodes", "2:3", "--node-ttl", str(NODE_TTL), "--node-id", "a",
+            *ELASTICCTL, "-v", "up", *common, "--nnodes", "2:3", "--node-ttl", str(NODE_TTL), "--node-id", "a",
             "--local-addr", self.topology.addr("a"), *TRAIN, "--record", str(self.record),
         ], self.workdir)
         for node in ("b", "c"):
             # --wait: the job spec appears once `up` on a has published it.
             self.nodes[node] = self.topology.spawn(node, node, [
-                *ELASTICCTL, "join", *common, "--wait", "60", "--node-id", node,
+                *ELASTICCTL, "-v", "join", *common, "--wait", "60", "--node-id", node,
                 "--local-addr", self.topology.addr(node),
             ], self.workdir)
 
@@ -97,7 +97,8 @@ class Cluster:
             return recent if {r["node"] for r in recent} >= nodes else None
 
         try:
-            return wait_for(reached, timeout, f"nodes {sorted(nodes)} training at world size {world}")
+            # Polled gently: the record grows by ~60 lines/s and the machine has 2 cores.
+            return wait_for(reached, timeout, f"nodes {sorted(nodes)} training at world size {world}", interval=0.25)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnostics()}") from None
 
@@ -115,11 +116,15 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def topology():
+def netns_usable():
     sweep_stale()
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def topology(netns_usable):
     with Topology(hosts=["etcd", *NODES]) as topo:
         yield topo
 
@@ -135,6 +140,45 @@ def cluster(topology, tmp_path_factory):
         r["time"] for r in steps(c.records(), 3)) - started)
     yield c
     # topology.destroy() kills every process it spawned, then the namespaces.
+
+
+LISTEN = """
+import socket, sys
+servers = [socket.create_server((host, 7000)) for host in sys.argv[1:]]
+print("listening", flush=True)
+while True:
+    for server in servers:
+        server.settimeout(0.05)
+        try:
+            server.accept()[0].close()
+        except TimeoutError:
+            pass
+"""
+
+
+def test_harness_isolates_cuts_and_removes_what_it_made(netns_usable, tmp_path):
+    topo = Topology(hosts=["x", "y"]).create()
+    try:
+        listener = topo.spawn("y", "listener", [sys.executable, "-c", LISTEN, topo.addr("y"), "127.0.0.1"],
+                              tmp_path)
+        wait_for(lambda: "listening" in listener.log(), 30, "the listener on y")
+        assert topo.connects("x", topo.addr("y"), 7000)
+        assert not topo.connects("x", "127.0.0.1", 7000), "x must have a loopback of its own"
+        topo.cut("y")
+        assert not topo.connects("x", topo.addr("y"), 7000)
+        topo.heal("y")
+        assert topo.connects("x", topo.addr("y"), 7000)
+        assert existing_namespaces(topo.prefix) and listener.process.poll() is None
+    finally:
+        topo.destroy()
+    assert existing_namespaces(topo.prefix) == []
+    assert listener.process.poll() is not None
+
+    # A topology that fails half-way (an invalid address) removes what it had made.
+    broken = Topology(hosts=["x"], subnet="10.213.999")
+    with pytest.raises(NetnsError):
+        broken.create()
+    assert existing_namespaces(broken.prefix) == []
 
 
 def test_job_forms_across_hosts_with_their_own_addresses(cluster, topology):
@@ -178,9 +222,8 @@ def test_partitioned_host_drops_out_and_rejoins_when_the_link_returns(cluster, t
 
     whole = cluster.wait_world(3, set(NODES), since=healed_at)
     report("link of c restored -> a, b, c train at world 3", min(r["time"] for r in whole) - healed_at)
-    by_node = {n: {r["restart"] for r in whole if r["node"] == n} for n in NODES}
-    assert by_node["a"] == by_node["b"] == {0}
-    print(f"[multihost] restarts spent by c after the partition: {by_node['c']}")
+    # A partition is nobody's own failure: not the survivors', not the cut-off node's.
+    assert {r["restart"] for r in whole} == {0}
     assert cluster.alive() == {n: True for n in NODES}
     status = cluster.status()
     assert status["world_size"] == 3
@@ -203,12 +246,12 @@ def test_etcd_host_restart_within_the_client_tolerance_does_not_stop_training(cl
 
     # Past a whole node TTL after etcd's return, so an expired lease would have shown.
     after = cluster.wait_world(3, set(NODES), since=back_at + NODE_TTL + 1)
-    during = steps(cluster.records(), since=killed_at)
-    assert {r["world_size"] for r in during} == {3}
-    assert {r["restart"] for r in during} == {0}
+    since_kill = steps(cluster.records(), since=killed_at)
+    assert {r["node"] for r in since_kill if r["time"] < back_at} == set(NODES), "no training while etcd was down"
+    assert {r["world_size"] for r in since_kill} == {3}
+    assert {r["restart"] for r in since_kill} == {0}
     # The very same worker processes: nothing was restarted, not even for free.
     assert {(r["node"], r["rank"]): r["pid"] for r in after} == workers
-    assert max(r["time"] for r in during) - killed_at > back_at - killed_at
     assert cluster.alive() == {n: True for n in NODES}
     status = cluster.status()
     assert status["round"] == round_before and status["world_size"] == 3
