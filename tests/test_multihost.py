@@ -12,6 +12,7 @@ are printed (``pytest -s``) rather than asserted: the machine is shared and nois
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -252,6 +253,8 @@ def test_etcd_host_restart_within_the_client_tolerance_does_not_stop_training(cl
     assert {r["restart"] for r in since_kill} == {0}
     # The very same worker processes: nothing was restarted, not even for free.
     assert {(r["node"], r["rank"]): r["pid"] for r in after} == workers
+    times = sorted(r["time"] for r in since_kill if r["node"] == "a")
+    report("longest pause between two steps of a since etcd was killed", max(b - a for a, b in itertools.pairwise(times)))
     assert cluster.alive() == {n: True for n in NODES}
     status = cluster.status()
     assert status["round"] == round_before and status["world_size"] == 3
