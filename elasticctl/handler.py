@@ -22,12 +22,14 @@ crashed peer costs every survivor a restart. This handler adds:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import time
 
+import psutil
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousInfo
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, _RendezvousExitOp
 
@@ -43,6 +45,8 @@ NODE_ENV = "ELASTICCTL_NODE"
 GONE_STATES = ("left", "failed", "quarantined")
 # Membership is checked at most this often, however short torchrun's monitor interval.
 CHECK_INTERVAL = 0.5
+# Seconds workers get to exit on SIGTERM after a peer was lost (see _stop_stuck_workers).
+STUCK_WORKER_GRACE = 3.0
 
 
 class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
@@ -81,6 +85,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         self._counted_at: list[float] = []
         self._left = False
         self._last_check = 0.0
+        self._departed: set[str] = set()
         os.environ[RESTARTS_ENV] = "0"
         return self
 
@@ -112,11 +117,32 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             log.warning("[%s] cannot check the members of round %s: %s", self._node_id, self._round, exc)
             return 0
         if lost:
-            log.info("[%s] round %s lost %s; restarting workers without spending a restart",
-                     self._node_id, self._round, ", ".join(sorted(lost)))
+            log.warning("[%s] round %s lost %s; restarting workers without spending a restart",
+                        self._node_id, self._round, ", ".join(sorted(lost)))
             self._free_restart = True
+            if lost - self._departed:
+                self._stop_stuck_workers()
             return len(lost)
         return 0
+
+    def _stop_stuck_workers(self) -> None:
+        """Stop workers that may hang in a collective with a vanished peer.
+
+        torch stops workers on a restart with SIGTERM and waits 30 s before SIGKILL.
+        A trainer that handles SIGTERM at a step boundary never reaches one while a
+        collective waits for a frozen or cut-off peer, so those 30 s would be lost.
+        A final checkpoint is impossible then anyway (it needs the lost peer).
+        """
+        workers = psutil.Process().children(recursive=True)
+        for proc in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(workers, timeout=STUCK_WORKER_GRACE)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        if alive:
+            log.warning("[%s] %d worker process(es) hung after SIGTERM; killed", self._node_id, len(alive))
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._rounds_joined and not self._free_restart:
@@ -169,10 +195,13 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         current = {node for node, m in members.items() if m.get("round") == self._round}
         self._seen |= current
         lost = set()
+        self._departed = set()
         for node in self._seen:
             member = members.get(node)
             if member is None or member.get("state") in GONE_STATES:
                 lost.add(node)
+                if member is not None and member.get("state") == "left":
+                    self._departed.add(node)  # left gracefully: its peers' collectives still complete
             elif member.get("round") != self._round and member.get("state") != "done":
                 lost.add(node)
         # A member that died between the rendezvous and writing its record never shows up.

@@ -65,6 +65,14 @@ def primary_address() -> str:
     return "127.0.0.1"
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds ``address``, if this host has it."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
+
+
 def local_address_for(etcd_host: str) -> str:
     """The address other nodes should use for this one: loopback for a loopback job."""
     return "127.0.0.1" if is_loopback(etcd_host) else primary_address()

@@ -58,6 +58,18 @@ def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: 
     return env
 
 
+def socket_ifname_env(local_addr: str) -> dict[str, str]:
+    """Make gloo use the interface of ``--local-addr``.
+
+    gloo otherwise binds to whatever the host name resolves to, often 127.0.0.1 or
+    Debian's 127.0.1.1, and tells its peers that address: a multi-host job never forms.
+    """
+    if launcher.is_loopback(local_addr) or "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    interface = launcher.interface_of(local_addr)
+    return {"GLOO_SOCKET_IFNAME": interface} if interface else {}
+
+
 def tls_conf(settings: EtcdSettings) -> dict[str, str]:
     """The rendezvous options that make torchrun's handler reach etcd like we do."""
     conf = {"protocol": settings.protocol} if settings.protocol != "http" else {}
@@ -108,7 +120,8 @@ class NodeSession:
         self._lease = KeptLease(self.client, self.spec.node_ttl, self._rewrite_record, name="node")
         try:
             self.node_id = self.registry.register_node(self.record, self._lease.id, self.wanted_id)
-            env = {**os.environ, **worker_env(self.spec, self.client.settings, self.node_id, self.registry.key_prefix)}
+            env = {**os.environ, **socket_ifname_env(self.local_addr),
+                   **worker_env(self.spec, self.client.settings, self.node_id, self.registry.key_prefix)}
             self.echo(f"node {self.node_id} joins job {self.spec.name}: + {launcher.format_command(command)}")
             return self._supervise(processes.spawn(command, env=env))
         finally:

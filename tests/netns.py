@@ -30,7 +30,7 @@ from elasticctl import processes
 STATE_DIR = Path("/tmp/elasticctl-netns")
 # A private range unlikely to be routed anywhere; it only ever exists inside our namespaces.
 DEFAULT_SUBNET = "10.213.57"
-IFNAME = "eth0"  # a host's interface: the same name in every host namespace (GLOO_SOCKET_IFNAME)
+IFNAME = "eth0"  # a host's interface: the same name in every host namespace
 # grpc (the etcd client) would send our private addresses to a proxy of the real network.
 PROXY_VARS = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
@@ -228,10 +228,12 @@ def existing_namespaces(prefix: str) -> list[str]:
 
 
 def host_env(extra: dict | None = None) -> dict[str, str]:
-    """The environment of a process on a host: ours, minus proxies, gloo on the host's interface."""
-    env = {k: v for k, v in os.environ.items() if k not in PROXY_VARS}
-    # The shared hostname resolves to 127.0.0.1, so gloo would bind (and advertise) loopback.
-    env["GLOO_SOCKET_IFNAME"] = IFNAME
+    """The environment of a process on a host: ours, minus proxies.
+
+    No GLOO_SOCKET_IFNAME: the shared hostname resolves to 127.0.0.1 here, so the
+    job forms only because elasticctl points gloo at the --local-addr interface.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in PROXY_VARS and k != "GLOO_SOCKET_IFNAME"}
     env["PYTHONUNBUFFERED"] = "1"
     return {**env, **(extra or {})}
 
