@@ -239,6 +239,8 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
         remember_embedded(server.endpoint, os.getpid())
         click.echo(f"Embedded etcd serving at {server.endpoint}. On every other host run:", err=True)
         click.echo(f"  elasticctl join --etcd {server.endpoint} --job {job}", err=True)
+        click.echo("The job's etcd lives in this process: when this node stops, the job stops with it "
+                   "(run `elasticctl etcd` on a dedicated host for a job that must outlive any node).", err=True)
     try:
         client = _connect(settings)
         registry = Registry(client, job, etcd_params["key_prefix"])
