@@ -298,7 +298,7 @@ def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> 
     if hosts_etcd:
         # The others need this etcd to stop cleanly; down also clears the job's keys.
         wait_for_other_nodes(registry, session.node_id, timeout=60)
-        if session._request == "down":
+        if session.request == "down":
             registry.delete_job()
     click.echo(f"elasticctl: {outcome.reason}", err=True)
     sys.exit(outcome.code)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -106,6 +107,11 @@ class NodeSession:
         self._request_at = 0.0
         self._signals = 0
 
+    @property
+    def request(self) -> str | None:
+        """'leave' or 'down' once one was received (from etcd or a signal), else None."""
+        return self._request
+
     def command(self) -> list[str]:
         return torchrun_for(self.spec, self.client.settings, self.registry.key_prefix, self.local_addr)
 
@@ -156,7 +162,7 @@ class NodeSession:
                 try:
                     code = child.wait(timeout=0.2)
                     break
-                except Exception:  # subprocess.TimeoutExpired: still running
+                except subprocess.TimeoutExpired:
                     pass
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + REQUEST_POLL
