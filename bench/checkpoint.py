@@ -70,6 +70,7 @@ def bench(name: str, script: str, base_args: list[str], step_time, every: int, r
     for mode, values in times.items():
         ms = sorted(v * 1000 for v in values)
         result[mode] = {"step_ms": [round(ms[0], 2), round(statistics.median(ms), 2), round(ms[-1], 2)],
+                        "samples_ms": [round(v, 3) for v in ms],
                         "overhead_pct_of_median": round((statistics.median(values) / base - 1) * 100, 1)}
         if blocked[mode]:
             b = sorted(blocked[mode])

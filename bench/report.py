@@ -1,0 +1,211 @@
+"""Turn one run's raw results (the JSON in bench/results/) into the table of BENCHMARKS.md.
+
+Every cell is median (min–max) over the repeats; the ratio is elasticctl's
+median over torchrun's. A run that never recovered within its cap counts as
+"none within N s", and a ratio against it is an upper bound.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("elasticctl", "torchrun")
+
+
+def _stats(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def _cell(samples: list[float | None], cap: float | None, unit: str = "s", digits: int = 1) -> str:
+    done = [v for v in samples if v is not None]
+    missed = len(samples) - len(done)
+    if not samples:
+        return "not measured"
+    if not done:
+        return f"none within {cap:g} {unit} ({missed}/{missed})" if cap else f"failed ({missed}/{missed})"
+    s = _stats(done)
+    text = f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f}, n={s['n']})"
+    if missed:
+        text += f"; {missed} of {len(samples)} none within {cap:g} {unit}" if cap else f"; {missed} failed"
+    return text
+
+
+def _ratio(ours: list[float | None], theirs: list[float | None], cap: float | None) -> str:
+    ours_done = [v for v in ours if v is not None]
+    theirs_done = [v for v in theirs if v is not None]
+    if not ours_done:
+        return "—"
+    if not theirs_done:  # torchrun never got there: its time is at least the cap
+        return f"< {statistics.median(ours_done) / cap:.2f}" if cap else "—"
+    return f"{statistics.median(ours_done) / statistics.median(theirs_done):.2f}"
+
+
+def _field(runs: list[dict], *path: str) -> list[float | None]:
+    values = []
+    for run in runs:
+        value = run
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        values.append(value)
+    return values
+
+
+def _cap(runs: list[dict], *path: str) -> float | None:
+    caps = [c for c in _field(runs, *path) if c is not None]
+    return max(caps) if caps else None
+
+
+def rows(results: dict) -> list[tuple[str, str, str, str]]:
+    """(measurement, elasticctl, torchrun, ratio) for every scenario that ran."""
+    out = []
+    scenarios = results["scenarios"]
+
+    def paired(label: str, scenario: str, path: tuple[str, ...], cap_path: tuple[str, ...] | None = None,
+               digits: int = 1, unit: str = "s") -> None:
+        runs = scenarios.get(scenario)
+        if not runs:
+            return
+        cap = _cap(runs["elasticctl"] + runs["torchrun"], *cap_path) if cap_path else None
+        ours, theirs = _field(runs["elasticctl"], *path), _field(runs["torchrun"], *path)
+        out.append((label, _cell(ours, cap, unit, digits), _cell(theirs, cap, unit, digits),
+                    _ratio(ours, theirs, cap)))
+
+    every = results["settings"]["checkpoint_every"]
+    paired("Crash: SIGKILL node c → first step at world 2 (s)", "lifecycle", ("crash", "seconds"),
+           ("crash", "cap_s"))
+    paired(f"Crash: steps re-done after resume (checkpoint every {every})", "lifecycle",
+           ("crash", "redone_steps"), digits=0, unit="steps")
+    paired("Crash of node a (torchrun: c10d store host; elasticctl: ran `up`) → world 2 (s)", "crash_host",
+           ("seconds",), ("cap_s",))
+    paired("Freeze: SIGSTOP node b → first step at world 2 (s)", "lifecycle", ("freeze", "seconds"),
+           ("freeze", "cap_s"))
+    paired("Scale-up: start node d → first step at world 3 (s)", "lifecycle", ("scale_up", "seconds"),
+           ("scale_up", "cap_s"))
+    paired("Steady state, world 3, no events (steps/s)", "steady", ("steps_per_s",), digits=1)
+    paired("Cold start: 3 nodes → all training at world 3 (s)", "lifecycle", ("cold_start_s",))
+
+    for entry in scenarios.get("rendezvous", []):
+        out.append((f"Rendezvous: {entry['agents']} agents, one round (s)",
+                    _cell(entry["etcd3"], None, digits=2), _cell(entry["c10d"], None, digits=2),
+                    _ratio(entry["etcd3"], entry["c10d"], None)))
+    return out
+
+
+def checkpoint_rows(results: dict) -> list[str]:
+    lines = []
+    for entry in results["scenarios"].get("checkpoint", []):
+        none_ms = entry["none"]["step_ms"][1]
+        for mode in ("none", "sync", "async"):
+            m = entry[mode]
+            lost = entry["every"] * m["step_ms"][1]
+            lines.append(f"| {entry['trainer']} | {mode} | {m['step_ms'][1]:.2f} ({m['step_ms'][0]:.2f}–"
+                         f"{m['step_ms'][2]:.2f}, n={len(m.get('samples_ms', []))}) | "
+                         f"{m['overhead_pct_of_median']:+.1f} % | "
+                         + (f"{entry['every']} steps ≈ {lost / 1000:.2f} s |" if mode != "none"
+                            else f"everything since start (no checkpoint); {none_ms:.2f} ms/step |"))
+    return lines
+
+
+def machine_line(results: dict) -> str:
+    m = results["machine"]
+    return (f"{m['cpu_model']}, {m['cpu_count']} logical CPUs, {m['ram_gb']} GB RAM, {m['os']}, "
+            f"Python {m['python']}, torch {m['torch']}, etcd {m['etcd']}")
+
+
+def markdown(results: dict, png: str | None) -> str:
+    load = results["load"]
+    table = ["| measurement | elasticctl | plain torchrun | ratio elasticctl/torchrun |", "|---|---|---|---|"]
+    table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows(results)]
+    observed = [v for v in _field(results["scenarios"].get("lifecycle", {}).get("elasticctl", [])
+                                  + results["scenarios"].get("lifecycle", {}).get("torchrun", []),
+                                  "crash", "redone_steps") if v is not None]
+    every = results["settings"]["checkpoint_every"]
+    parts = [
+        "# Benchmarks: elasticctl next to plain torchrun",
+        "",
+        "<!-- generated by `python -m bench.run`; edit bench/report.py, not this file -->",
+        "",
+        f"Latest run: `{results['command']}` on {results['date']}, {results['duration_s'] / 60:.1f} min, "
+        "repeats per scenario and system (interleaved): "
+        + ", ".join(f"{k} {v}" for k, v in results["repeats"].items())
+        + f", checkpoint {results['settings']['checkpoint_repeats']}, rendezvous "
+        f"{results['settings']['rendezvous_repeats']}"
+        + (" (`--quick`: fewer than 3 where needed to stay within 10 minutes)." if results["mode"] == "quick"
+           else "."),
+        f"Machine: {machine_line(results)}.",
+        f"Load average (1 min) before the run: {load['before'][0]:.2f}, after: {load['after'][0]:.2f} "
+        "(the machine is shared; other jobs may have run at the same time).",
+        f"Raw samples: [`{results['json']}`]({results['json']}).",
+        "",
+        "3 nodes × 1 worker, each node a process tree on 127.0.0.1, CPU, gloo, `trainers/mlp.py` "
+        f"(`{' '.join(results['settings']['event_training'])}`, checkpoint every {every} steps in the "
+        "event scenarios; the trainer's own `--pg-timeout` default of 60 s for both systems). "
+        "Cells: median (min–max, n). Recovery times run from the signal (or node start) to the first "
+        "completed step at the new world size, from the trainer's record.",
+        "",
+        *table,
+        "",
+        "Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
+        "worst-case lost work per failure = the steps since the last checkpoint):",
+        "",
+        "| trainer | checkpoint | step ms | overhead vs none | worst-case lost work per failure |",
+        "|---|---|---|---|---|",
+        *checkpoint_rows(results),
+        "",
+        f"Steps re-done after a crash, observed: {sorted(observed)} (bound: {every}, the checkpoint interval)."
+        if observed else "",
+        "",
+        "## How each system is run",
+        "",
+        "- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
+        "`elasticctl up --etcd … --nnodes 1:3` on node a, `elasticctl join` on b, c (and d); "
+        "every other setting at its default (node TTL 5 s).",
+        "- **plain torchrun**: `torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=c10d "
+        "--rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=last_call_timeout=1 --max-restarts=3 "
+        "--local-addr=127.0.0.1` on each node, node a first (it binds PORT, so it hosts the c10d store), "
+        "torch's other defaults, with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with torch's default "
+        "shared agent store a node that joins a running job with rank ≥ 1 deadlocks in the rendezvous "
+        "(node a starts alone at world 1, so b and c are such joiners), and the 3-node job never forms "
+        "(seen while building this bench: no world of 3 within 120 s).",
+        "- One job serves three events in turn (`lifecycle`): SIGKILL of node c's whole process tree, "
+        "then start node d, then SIGSTOP of node b's tree; each starts from a world of 3 (2 for the "
+        "scale-up). The kill of node a runs as a job of its own. Steady state: another job, no "
+        "`--step-sleep`, no checkpoints, rank 0's steps/s over a window at world 3.",
+        "- Rendezvous scale (`bench/rendezvous.py`): N torch `DynamicRendezvousHandler`s in threads of "
+        "one process complete one round, `last_call_timeout=1`, on one etcd vs a c10d TCPStore.",
+        "",
+        "## Reading the numbers",
+        "",
+        "- A frozen peer is only noticed by plain torchrun when a collective times out: the trainer's "
+        "`--pg-timeout` (60 s here; gloo's default is 30 min). elasticctl notices the expired lease.",
+        "- The runs share 2 cores with three trainers, three agents and etcd; seconds here are "
+        "dominated by process start-up and `import torch` of the restarted workers.",
+    ]
+    if png:
+        parts += ["", "## World size and steps/s around a crash, a scale-up and a freeze", "",
+                  f"![world size and steps/s over time]({png})", "",
+                  "From the first repeat's records (rank 0's steps, 1 s bins); dashed lines mark the events."]
+    return "\n".join(parts) + "\n"
+
+
+def text_table(results: dict) -> str:
+    lines = [f"{a}\n    elasticctl: {b}\n    torchrun:   {c}\n    ratio:      {d}" for a, b, c, d in rows(results)]
+    lines += ["checkpoint: " + row for row in checkpoint_rows(results)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Regenerate BENCHMARKS.md from a results file: python -m bench.report bench/results/X.json"""
+    path = Path(sys.argv[1])
+    results = json.loads(path.read_text())
+    png = results.get("png")
+    (REPO / "BENCHMARKS.md").write_text(markdown(results, png))
+    print(text_table(results))
+
+
+if __name__ == "__main__":
+    main()

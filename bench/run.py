@@ -1,0 +1,209 @@
+"""elasticctl next to plain torchrun, every scenario, one command.
+
+    python -m bench.run --quick    # < 10 min on 2 cores: 1 repeat per scenario and system
+    python -m bench.run --full     # < 45 min: 3 repeats, 32-agent rendezvous, a 4.5 MB checkpoint too
+
+3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Both systems run in
+the same invocation, interleaved per repeat. Writes bench/results/<date>-<mode>.json
+(every raw sample and the machine), bench/results/recovery.png and BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from bench import checkpoint as checkpoint_bench
+from bench import plot, report, scenarios
+from bench.cluster import SYSTEMS
+from bench.scenarios import Caps
+from elasticctl.etcd import EtcdClient
+from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+PNG = RESULTS / "recovery.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    repeats: dict[str, int]  # per scenario: quick repeats the cheap ones more
+    caps: Caps
+    rendezvous_agents: tuple[int, ...]
+    rendezvous_repeats: int
+    checkpoint_hidden: tuple[int, ...]
+    checkpoint_steps: int
+    checkpoint_repeats: int
+
+
+PLANS = {
+    "quick": Plan(repeats={"lifecycle": 1, "crash_host": 2, "steady": 2}, caps=Caps(recover=60, freeze=60, steady_window=10),
+                  rendezvous_agents=(2, 8), rendezvous_repeats=3,
+                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2),
+    "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "steady": 3}, caps=Caps(recover=90, freeze=120, steady_window=20),
+                 rendezvous_agents=(2, 8, 32), rendezvous_repeats=3,
+                 checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3),
+}
+JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "steady": scenarios.steady}
+ALL = (*JOB_SCENARIOS, "checkpoint", "rendezvous")
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    import torch
+
+    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+            "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "os": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "etcd": etcd_version(find_etcd_binary())}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def summary(sample: dict) -> str:
+    def short(value):
+        return f"{value:.2f}" if isinstance(value, float) else value
+
+    flat = {k: short(v) for k, v in sample.items() if not isinstance(v, (dict, list))}
+    nested = {k: {kk: short(vv) for kk, vv in v.items()} for k, v in sample.items()
+              if isinstance(v, dict) and k != "events"}
+    return json.dumps({**flat, **nested})
+
+
+def run_jobs(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
+    results: dict = {name: {system: [] for system in SYSTEMS} for name in names}
+    for repeat in range(max(plan.repeats[name] for name in names)):
+        order = SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]  # neither system always runs first
+        for name in [n for n in names if repeat < plan.repeats[n]]:
+            for system in order:
+                workdir = root / f"{name}-{system}-{repeat}"
+                sample = JOB_SCENARIOS[name](system, workdir, etcd, plan.caps)
+                results[name][system].append(sample)
+                log(f"{name} {system} #{repeat + 1}: {summary(sample)}")
+    return results
+
+
+def run_rendezvous(plan: Plan, etcd: EmbeddedEtcd) -> list[dict]:
+    from bench.rendezvous import one_round  # imports torch's rendezvous registry: only when needed
+
+    rows = []
+    for agents in plan.rendezvous_agents:
+        row: dict = {"agents": agents, "etcd3": [], "c10d": []}
+        for _ in range(plan.rendezvous_repeats):
+            for backend in ("etcd3", "c10d"):
+                endpoint = etcd.endpoint if backend == "etcd3" else f"127.0.0.1:{free_port()}"
+                try:
+                    row[backend].append(one_round(backend, endpoint, agents))
+                except Exception as exc:  # noqa: BLE001 - a backend that cannot hold N agents is a result
+                    row[backend].append(None)
+                    row.setdefault("errors", []).append(f"{backend}: {exc}")
+        rows.append(row)
+        log(f"rendezvous {agents} agents: etcd3 {row['etcd3']} c10d {row['c10d']}")
+    return rows
+
+
+def run_checkpoint(plan: Plan) -> list[dict]:
+    rows = []
+    for hidden in plan.checkpoint_hidden:
+        rows.append(checkpoint_bench.bench(
+            f"mlp --hidden {hidden}", "mlp.py",
+            ["--steps", str(plan.checkpoint_steps), "--hidden", str(hidden), "--log-every", "0"],
+            checkpoint_bench.mlp_step_time, plan.caps.checkpoint_every, plan.checkpoint_repeats, nproc=2))
+        log(f"checkpoint: {json.dumps(rows[-1])}")
+    return rows
+
+
+def leftover_processes(token: str) -> list[str]:
+    """Processes of this run still alive: children of this process, or any command line naming the run."""
+    me = psutil.Process()
+    found = {p.pid: p for p in me.children(recursive=True)}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid != me.pid and token in " ".join(proc.info["cmdline"] or []):
+            found[proc.pid] = proc
+    described = []
+    for proc in found.values():
+        try:
+            described.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return described
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick")
+    mode.add_argument("--full", action="store_const", dest="mode", const="full")
+    parser.add_argument("--only", nargs="+", choices=ALL, default=list(ALL), help="run these scenarios only")
+    parser.add_argument("--repeats", type=int, default=None, help="override the plan's repeats")
+    parser.add_argument("--no-report", action="store_true",
+                        help="write the JSON but leave BENCHMARKS.md and the PNG alone (smoke runs)")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep the nodes' logs and records")
+    args = parser.parse_args()
+    plan = PLANS[args.mode]
+    if args.repeats:
+        plan = dataclasses.replace(plan, repeats=dict.fromkeys(plan.repeats, args.repeats),
+                                   checkpoint_repeats=args.repeats,
+                                   rendezvous_repeats=args.repeats)
+
+    started, now = time.monotonic(), datetime.datetime.now()
+    root = Path(tempfile.mkdtemp(prefix=f"ecbench-{now:%H%M%S}-"))
+    command = " ".join(["python -m bench.run", *sys.argv[1:]])
+    results: dict = {"date": now.isoformat(timespec="seconds"), "mode": args.mode, "command": command,
+                     "repeats": plan.repeats, "machine": machine(), "load": {"before": os.getloadavg()},
+                     "settings": {**dataclasses.asdict(plan), "checkpoint_every": plan.caps.checkpoint_every,
+                                  "event_training": scenarios.EVENT_TRAINING,
+                                  "steady_training": scenarios.STEADY_TRAINING},
+                     "scenarios": {}}
+    log(f"{command}: repeats per scenario and system {plan.repeats}, checkpoint {plan.checkpoint_repeats}, "
+        f"rendezvous {plan.rendezvous_repeats}"
+        + (" (fewer than 3 where needed to stay within 10 minutes)" if min(plan.repeats.values()) < 3 else "")
+        + f"; load {results['load']['before'][0]:.2f}; workdir {root}")
+    try:
+        with EmbeddedEtcd(data_dir=str(root / "etcd"), client_port=0, peer_port=0) as etcd, \
+                EtcdClient(etcd.client_settings()) as client:
+            jobs = [name for name in JOB_SCENARIOS if name in args.only]
+            results["scenarios"].update(run_jobs(jobs, plan, root, client))
+            if "rendezvous" in args.only:
+                results["scenarios"]["rendezvous"] = run_rendezvous(plan, etcd)
+        if "checkpoint" in args.only:
+            results["scenarios"]["checkpoint"] = run_checkpoint(plan)
+    finally:
+        results["leftover_processes"] = leftover_processes(root.name)
+        if results["leftover_processes"]:
+            log(f"killed leftover processes: {results['leftover_processes']}")
+        if not args.keep_workdir:
+            shutil.rmtree(root, ignore_errors=True)
+
+    results["load"]["after"] = os.getloadavg()
+    results["duration_s"] = round(time.monotonic() - started, 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{now:%Y-%m-%d-%H%M}-{args.mode}.json"
+    results["json"] = str(out.relative_to(REPO))
+    if not args.no_report:
+        png = plot.plot(results, PNG)
+        results["png"] = str(png.relative_to(REPO)) if png else None
+    out.write_text(json.dumps(results, indent=1))
+    if not args.no_report:
+        (REPO / "BENCHMARKS.md").write_text(report.markdown(results, results.get("png")))
+    print(report.text_table(results))
+    log(f"done in {results['duration_s'] / 60:.1f} min; load {results['load']['after'][0]:.2f}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

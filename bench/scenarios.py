@@ -1,0 +1,161 @@
+"""Benchmark scenarios: each runs one job of one system once and returns its raw measurements.
+
+Times come from the trainer's record (``time`` of each completed step, wall
+clock), compared with the wall-clock instant the bench sent a signal or started
+a node. Waits are on record lines, capped; a cap that runs out is a result
+("no recovery within N s"), not an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import signal
+import time
+from pathlib import Path
+
+from bench.cluster import Cluster, wait_for
+from elasticctl.etcd import EtcdClient
+
+# --step-sleep keeps event runs near 15 steps/s, so agents and etcd are not starved of
+# the 2 cores and the steps/s plot stays readable; steady state runs without it.
+EVENT_TRAINING = ["--steps", "10000000", "--step-sleep", "0.05", "--log-every", "0"]
+STEADY_TRAINING = ["--steps", "10000000", "--log-every", "0"]
+FIRST_NODES = ("a", "b", "c")
+
+
+@dataclasses.dataclass(frozen=True)
+class Caps:
+    """How long to wait for each outcome before reporting that it did not happen."""
+
+    start: float = 120.0      # cold start until all 3 nodes train at world 3
+    recover: float = 90.0     # crash or scale-up until the new world trains
+    freeze: float = 120.0     # SIGSTOP until the survivors train again
+    steady_window: float = 15.0  # seconds of world-3 training timed for steps/s
+    checkpoint_every: int = 20
+
+
+def _start_world3(cluster: Cluster, caps: Caps) -> float | None:
+    """Start nodes a, b, c (a first); seconds from the first start to all three training at world 3."""
+    started = time.time()
+    for name in FIRST_NODES:
+        cluster.start(name, timeout=caps.start)
+    reached = cluster.wait_world(3, set(FIRST_NODES), started, caps.start)
+    return reached - started if reached else None
+
+
+def _train_a_while(cluster: Cluster, world: int, since: float, caps: Caps, seed: str) -> None:
+    """Let rank 0 train K..2K-1 steps at ``world``: a checkpoint exists and the next event lands at a
+    reproducible pseudo-random point of the checkpoint interval (lost work: 0..K steps)."""
+    steps = caps.checkpoint_every + random.Random(seed).randrange(caps.checkpoint_every)
+    wait_for(lambda: len([r for r in cluster.record.steps(since, world) if r["rank"] == 0]) >= steps, caps.recover)
+
+
+def _recovery(cluster: Cluster, event: float, world: int, survivors: set[str], cap: float) -> dict:
+    """Seconds from ``event`` to the first step at ``world``, and the steps trained again after resuming."""
+    def job_ended() -> bool:  # e.g. plain torchrun after losing the c10d store host: nothing to wait for
+        return all(cluster.nodes[n].process.poll() is not None for n in survivors)
+
+    resumed = cluster.wait_world(world, survivors, event, cap, give_up=job_ended)
+    if resumed is None:
+        return {"seconds": None, "cap_s": cap,
+                "outcome": "job ended" if job_ended() else f"no recovery within {cap:g} s"}
+    steps = cluster.record.steps()
+    last_before = max(r["step"] for r in steps if r["time"] <= event)
+    first_after = min(r["step"] for r in steps if r["time"] > event and r["world_size"] == world)
+    return {"seconds": resumed - event, "cap_s": cap, "outcome": "recovered",
+            "last_step_before": last_before, "first_step_after": first_after,
+            "redone_steps": last_before + 1 - first_after}
+
+
+def _timeline(cluster: Cluster, origin: float) -> list[list[float]]:
+    """[seconds since origin, step, world size] of every rank-0 step: the plot's raw data."""
+    return [[round(r["time"] - origin, 3), r["step"], r["world_size"]]
+            for r in cluster.record.steps() if r["rank"] == 0]
+
+
+def lifecycle(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
+    """One job through three events: SIGKILL node c, start node d, SIGSTOP node b.
+
+    Each event starts from a world of 3 (2 for the scale-up), so one cold start
+    serves three measurements; the record keeps the whole story for the plot.
+    """
+    args = [*EVENT_TRAINING, "--checkpoint-dir", str(workdir / "checkpoints"),
+            "--checkpoint-every", str(caps.checkpoint_every)]
+    cluster = Cluster(system, workdir, args, etcd)
+    origin = time.time()
+    result: dict = {"events": {}}
+    try:
+        result["cold_start_s"] = _start_world3(cluster, caps)
+        if result["cold_start_s"] is None:
+            result["error"] = f"no world of 3 within {caps.start:g} s"
+            return result
+
+        _train_a_while(cluster, 3, origin, caps, f"{workdir.name} crash")
+        killed = result["events"]["sigkill c"] = time.time()
+        cluster.nodes["c"].signal_tree(signal.SIGKILL)
+        result["crash"] = _recovery(cluster, killed, 2, {"a", "b"}, caps.recover)
+        if result["crash"]["seconds"] is None:
+            return result
+
+        _train_a_while(cluster, 2, killed, caps, f"{workdir.name} scale-up")
+        added = result["events"]["start d"] = time.time()
+        cluster.start("d")
+        grown = cluster.wait_world(3, {"a", "b", "d"}, added, caps.recover)
+        result["scale_up"] = {"seconds": grown - added if grown else None, "cap_s": caps.recover,
+                              "outcome": "recovered" if grown else f"no world of 3 within {caps.recover:g} s"}
+        if grown is None:
+            return result
+
+        _train_a_while(cluster, 3, added, caps, f"{workdir.name} freeze")
+        frozen = result["events"]["sigstop b"] = time.time()
+        cluster.nodes["b"].signal_tree(signal.SIGSTOP)
+        result["freeze"] = _recovery(cluster, frozen, 2, {"a", "d"}, caps.freeze)
+        return result
+    finally:
+        result["events"] = {name: round(t - origin, 3) for name, t in result["events"].items()}
+        result["timeline"] = _timeline(cluster, origin)
+        cluster.close()
+
+
+def crash_host(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
+    """SIGKILL node a: it hosts torchrun's c10d store; under elasticctl it is the node that ran `up`."""
+    args = [*EVENT_TRAINING, "--checkpoint-dir", str(workdir / "checkpoints"),
+            "--checkpoint-every", str(caps.checkpoint_every)]
+    cluster = Cluster(system, workdir, args, etcd)
+    try:
+        cold_start = _start_world3(cluster, caps)
+        if cold_start is None:
+            return {"cold_start_s": None, "error": f"no world of 3 within {caps.start:g} s"}
+        _train_a_while(cluster, 3, time.time() - cold_start, caps, workdir.name)
+        killed = time.time()
+        cluster.nodes["a"].signal_tree(signal.SIGKILL)
+        return {"cold_start_s": cold_start, **_recovery(cluster, killed, 2, {"b", "c"}, caps.recover)}
+    finally:
+        cluster.close()
+
+
+def steady(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
+    """Steps/s of rank 0 over ``caps.steady_window`` seconds at world 3, with no events and no checkpoints."""
+    cluster = Cluster(system, workdir, STEADY_TRAINING, etcd)
+    try:
+        cold_start = _start_world3(cluster, caps)
+        if cold_start is None:
+            return {"cold_start_s": None, "steps_per_s": None, "error": f"no world of 3 within {caps.start:g} s"}
+        since = cluster.last_time() + 1.0  # skip the first second: DDP bucket rebuild, warm caches
+
+        def window():
+            rank0 = [r for r in cluster.record.steps(since) if r["rank"] == 0]
+            return rank0 if rank0 and rank0[-1]["time"] - rank0[0]["time"] >= caps.steady_window else None
+
+        rank0 = wait_for(window, caps.steady_window * 4 + 30)
+        if rank0 is None:
+            return {"cold_start_s": cold_start, "steps_per_s": None, "error": "no steady window"}
+        worlds = {r["world_size"] for r in rank0}
+        return {"cold_start_s": cold_start, "steps": len(rank0) - 1,
+                "seconds": rank0[-1]["time"] - rank0[0]["time"],
+                "steps_per_s": (len(rank0) - 1) / (rank0[-1]["time"] - rank0[0]["time"]),
+                "world_sizes": sorted(worlds)}
+    finally:
+        cluster.close()
+
