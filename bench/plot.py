@@ -12,15 +12,34 @@ import sys
 from pathlib import Path
 
 
-def steps_per_second(timeline: list[list[float]]) -> tuple[list[float], list[int]]:
-    """Rank 0's completed steps in each 1 s bin."""
-    if not timeline:
-        return [], []
-    end = int(timeline[-1][0]) + 1
-    counts = [0] * end
+def steps_per_second(timeline: list[list[float]], end: float) -> tuple[list[float], list[int]]:
+    """Rank 0's completed steps in each 1 s bin up to ``end``."""
+    bins = int(max(end, timeline[-1][0] if timeline else 0)) + 1
+    counts = [0] * bins
     for t, _, _ in timeline:
         counts[int(t)] += 1
-    return [b + 0.5 for b in range(end)], counts
+    return [b + 0.5 for b in range(bins)], counts
+
+
+def with_gaps(timeline: list[list[float]]) -> tuple[list[float], list[float]]:
+    """World size per step, the line broken wherever rank 0 trained nothing for over a second."""
+    times, worlds = [], []
+    for (t, _, world), previous in zip(timeline, [None, *timeline]):
+        if previous is not None and t - previous[0] > 1.0:
+            times.append(previous[0])
+            worlds.append(float("nan"))
+        times.append(t)
+        worlds.append(world)
+    return times, worlds
+
+
+def end_of(run: dict) -> float:
+    """Until the bench gave up: a freeze without recovery still spans its whole cap."""
+    end = run["timeline"][-1][0]
+    freeze = run.get("freeze") or {}
+    if freeze.get("seconds") is None and "sigstop b" in run["events"]:
+        end = max(end, run["events"]["sigstop b"] + freeze.get("cap_s", 0))
+    return end
 
 
 def plot(results: dict, out: Path) -> Path | None:
@@ -34,16 +53,16 @@ def plot(results: dict, out: Path) -> Path | None:
     if not systems:
         return None
     fig, axes = plt.subplots(2, len(systems), figsize=(6.5 * len(systems), 5.5), sharex=True, squeeze=False)
-    end = max(runs[s][0]["timeline"][-1][0] for s in systems)
+    end = max(end_of(runs[s][0]) for s in systems)
     for column, system in enumerate(systems):
         run = runs[system][0]
         timeline = run["timeline"]
         world_axis, rate_axis = axes[0][column], axes[1][column]
-        world_axis.step([p[0] for p in timeline], [p[2] for p in timeline], where="post", color="tab:blue")
+        world_axis.plot(*with_gaps(timeline), color="tab:blue", drawstyle="steps-post")
         world_axis.set_ylim(0, 3.5)
         world_axis.set_yticks([0, 1, 2, 3])
         world_axis.set_title(system)
-        centres, counts = steps_per_second(timeline)
+        centres, counts = steps_per_second(timeline, end_of(run))
         rate_axis.plot(centres, counts, color="tab:green")
         for name, t in run["events"].items():
             for axis in (world_axis, rate_axis):

@@ -137,20 +137,20 @@ def markdown(results: dict, png: str | None) -> str:
         + (" (`--quick`: fewer than 3 where needed to stay within 10 minutes)." if results["mode"] == "quick"
            else "."),
         f"Machine: {machine_line(results)}.",
-        f"Load average (1 min) before the run: {load['before'][0]:.2f}, after: {load['after'][0]:.2f} "
-        "(the machine is shared; other jobs may have run at the same time).",
+        (f"Load average (1 min) before the run: {load['before'][0]:.2f}, after: {load['after'][0]:.2f} "
+        "(the machine is shared; other jobs may have run at the same time)."),
         f"Raw samples: [`{results['json']}`]({results['json']}).",
         "",
-        "3 nodes × 1 worker, each node a process tree on 127.0.0.1, CPU, gloo, `trainers/mlp.py` "
+        ("3 nodes × 1 worker, each node a process tree on 127.0.0.1, CPU, gloo, `trainers/mlp.py` "
         f"(`{' '.join(results['settings']['event_training'])}`, checkpoint every {every} steps in the "
         "event scenarios; the trainer's own `--pg-timeout` default of 60 s for both systems). "
         "Cells: median (min–max, n). Recovery times run from the signal (or node start) to the first "
-        "completed step at the new world size, from the trainer's record.",
+        "completed step at the new world size, from the trainer's record."),
         "",
         *table,
         "",
-        "Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
-        "worst-case lost work per failure = the steps since the last checkpoint):",
+        ("Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
+        "worst-case lost work per failure = the steps since the last checkpoint):"),
         "",
         "| trainer | checkpoint | step ms | overhead vs none | worst-case lost work per failure |",
         "|---|---|---|---|---|",
@@ -161,29 +161,29 @@ def markdown(results: dict, png: str | None) -> str:
         "",
         "## How each system is run",
         "",
-        "- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
+        ("- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
         "`elasticctl up --etcd … --nnodes 1:3` on node a, `elasticctl join` on b, c (and d); "
-        "every other setting at its default (node TTL 5 s).",
-        "- **plain torchrun**: `torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=c10d "
+        "every other setting at its default (node TTL 5 s)."),
+        ("- **plain torchrun**: `torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=c10d "
         "--rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=last_call_timeout=1 --max-restarts=3 "
         "--local-addr=127.0.0.1` on each node, node a first (it binds PORT, so it hosts the c10d store), "
         "torch's other defaults, with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with torch's default "
         "shared agent store a node that joins a running job with rank ≥ 1 deadlocks in the rendezvous "
         "(node a starts alone at world 1, so b and c are such joiners), and the 3-node job never forms "
-        "(seen while building this bench: no world of 3 within 120 s).",
-        "- One job serves three events in turn (`lifecycle`): SIGKILL of node c's whole process tree, "
+        "(seen while building this bench: no world of 3 within 120 s)."),
+        ("- One job serves three events in turn (`lifecycle`): SIGKILL of node c's whole process tree, "
         "then start node d, then SIGSTOP of node b's tree; each starts from a world of 3 (2 for the "
         "scale-up). The kill of node a runs as a job of its own. Steady state: another job, no "
-        "`--step-sleep`, no checkpoints, rank 0's steps/s over a window at world 3.",
-        "- Rendezvous scale (`bench/rendezvous.py`): N torch `DynamicRendezvousHandler`s in threads of "
-        "one process complete one round, `last_call_timeout=1`, on one etcd vs a c10d TCPStore.",
+        "`--step-sleep`, no checkpoints, rank 0's steps/s over a window at world 3."),
+        ("- Rendezvous scale (`bench/rendezvous.py`): N torch `DynamicRendezvousHandler`s in threads of "
+        "one process complete one round, `last_call_timeout=1`, on one etcd vs a c10d TCPStore."),
         "",
         "## Reading the numbers",
         "",
-        "- A frozen peer is only noticed by plain torchrun when a collective times out: the trainer's "
-        "`--pg-timeout` (60 s here; gloo's default is 30 min). elasticctl notices the expired lease.",
-        "- The runs share 2 cores with three trainers, three agents and etcd; seconds here are "
-        "dominated by process start-up and `import torch` of the restarted workers.",
+        ("- A frozen peer is only noticed by plain torchrun when a collective times out: the trainer's "
+        "`--pg-timeout` (60 s here; gloo's default is 30 min). elasticctl notices the expired lease."),
+        ("- The runs share 2 cores with three trainers, three agents and etcd; seconds here are "
+        "dominated by process start-up and `import torch` of the restarted workers."),
     ]
     if png:
         parts += ["", "## World size and steps/s around a crash, a scale-up and a freeze", "",

@@ -45,10 +45,16 @@ def _start_world3(cluster: Cluster, caps: Caps) -> float | None:
 
 
 def _train_a_while(cluster: Cluster, world: int, since: float, caps: Caps, seed: str) -> None:
-    """Let rank 0 train K..2K-1 steps at ``world``: a checkpoint exists and the next event lands at a
-    reproducible pseudo-random point of the checkpoint interval (lost work: 0..K steps)."""
-    steps = caps.checkpoint_every + random.Random(seed).randrange(caps.checkpoint_every)
-    wait_for(lambda: len([r for r in cluster.record.steps(since, world) if r["rank"] == 0]) >= steps, caps.recover)
+    """Let rank 0 train at least K steps at ``world``, up to a global step at a pseudo-random offset of the
+    checkpoint interval: a checkpoint exists, and both systems meet the event at the same point of it."""
+    every = caps.checkpoint_every
+    offset = random.Random(seed).randrange(every)
+
+    def there() -> bool:
+        steps = [r["step"] for r in cluster.record.steps(since, world) if r["rank"] == 0]
+        return bool(steps) and steps[-1] >= steps[0] + every and steps[-1] % every == offset
+
+    wait_for(there, caps.recover, interval=0.01)
 
 
 def _recovery(cluster: Cluster, event: float, world: int, survivors: set[str], cap: float) -> dict:
@@ -83,6 +89,7 @@ def lifecycle(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
     args = [*EVENT_TRAINING, "--checkpoint-dir", str(workdir / "checkpoints"),
             "--checkpoint-every", str(caps.checkpoint_every)]
     cluster = Cluster(system, workdir, args, etcd)
+    seed = workdir.name.replace(system, "")  # the same event points for both systems in one repeat
     origin = time.time()
     result: dict = {"events": {}}
     try:
@@ -91,14 +98,14 @@ def lifecycle(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
             result["error"] = f"no world of 3 within {caps.start:g} s"
             return result
 
-        _train_a_while(cluster, 3, origin, caps, f"{workdir.name} crash")
+        _train_a_while(cluster, 3, origin, caps, f"{seed} crash")
         killed = result["events"]["sigkill c"] = time.time()
         cluster.nodes["c"].signal_tree(signal.SIGKILL)
         result["crash"] = _recovery(cluster, killed, 2, {"a", "b"}, caps.recover)
         if result["crash"]["seconds"] is None:
             return result
 
-        _train_a_while(cluster, 2, killed, caps, f"{workdir.name} scale-up")
+        _train_a_while(cluster, 2, killed, caps, f"{seed} scale-up")
         added = result["events"]["start d"] = time.time()
         cluster.start("d")
         grown = cluster.wait_world(3, {"a", "b", "d"}, added, caps.recover)
@@ -107,7 +114,7 @@ def lifecycle(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
         if grown is None:
             return result
 
-        _train_a_while(cluster, 3, added, caps, f"{workdir.name} freeze")
+        _train_a_while(cluster, 3, added, caps, f"{seed} freeze")
         frozen = result["events"]["sigstop b"] = time.time()
         cluster.nodes["b"].signal_tree(signal.SIGSTOP)
         result["freeze"] = _recovery(cluster, frozen, 2, {"a", "d"}, caps.freeze)
@@ -127,7 +134,7 @@ def crash_host(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict
         cold_start = _start_world3(cluster, caps)
         if cold_start is None:
             return {"cold_start_s": None, "error": f"no world of 3 within {caps.start:g} s"}
-        _train_a_while(cluster, 3, time.time() - cold_start, caps, workdir.name)
+        _train_a_while(cluster, 3, time.time() - cold_start, caps, workdir.name.replace(system, ""))
         killed = time.time()
         cluster.nodes["a"].signal_tree(signal.SIGKILL)
         return {"cold_start_s": cold_start, **_recovery(cluster, killed, 2, {"b", "c"}, caps.recover)}
