@@ -159,6 +159,7 @@ def markdown(results: dict, png: str | None) -> str:
         f"Steps re-done after a crash, observed: {sorted(observed)} (bound: {every}, the checkpoint interval)."
         if observed else "",
         "",
+        *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
         "## How each system is run",
         "",
         ("- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,7 +87,7 @@ def summary(sample: dict) -> str:
 
 def run_jobs(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
     results: dict = {name: {system: [] for system in SYSTEMS} for name in names}
-    for repeat in range(max(plan.repeats[name] for name in names)):
+    for repeat in range(max((plan.repeats[name] for name in names), default=0)):
         order = SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]  # neither system always runs first
         for name in [n for n in names if repeat < plan.repeats[n]]:
             for system in order:
@@ -116,14 +117,21 @@ def run_rendezvous(plan: Plan, etcd: EmbeddedEtcd) -> list[dict]:
     return rows
 
 
-def run_checkpoint(plan: Plan) -> list[dict]:
+def run_checkpoint(plan: Plan, errors: list[str]) -> list[dict]:
     rows = []
     for hidden in plan.checkpoint_hidden:
-        rows.append(checkpoint_bench.bench(
-            f"mlp --hidden {hidden}", "mlp.py",
-            ["--steps", str(plan.checkpoint_steps), "--hidden", str(hidden), "--log-every", "0"],
-            checkpoint_bench.mlp_step_time, plan.caps.checkpoint_every, plan.checkpoint_repeats, nproc=2))
-        log(f"checkpoint: {json.dumps(rows[-1])}")
+        for attempt in (1, 2):  # one retry: a failed trainer run must not cost the whole benchmark
+            try:
+                rows.append(checkpoint_bench.bench(
+                    f"mlp --hidden {hidden}", "mlp.py",
+                    ["--steps", str(plan.checkpoint_steps), "--hidden", str(hidden), "--log-every", "0"],
+                    checkpoint_bench.mlp_step_time, plan.caps.checkpoint_every, plan.checkpoint_repeats, nproc=2))
+                log(f"checkpoint: {json.dumps(rows[-1])}")
+                break
+            except subprocess.CalledProcessError as exc:
+                tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-5:]
+                errors.append(f"checkpoint mlp --hidden {hidden}, attempt {attempt}: {' | '.join(tail)}")
+                log(errors[-1])
     return rows
 
 
@@ -170,7 +178,7 @@ def main() -> None:
                      "settings": {**dataclasses.asdict(plan), "checkpoint_every": plan.caps.checkpoint_every,
                                   "event_training": scenarios.EVENT_TRAINING,
                                   "steady_training": scenarios.STEADY_TRAINING},
-                     "scenarios": {}}
+                     "scenarios": {}, "errors": []}
     log(f"{command}: repeats per scenario and system {plan.repeats}, checkpoint {plan.checkpoint_repeats}, "
         f"rendezvous {plan.rendezvous_repeats}"
         + (" (fewer than 3 where needed to stay within 10 minutes)" if min(plan.repeats.values()) < 3 else "")
@@ -181,10 +189,16 @@ def main() -> None:
             jobs = [name for name in JOB_SCENARIOS if name in args.only]
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
             if "checkpoint" in args.only:
-                results["scenarios"]["checkpoint"] = run_checkpoint(plan)
+                results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
             # Last: the etcd3 handlers' lease keepers outlive shutdown() and complain once etcd is gone.
             if "rendezvous" in args.only:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan, etcd)
+    except BaseException:  # keep the raw samples gathered so far
+        args.output.mkdir(parents=True, exist_ok=True)
+        partial = args.output / f"{now:%Y-%m-%d-%H%M}-{args.mode}-partial.json"
+        partial.write_text(json.dumps(results, indent=1, default=str))
+        log(f"interrupted; samples so far in {partial}")
+        raise
     finally:
         results["leftover_processes"] = leftover_processes(root.name)
         if results["leftover_processes"]:
