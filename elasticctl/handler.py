@@ -234,8 +234,9 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
                 else:
                     time.sleep(0.25)  # polling etcd for the evidence, bounded by the deadline
         except ElasticctlError as exc:
-            log.warning("[%s] cannot tell who failed first (%s); counting the failure", self._node_id, exc)
-            verdict = None
+            # No etcd for a whole retry window: this node is the one cut off, and its
+            # workers failed because the others went on without it.
+            verdict = f"this node cannot reach etcd ({exc})"
         if verdict is not None:
             log.info("[%s] workers failed because %s; not spending a restart", self._node_id, verdict)
             return
