@@ -120,6 +120,10 @@ class EtcdSettings:
     def describe(self) -> str:
         return ",".join(str(ep) for ep in self.endpoints)
 
+    def urls(self) -> str:
+        """The endpoints with their scheme: what another process needs to reach etcd the same way."""
+        return ",".join(f"{self.protocol}://{ep}" for ep in self.endpoints)
+
 
 @dataclasses.dataclass(frozen=True)
 class KeyValue:

@@ -45,7 +45,7 @@ def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: 
         **dict(spec.env),
         "ELASTICCTL_JOB": spec.name,
         "ELASTICCTL_NODE": node_id,
-        "ELASTICCTL_ETCD": settings.describe(),
+        "ELASTICCTL_ETCD": settings.urls(),
         "ELASTICCTL_KEY_PREFIX": key_prefix,
     }
     for name in ("cacert", "cert", "key", "user"):

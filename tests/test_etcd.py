@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import datetime
 import subprocess
 
 import pytest
-from helpers import wait_for
+from helpers import wait_for, write_tls_material
 
 from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdRequestError, EtcdServerError, EtcdUnavailableError
@@ -67,46 +66,8 @@ def test_client_rides_out_an_etcd_restart(tmp_path):
         server.stop()
 
 
-def _write_tls_material(directory):
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def name(cn):
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def write(stem, key, cert):
-        (directory / f"{stem}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("test-ca")).issuer_name(name("test-ca"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    write("ca", ca_key, ca)
-    for stem, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (x509.CertificateBuilder().subject_name(name(stem)).issuer_name(ca.subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=1))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
-        if stem == "server":
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        write(stem, key, builder.sign(ca_key, hashes.SHA256()))
-
-
 def test_tls_with_client_certificates(tmp_path, run_id):
-    _write_tls_material(tmp_path)
+    write_tls_material(tmp_path)
     tls = {"cacert": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "client.pem"), "key": str(tmp_path / "client.key")}
     server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=free_port(), peer_port=free_port(),
                           cert_file=str(tmp_path / "server.pem"), key_file=str(tmp_path / "server.key"),

@@ -302,3 +302,31 @@ def test_finished_job_runs_again_under_the_same_name(default_etcd, run_id, tmp_p
         assert "training finished" in result.stderr
         done = [r for r in read_records(record) if r.get("event") == "done"]
         assert len(done) == attempt
+
+
+def test_a_job_over_tls_with_client_certificates(tmp_path, run_id):
+    from helpers import write_tls_material
+
+    from elasticctl.etcd_server import EmbeddedEtcd, free_port
+
+    write_tls_material(tmp_path)
+    tls = {"cacert": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "client.pem"), "key": str(tmp_path / "client.key")}
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=free_port(), peer_port=free_port(),
+                          cert_file=str(tmp_path / "server.pem"), key_file=str(tmp_path / "server.key"),
+                          client_ca_file=str(tmp_path / "ca.pem"))
+    server.start(client_settings=server.client_settings(**tls))
+    try:
+        record = tmp_path / "record.jsonl"
+        result = cli("up", "--etcd", server.endpoint, "--etcd-cacert", tls["cacert"], "--etcd-cert", tls["cert"],
+                     "--etcd-key", tls["key"], "--job", run_id, "--nnodes", "1", MLP, "--steps", "5",
+                     "--record", str(record), timeout=180)
+        assert result.returncode == 0, result.stderr
+        assert "protocol=https" in result.stderr  # torchrun's handler speaks TLS too
+        assert [r["step"] for r in read_records(record) if "event" not in r] == [0, 1, 2, 3, 4]
+        with EtcdClient(server.client_settings(**tls)) as client:
+            assert Registry(client, run_id).progress() is not None  # the trainer published over TLS
+
+        plain = cli("status", "--etcd", server.endpoint, "--job", run_id, timeout=60)
+        assert plain.returncode != 0 and server.endpoint in plain.stderr
+    finally:
+        server.stop()
