@@ -58,7 +58,7 @@ def plot(results: dict, out: Path) -> Path | None:
         run = runs[system][0]
         timeline = run["timeline"]
         world_axis, rate_axis = axes[0][column], axes[1][column]
-        world_axis.plot(*with_gaps(timeline), color="tab:blue", drawstyle="steps-post")
+        world_axis.plot(*with_gaps(timeline), color="tab:blue", drawstyle="steps-post", marker=".", markersize=3)
         world_axis.set_ylim(0, 3.5)
         world_axis.set_yticks([0, 1, 2, 3])
         world_axis.set_title(system)

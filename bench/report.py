@@ -184,7 +184,18 @@ def markdown(results: dict, png: str | None) -> str:
         ("- A frozen peer is only noticed by plain torchrun when a collective times out: the trainer's "
         "`--pg-timeout` (60 s here; gloo's default is 30 min). elasticctl notices the expired lease."),
         ("- The runs share 2 cores with three trainers, three agents and etcd; seconds here are "
-        "dominated by process start-up and `import torch` of the restarted workers."),
+        "dominated by process start-up and `import torch` of the restarted workers. A wide min–max "
+        "usually means another job ran on the machine during that sample."),
+        ("- Steps re-done: both systems meet each event at the same step of the checkpoint interval "
+         "(a pseudo-random offset per repeat), so the row checks the bound rather than comparing systems."),
+        "",
+        "## Not measured here",
+        "",
+        ("- Plain torchrun with torch's default shared agent store: the 3-node job does not form "
+         "(see above), so none of its rows could be measured."),
+        ("- A network partition: nodes share one loopback interface, so SIGSTOP stands in for a "
+         "frozen or cut-off peer; cutting links needs network namespaces."),
+        "- GPUs / NCCL: this machine has none; `python -m bench.run` runs unchanged on a GPU host.",
     ]
     if png:
         parts += ["", "## World size and steps/s around a crash, a scale-up and a freeze", "",

@@ -93,6 +93,7 @@ def run_jobs(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict
             for system in order:
                 workdir = root / f"{name}-{system}-{repeat}"
                 sample = JOB_SCENARIOS[name](system, workdir, etcd, plan.caps)
+                sample["load_1min_after"] = os.getloadavg()[0]  # explains an outlier on a shared machine
                 results[name][system].append(sample)
                 log(f"{name} {system} #{repeat + 1}: {summary(sample)}")
     return results
