@@ -159,6 +159,9 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         return info
 
     def shutdown(self) -> bool:
+        if self._member_lease is not None:
+            # Its keys stay until the TTL runs out: peers read "left"/"failed" from them.
+            self._member_lease.stop(revoke=False)
         if self._left:
             self._stop_heartbeats()
             return True
