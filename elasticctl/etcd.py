@@ -199,7 +199,7 @@ class EtcdClient:
     def close(self) -> None:
         self._reset()
 
-    def __enter__(self) -> EtcdClient:
+    def __enter__(self) -> EtcdClient:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -54,7 +54,7 @@ def find_etcd_binary() -> str:
 
 
 def etcd_version(binary: str) -> str:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run([binary, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     first = out.splitlines()[0] if out else ""
     return first.split(":")[-1].strip() if ":" in first else first.strip()
 
@@ -225,7 +225,7 @@ class EmbeddedEtcd:
             self._process.wait()
             self._process = None
 
-    def __enter__(self) -> EmbeddedEtcd:
+    def __enter__(self) -> EmbeddedEtcd:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -31,7 +31,10 @@ import time
 
 import psutil
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousInfo
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, _RendezvousExitOp
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _RendezvousExitOp,
+)
 
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient

@@ -16,7 +16,7 @@ ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*ELASTICCTL, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*ELASTICCTL, *args], check=False, capture_output=True, text=True, timeout=timeout)
 
 
 def test_dry_run_prints_the_torchrun_command():

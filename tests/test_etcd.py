@@ -93,15 +93,15 @@ def test_failover_between_members_of_a_three_member_cluster(tmp_path):
     members = []
     try:
         for i, (client_port, peer_port) in enumerate(ports):
-            log = open(tmp_path / f"m{i}.log", "wb")
-            members.append(processes.spawn([
-                binary, "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
-                "--listen-client-urls", f"http://127.0.0.1:{client_port}",
-                "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
-                "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                "--initial-cluster", cluster, "--initial-cluster-state", "new",
-            ], stdout=log, stderr=subprocess.STDOUT))
+            with open(tmp_path / f"m{i}.log", "wb") as log:  # the member keeps its own descriptor
+                members.append(processes.spawn([
+                    binary, "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
+                    "--listen-client-urls", f"http://127.0.0.1:{client_port}",
+                    "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
+                    "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                    "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                ], stdout=log, stderr=subprocess.STDOUT))
         endpoints = ",".join(f"127.0.0.1:{c}" for c, _ in ports)
         client = EtcdClient(EtcdSettings.from_string(endpoints, retry_timeout=30, read_timeout=2))
         wait_for(lambda: _answers(client), 60, "the three-member cluster to elect a leader")
