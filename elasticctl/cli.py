@@ -114,9 +114,14 @@ def _connect(settings: EtcdSettings, timeout: float = 10.0):
     client = EtcdClient(settings)
     try:
         wait_until_healthy(client, timeout)
+    except EtcdUnavailableError as exc:
+        client.close()
+        raise EtcdUnavailableError(
+            f"Cannot reach etcd at {settings.describe()}: no answer within {timeout:g} s (is it running there?)."
+        ) from exc
     except ElasticctlError as exc:
         client.close()
-        raise EtcdUnavailableError(f"Cannot reach etcd at {settings.describe()}: {exc}") from exc
+        raise EtcdUnavailableError(f"etcd at {settings.describe()} refused elasticctl: {exc}") from exc
     return client
 
 
@@ -354,7 +359,8 @@ def jobs(as_json, **etcd_params) -> None:
 @click.option("--no-wait", is_flag=True, help="Ask the node to leave and return at once.")
 def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
     """Scale down by one node: it checkpoints, stops, and the others continue without a restart."""
-    client = _connect(_settings(etcd_params))
+    # Short retries: the leaving node may be the one whose embedded etcd we talk to.
+    client = _connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
     nodes = registry.live_nodes()
@@ -372,7 +378,11 @@ def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
     if no_wait:
         click.echo(f"asked node {node_id} to leave job {job}")
         return
-    _wait_until(lambda: node_id not in registry.live_nodes(), timeout, f"node {node_id} to leave")
+    try:
+        _wait_until(lambda: node_id not in registry.live_nodes(), timeout, f"node {node_id} to leave")
+    except EtcdUnavailableError:
+        click.echo(f"node {node_id} left job {job}, and the embedded etcd it ran stopped with it")
+        return
     click.echo(f"node {node_id} left job {job}")
 
 
