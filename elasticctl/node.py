@@ -147,9 +147,9 @@ class NodeSession:
                 if self._request:
                     return
                 log.warning("received %s: node %s leaves the job", signal.Signals(signum).name, self.node_id)
-                self._note_request("leave")
-                threading.Thread(target=self._ignore_errors,
-                                 args=(lambda: self.registry.request_leave(self.node_id),), daemon=True).start()
+                # No etcd call here: the handler may interrupt one on this very thread.
+                self._request, self._request_at = "leave", time.monotonic()
+                threading.Thread(target=self._announce_leave, daemon=True).start()
             else:
                 # A second Ctrl-C means now. Repeated SIGTERMs (Slurm, kubelet) do not
                 # cut a final checkpoint short: STOP_GRACE bounds the wait instead.
@@ -176,6 +176,12 @@ class NodeSession:
                 signal.signal(sig, handler)
             processes.terminate(child, timeout=10)
         return self._outcome(code)
+
+    def _announce_leave(self) -> None:
+        """Tell the torchrun handler (it leaves the round) and `status` that this node leaves."""
+        self._ignore_errors(lambda: self.registry.request_leave(self.node_id))
+        self.record = {**self.record, "state": "leaving"}
+        self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
 
     def _poll_request(self) -> None:
         try:
