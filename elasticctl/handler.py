@@ -232,7 +232,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
                 if lost - {self._node_id}:
                     verdict = f"round {failed_round} lost {', '.join(sorted(lost - {self._node_id}))}"
                 elif self._node_id in lost:
-                    verdict = "this node was cut off from etcd"
+                    verdict = "this node's lease expired (it was frozen or cut off)"
                 elif first != self._node_id:
                     verdict = f"{first} failed first in round {failed_round}"
                 elif time.monotonic() > deadline:
@@ -244,7 +244,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             # workers failed because the others went on without it.
             verdict = f"this node cannot reach etcd ({exc})"
         if verdict is not None:
-            log.info("[%s] workers failed because %s; not spending a restart", self._node_id, verdict)
+            log.warning("[%s] workers failed because %s; not spending a restart", self._node_id, verdict)
             return
         self._spent += 1
         self._counted_at = [t for t in self._counted_at if time.monotonic() - t < self._quarantine_window]
