@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -98,3 +99,25 @@ def test_sigterm_leaves_gracefully_and_stops_every_worker(default_etcd, tmp_path
 def _listening(port: int) -> bool:
     return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
                for c in psutil.net_connections("tcp"))
+
+
+def test_sigkill_of_elasticctl_takes_torchrun_and_workers_down(default_etcd, tmp_path, run_id):
+    record = tmp_path / "record.jsonl"
+    with open(tmp_path / "up.log", "wb") as log:
+        up = subprocess.Popen([*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                               MLP, "--steps", "100000", "--step-sleep", "0.05", "--record", str(record)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    tree: list[psutil.Process] = []
+    try:
+        wait_for(lambda: read_records(record), 120, "the first training step")
+        tree = psutil.Process(up.pid).children(recursive=True)
+        up.kill()  # no chance to clean up: the parent-death signal must do it
+        up.wait(10)
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive, f"orphans left behind: {alive}"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
