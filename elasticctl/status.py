@@ -32,7 +32,9 @@ def render(view: JobView) -> str:
         lines.append(f"  script    {spec.script} {' '.join(spec.script_args)}".rstrip())
         lines.append(f"  nnodes    {spec.nnodes}   nproc/node {spec.nproc_per_node}   max restarts {spec.max_restarts}"
                      f"   checkpoints {spec.checkpoint_dir or '-'}")
-    lines.append(f"  round     {data['round'] if data['round'] is not None else '-'}   world size {data['world_size']} nodes")
+    nodes = data["world_size"]
+    lines.append(f"  round     {data['round'] if data['round'] is not None else '-'}   "
+                 f"world size {nodes} node{'s' if nodes != 1 else ''}")
     rows = [["NODE", "HOST", "ADDRESS", "STATE", "RANK", "GPUS", "NPROC", "RESTARTS", "JOINED"]]
     for node in data["nodes"]:
         state = node.get("state", "?")
