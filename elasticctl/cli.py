@@ -22,7 +22,7 @@ import yaml
 
 from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
-from elasticctl.etcd import EtcdSettings
+from elasticctl.etcd import EtcdSettings, connect
 from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
 from elasticctl.spec import JobSpec, parse_env, parse_nnodes, parse_rdzv_conf
 
@@ -106,23 +106,6 @@ def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
         endpoints, protocol="https" if params["etcd_cacert"] else None, cacert=params["etcd_cacert"],
         cert=params["etcd_cert"], key=params["etcd_key"], user=params["etcd_user"], password=password,
     )
-
-
-def _connect(settings: EtcdSettings, timeout: float = 10.0):
-    from elasticctl.etcd import EtcdClient, wait_until_healthy
-
-    client = EtcdClient(settings)
-    try:
-        wait_until_healthy(client, timeout)
-    except EtcdUnavailableError as exc:
-        client.close()
-        raise EtcdUnavailableError(
-            f"Cannot reach etcd at {settings.describe()}: no answer within {timeout:g} s (is it running there?)."
-        ) from exc
-    except ElasticctlError as exc:
-        client.close()
-        raise EtcdUnavailableError(f"etcd at {settings.describe()} refused elasticctl: {exc}") from exc
-    return client
 
 
 class _JobFileLoader(yaml.SafeLoader):
@@ -247,7 +230,7 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
         click.echo("The job's etcd lives in this process: when this node stops, the job stops with it "
                    "(run `elasticctl etcd` on a dedicated host for a job that must outlive any node).", err=True)
     try:
-        client = _connect(settings)
+        client = connect(settings)
         registry = Registry(client, job, etcd_params["key_prefix"])
         if registry.publish_spec(spec):
             click.echo(f"published job {job} ({spec.nnodes} nodes, script {spec.script})", err=True)
@@ -273,7 +256,7 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
     from elasticctl import launcher
 
     settings = _settings(etcd_params)
-    client = _connect(settings)
+    client = connect(settings)
     deadline = time.monotonic() + wait_seconds
     while True:
         try:
@@ -321,7 +304,7 @@ def status(job, as_json, watch, interval, **etcd_params) -> None:
     """The job at a glance, from etcd alone: nodes, round, world size, trainer progress."""
     from elasticctl.status import render
 
-    client = _connect(_settings(etcd_params))
+    client = connect(_settings(etcd_params))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
     while True:
@@ -340,7 +323,7 @@ def status(job, as_json, watch, interval, **etcd_params) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def jobs(as_json, **etcd_params) -> None:
     """The jobs known to this etcd, with their live node counts."""
-    client = _connect(_settings(etcd_params))
+    client = connect(_settings(etcd_params))
     known = list_jobs(client, etcd_params["key_prefix"])
     if as_json:
         click.echo(json.dumps([{"job": name, "nodes": count} for name, count in known.items()]))
@@ -360,7 +343,7 @@ def jobs(as_json, **etcd_params) -> None:
 def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
     """Scale down by one node: it checkpoints, stops, and the others continue without a restart."""
     # Short retries: the leaving node may be the one whose embedded etcd we talk to.
-    client = _connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
+    client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
     nodes = registry.live_nodes()
@@ -393,7 +376,7 @@ def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
 def down(job, timeout, **etcd_params) -> None:
     """Stop the job on every node (each exits 0) and remove its keys."""
     # Short retries: an embedded etcd may stop with the job, right after its nodes.
-    client = _connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
+    client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
     registry.request_down()

@@ -24,7 +24,7 @@ import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
-from elasticctl.errors import ConfigError, EtcdRequestError, EtcdUnavailableError
+from elasticctl.errors import ConfigError, ElasticctlError, EtcdRequestError, EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -349,3 +349,19 @@ def wait_until_healthy(client: EtcdClient, timeout: float) -> str:
                     raise
     finally:
         probe.close()
+
+
+def connect(settings: EtcdSettings, timeout: float = 10.0) -> EtcdClient:
+    """A client whose etcd has answered within ``timeout`` seconds, else a one-sentence error."""
+    client = EtcdClient(settings)
+    try:
+        wait_until_healthy(client, timeout)
+    except EtcdUnavailableError as exc:
+        client.close()
+        raise EtcdUnavailableError(
+            f"Cannot reach etcd at {settings.describe()}: no answer within {timeout:g} s (is it running there?)."
+        ) from exc
+    except ElasticctlError as exc:
+        client.close()
+        raise EtcdUnavailableError(f"etcd at {settings.describe()} refused the connection: {exc}") from exc
+    return client

@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
-from elasticctl.etcd import EtcdClient, EtcdSettings, wait_until_healthy
+from elasticctl.etcd import EtcdClient, EtcdSettings, connect
 from elasticctl.registry import DEFAULT_KEY_PREFIX, DEFAULT_NODE_TTL, Registry, job_prefix
 
 log = logging.getLogger(__name__)
@@ -413,13 +413,11 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     secret = (params.get("secret") or os.environ.get(SECRET_ENV) or "").encode() or None
     connect_timeout = _seconds(params, "connect_timeout", 10.0)
 
-    client = EtcdClient(settings)
     try:
-        wait_until_healthy(client, connect_timeout)
+        client = connect(settings, connect_timeout)
     except EtcdUnavailableError as exc:
-        client.close()
         raise RendezvousConnectionError(
-            f"The etcd3 rendezvous cannot reach etcd at {settings.describe()}: {exc}"
+            f"The etcd3 rendezvous cannot reach etcd at {settings.describe()}: {exc.__cause__ or exc}"
         ) from exc
     lease = RunLease(client, ttl)
     prefix = job_prefix(key_prefix, params.run_id)
