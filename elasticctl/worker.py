@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from elasticctl.errors import ConfigError
+from elasticctl.errors import ConfigError, ElasticctlError
 
 CHECKPOINT_DIR_ENV = "ELASTICCTL_CHECKPOINT_DIR"
 LR_POLICIES = ("linear", "constant-batch")
@@ -156,6 +156,23 @@ class GracefulStop:
 
 class PeerLeaving(RuntimeError):
     """Raised on ranks whose peers were told to stop: the agent restarts them in the smaller world."""
+
+
+def run(train, *args) -> None:
+    """Call ``train(*args)`` as a script's main: a peer leaving or a user mistake exits in one line.
+
+    PeerLeaving exits 1 (the agent re-forms the job without the leaver); an
+    ElasticctlError (bad flag, unreadable checkpoint directory) exits 2.
+    """
+    prog = os.path.basename(sys.argv[0])
+    try:
+        train(*args)
+    except PeerLeaving as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except ElasticctlError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclasses.dataclass(frozen=True)

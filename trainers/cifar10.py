@@ -38,17 +38,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from elasticctl.checkpoint import Checkpointer
-from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.errors import ConfigError
 from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
 from elasticctl.worker import (
     LR_POLICIES,
     GracefulStop,
-    PeerLeaving,
     WorkerContext,
     checkpoint_dir,
     init,
     plan_batches,
+    run,
     shutdown,
 )
 
@@ -287,26 +287,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def train(args: argparse.Namespace) -> None:
+    ctx = init(timeout=args.pg_timeout)
+    model = Net(batch_norm=args.sync_bn)
+    if args.sync_bn:
+        if ctx.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif ctx.rank == 0:
+            print("warning: SyncBatchNorm needs CUDA; BatchNorm statistics stay per-worker on CPU.", file=sys.stderr)
+    train_set, test_set = cifar10_datasets(args, ctx)
+    fit(args, ctx, model, train_set, test_set)
+
+
 def main() -> None:
-    args = parse_args()
-    try:
-        ctx = init(timeout=args.pg_timeout)
-        model = Net(batch_norm=args.sync_bn)
-        if args.sync_bn:
-            if ctx.device.type == "cuda":
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            else:
-                if ctx.rank == 0:
-                    print("warning: SyncBatchNorm needs CUDA; BatchNorm statistics stay per-worker on CPU.",
-                          file=sys.stderr)
-        train_set, test_set = cifar10_datasets(args, ctx)
-        fit(args, ctx, model, train_set, test_set)
-    except PeerLeaving as exc:  # not an error: exit non-zero so the agent re-forms the job
-        print(f"{os.path.basename(sys.argv[0])}: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except ElasticctlError as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(train, parse_args())
 
 
 if __name__ == "__main__":

@@ -39,17 +39,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from elasticctl.checkpoint import Checkpointer
-from elasticctl.errors import ElasticctlError
 from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
 from elasticctl.worker import (
     LR_POLICIES,
     GracefulStop,
-    PeerLeaving,
     checkpoint_dir,
     init,
     plan_batches,
     reduce_mean,
+    run,
     shutdown,
 )
 
@@ -236,15 +235,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    args = parse_args()
-    try:
-        train(args)
-    except PeerLeaving as exc:  # not an error: exit non-zero so the agent re-forms the job
-        print(f"{os.path.basename(sys.argv[0])}: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except ElasticctlError as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(train, parse_args())
 
 
 if __name__ == "__main__":

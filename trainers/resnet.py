@@ -24,8 +24,8 @@ from cifar10 import (  # trainers/ is the script's directory
     fit,
 )
 
-from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.worker import PeerLeaving, init
+from elasticctl.errors import ConfigError
+from elasticctl.worker import init, run
 
 ARCHS = ("resnet18", "resnet50")
 
@@ -66,21 +66,17 @@ def image_folders(args: argparse.Namespace):
     return folders
 
 
-def main() -> None:
-    args = parse_args()
-    try:
-        import torchvision
+def train(args: argparse.Namespace) -> None:
+    import torchvision
 
-        train_set, val_set = image_folders(args)
-        ctx = init(timeout=args.pg_timeout)
-        model = getattr(torchvision.models, args.arch)(num_classes=len(train_set.classes))
-        fit(args, ctx, model, train_set, val_set, amp=ctx.device.type == "cuda" and not args.no_amp)
-    except PeerLeaving as exc:  # not an error: exit non-zero so the agent re-forms the job
-        print(f"{os.path.basename(sys.argv[0])}: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except ElasticctlError as exc:
-        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    train_set, val_set = image_folders(args)
+    ctx = init(timeout=args.pg_timeout)
+    model = getattr(torchvision.models, args.arch)(num_classes=len(train_set.classes))
+    fit(args, ctx, model, train_set, val_set, amp=ctx.device.type == "cuda" and not args.no_amp)
+
+
+def main() -> None:
+    run(train, parse_args())
 
 
 if __name__ == "__main__":
