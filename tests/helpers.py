@@ -137,3 +137,17 @@ def write_tls_material(directory: Path) -> None:
             builder = builder.add_extension(x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         write(stem, key, builder.sign(ca_key, hashes.SHA256()))
+
+
+def start_tls_etcd(directory: Path):
+    """An etcd that requires TLS client certificates; returns (server, client TLS options)."""
+    from elasticctl.etcd_server import EmbeddedEtcd, free_port
+
+    write_tls_material(directory)
+    tls = {"cacert": str(directory / "ca.pem"), "cert": str(directory / "client.pem"),
+           "key": str(directory / "client.key")}
+    server = EmbeddedEtcd(data_dir=str(directory / "data"), client_port=free_port(), peer_port=free_port(),
+                          cert_file=str(directory / "server.pem"), key_file=str(directory / "server.key"),
+                          client_ca_file=str(directory / "ca.pem"))
+    server.start(client_settings=server.client_settings(**tls))
+    return server, tls

@@ -6,6 +6,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -77,11 +78,7 @@ def test_embedded_etcd_port_in_use_is_a_clear_error(default_etcd):
 
 
 def test_sigterm_leaves_gracefully_and_stops_every_worker(default_etcd, tmp_path, run_id):
-    record = tmp_path / "record.jsonl"
-    with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
-                               MLP, "--steps", "100000", "--step-sleep", "0.05", "--record", str(record)],
-                              stdout=log, stderr=subprocess.STDOUT)
+    up, record = _start_training(default_etcd, tmp_path, run_id)
     try:
         wait_for(lambda: read_records(record), 120, "the first training step")
         tree = psutil.Process(up.pid).children(recursive=True)
@@ -96,17 +93,23 @@ def test_sigterm_leaves_gracefully_and_stops_every_worker(default_etcd, tmp_path
             up.kill()
 
 
+def _start_training(etcd, tmp_path, run_id) -> tuple[subprocess.Popen, Path]:
+    """`elasticctl up` of a long one-node job; its output goes to up.log, its steps to the record."""
+    record = tmp_path / "record.jsonl"
+    with open(tmp_path / "up.log", "wb") as log:
+        up = subprocess.Popen([*ELASTICCTL, "up", "--etcd", etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                               MLP, "--steps", "100000", "--step-sleep", "0.05", "--record", str(record)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    return up, record
+
+
 def _listening(port: int) -> bool:
     return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
                for c in psutil.net_connections("tcp"))
 
 
 def test_sigkill_of_elasticctl_takes_torchrun_and_workers_down(default_etcd, tmp_path, run_id):
-    record = tmp_path / "record.jsonl"
-    with open(tmp_path / "up.log", "wb") as log:
-        up = subprocess.Popen([*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
-                               MLP, "--steps", "100000", "--step-sleep", "0.05", "--record", str(record)],
-                              stdout=log, stderr=subprocess.STDOUT)
+    up, record = _start_training(default_etcd, tmp_path, run_id)
     tree: list[psutil.Process] = []
     try:
         wait_for(lambda: read_records(record), 120, "the first training step")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from helpers import wait_for, write_tls_material
+from helpers import start_tls_etcd, wait_for
 
 from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdRequestError, EtcdServerError, EtcdUnavailableError
@@ -67,12 +67,7 @@ def test_client_rides_out_an_etcd_restart(tmp_path):
 
 
 def test_tls_with_client_certificates(tmp_path, run_id):
-    write_tls_material(tmp_path)
-    tls = {"cacert": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "client.pem"), "key": str(tmp_path / "client.key")}
-    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=free_port(), peer_port=free_port(),
-                          cert_file=str(tmp_path / "server.pem"), key_file=str(tmp_path / "server.key"),
-                          client_ca_file=str(tmp_path / "ca.pem"))
-    server.start(client_settings=server.client_settings(**tls))
+    server, tls = start_tls_etcd(tmp_path)
     try:
         client = EtcdClient(server.client_settings(**tls))
         backend = EtcdRendezvousBackend(client, run_id)

@@ -306,16 +306,9 @@ def test_finished_job_runs_again_under_the_same_name(default_etcd, run_id, tmp_p
 
 
 def test_a_job_over_tls_with_client_certificates(tmp_path, run_id):
-    from helpers import write_tls_material
+    from helpers import start_tls_etcd
 
-    from elasticctl.etcd_server import EmbeddedEtcd, free_port
-
-    write_tls_material(tmp_path)
-    tls = {"cacert": str(tmp_path / "ca.pem"), "cert": str(tmp_path / "client.pem"), "key": str(tmp_path / "client.key")}
-    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=free_port(), peer_port=free_port(),
-                          cert_file=str(tmp_path / "server.pem"), key_file=str(tmp_path / "server.key"),
-                          client_ca_file=str(tmp_path / "ca.pem"))
-    server.start(client_settings=server.client_settings(**tls))
+    server, tls = start_tls_etcd(tmp_path)
     try:
         record = tmp_path / "record.jsonl"
         result = cli("up", "--etcd", server.endpoint, "--etcd-cacert", tls["cacert"], "--etcd-cert", tls["cert"],
