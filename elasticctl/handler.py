@@ -88,7 +88,6 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         self._counted_at: list[float] = []
         self._left = False
         self._last_check = 0.0
-        self._departed: set[str] = set()
         os.environ[RESTARTS_ENV] = "0"
         return self
 
@@ -114,7 +113,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             request = self._registry.requested(self._node_id)
             if request is not None:
                 self._honour(request)
-            lost = self._lost_members()
+            lost, departed = self._lost_members()
         except ElasticctlError as exc:
             # etcd away: keep training; the client retried for its whole window already.
             log.warning("[%s] cannot check the members of round %s: %s", self._node_id, self._round, exc)
@@ -123,7 +122,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             log.warning("[%s] round %s lost %s; restarting workers without spending a restart",
                         self._node_id, self._round, ", ".join(sorted(lost)))
             self._free_restart = True
-            if lost - self._departed:
+            if lost - departed:
                 self._stop_stuck_workers()
             return len(lost)
         return 0
@@ -195,25 +194,29 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
     def _rewrite_member(self, lease_id: int) -> None:
         self._client.put(self._member_key, json.dumps(self._member), lease=lease_id)
 
-    def _lost_members(self) -> set[str]:
-        """Members of this node's round that are gone, left, or moved to another round."""
+    def _lost_members(self) -> tuple[set[str], set[str]]:
+        """Members of this node's round that are gone, left, or moved to another round.
+
+        Returns (lost, departed): departed are those of the lost that left gracefully,
+        whose peers' collectives still complete.
+        """
         members = self._registry.members()
         current = {node for node, m in members.items() if m.get("round") == self._round}
         self._seen |= current
-        lost = set()
-        self._departed = set()
+        lost: set[str] = set()
+        departed: set[str] = set()
         for node in self._seen:
             member = members.get(node)
             if member is None or member.get("state") in GONE_STATES:
                 lost.add(node)
                 if member is not None and member.get("state") == "left":
-                    self._departed.add(node)  # left gracefully: its peers' collectives still complete
+                    departed.add(node)
             elif member.get("round") != self._round and member.get("state") != "done":
                 lost.add(node)
         # A member that died between the rendezvous and writing its record never shows up.
         if len(self._seen) < self._world_size and time.monotonic() - self._round_started > 2 * self._node_ttl:
             lost.add(f"{self._world_size - len(self._seen)} unseen node(s)")
-        return lost
+        return lost, departed
 
     # -- failures ------------------------------------------------------------------------
 
@@ -226,7 +229,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             deadline = time.monotonic() + self._node_ttl + 1
             verdict = None
             while verdict is None:
-                lost = self._lost_members()
+                lost, _ = self._lost_members()
                 failures = sorted(self._client.get_prefix(prefix), key=lambda kv: kv.mod_revision)
                 first = failures[0].key.decode()[len(prefix):] if failures else self._node_id
                 if lost - {self._node_id}:
