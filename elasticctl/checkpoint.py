@@ -12,7 +12,9 @@ instant leaves every earlier checkpoint intact and the newest one either
 complete or ignored. Loading verifies the digest (torch's zip reader does not
 notice flipped bytes in tensor data) and loads with ``weights_only=True``; a
 checkpoint that fails either check is skipped with a warning in favour of the
-one before it.
+one before it. Keep-N counts only checkpoints that pass both checks, so files
+that merely look like newer checkpoints (planted, or another tool's) never
+push real ones out; they are left in place with a warning.
 
 The payload holds replicated (DDP) state, written by global rank 0 only: model
 (unwrapped from DDP, so it loads without DDP and at any world size), optimizer,
@@ -48,6 +50,9 @@ FORMAT = "elasticctl-checkpoint-1"
 _NAME_RE = re.compile(r"^step-(\d{8,})\.pt$")
 _DIGEST_SUFFIX = ".sha256"
 _TMP_PREFIX = ".tmp-"
+# What the payload of a single-file checkpoint must hold, beyond its format, for restore to use it.
+_PAYLOAD_FIELDS = {"step": int, "epoch": int, "world_size": int, "state": dict, "rng": dict,
+                   "extra": dict}
 
 
 class CheckpointError(ElasticctlError):
@@ -161,6 +166,20 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _signature(*paths: Path) -> tuple:
+    """Name, size and mtime of each file: what verification results are remembered by."""
+    return tuple((p.name, st.st_size, st.st_mtime_ns) for p in paths for st in [p.stat()])
+
+
+def _load_error(exc: BaseException) -> str:
+    """The gist of a torch.load failure (its full text is a page of advice on loading unsafely)."""
+    text = str(exc)
+    gist = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n\n|$)", text, re.DOTALL)
+    lines = text.strip().splitlines()
+    reason = gist[1] if gist else (lines[0] if lines else type(exc).__name__)
+    return " ".join(reason.split()).rstrip(".")
+
+
 def _write_atomically(directory: Path, name: str, write) -> str:
     """Write ``directory/name`` through ``write(file)`` via temp file + fsync + rename; return its sha256."""
     tmp = directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
@@ -218,6 +237,10 @@ class Checkpointer:
         self.last_step: int | None = None  # newest committed (or restored) checkpoint step
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # path -> (signature, loadable). Only the writer's commit path touches these, and at most
+        # one commit runs at a time, so they need no lock.
+        self._verified: dict[Path, tuple[tuple, bool]] = {}
+        self._warned: set[tuple[Path, tuple]] = set()
         if self.is_writer:
             self._remove_stale_temp_files()
 
@@ -288,19 +311,54 @@ class Checkpointer:
             ) from exc
         self.last_step = step
         log.info("rank %d saved checkpoint %s", self.rank, self.directory / name)
+        self._loadable(self.directory / name, written_digest=digest)
         self._prune()
+
+    def _loadable(self, path: Path, written_digest: str | None = None) -> bool:
+        """Whether ``path`` verifies as :meth:`read` would; remembered while its files are unchanged.
+
+        ``written_digest``: the digest of what this process just wrote there, which spares
+        re-reading the tensor data (the pickle is still loaded, onto the meta device).
+        """
+        try:
+            signature = _signature(path, path.with_name(path.name + _DIGEST_SUFFIX))
+        except OSError:
+            return False
+        cached = self._verified.get(path)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        try:
+            if written_digest is None:
+                self._read(path, "cpu")
+            else:
+                self._read(path, "meta", digest=written_digest)
+            loadable = True
+        except CheckpointError as exc:
+            loadable = False
+            if (path, signature) not in self._warned:
+                self._warned.add((path, signature))
+                log.warning("Ignoring %s (not counted towards keep=%d, left in place): %s",
+                            path, self.keep, exc)
+        self._verified[path] = (signature, loadable)
+        return loadable
 
     def _prune(self) -> None:
         complete = self.checkpoints()
-        newest_kept = complete[min(self.keep, len(complete)) - 1][0] if complete else 0
-        for _, path in complete[self.keep:]:
+        listed = {path for _, path in complete}
+        self._verified = {p: v for p, v in self._verified.items() if p in listed}
+        # Only checkpoints that verify count: files that merely look like newer checkpoints must
+        # not push real ones out. The newest valid one is always among the first ``keep``.
+        valid = [(step, path) for step, path in complete if self._loadable(path)]
+        oldest_kept = valid[min(self.keep, len(valid)) - 1][0] if valid else 0
+        for _, path in valid[self.keep:]:
             for victim in (path.with_name(path.name + _DIGEST_SUFFIX), path):
                 with contextlib.suppress(OSError):
                     victim.unlink()
+            self._verified.pop(path, None)
         # Data files whose digest never landed (killed mid-commit) and are older than what we keep.
         for path in self.directory.glob("step-*.pt"):
             match = _NAME_RE.match(path.name)
-            if match and int(match[1]) < newest_kept and not path.with_name(path.name + _DIGEST_SUFFIX).exists():
+            if match and int(match[1]) < oldest_kept and not path.with_name(path.name + _DIGEST_SUFFIX).exists():
                 with contextlib.suppress(OSError):
                     path.unlink()
 
@@ -325,22 +383,38 @@ class Checkpointer:
     # -- loading ------------------------------------------------------------------------
 
     def read(self, path: Path) -> dict:
-        """Load and verify one checkpoint file onto this rank's device; raise on any defect."""
+        """Load and verify one checkpoint file onto this rank's device; raise :class:`CheckpointError` on any defect."""
+        return self._read(path, self.device)
+
+    def _read(self, path: Path, map_location: torch.device | str, digest: str | None = None) -> dict:
         digest_path = path.with_name(path.name + _DIGEST_SUFFIX)
-        expected = digest_path.read_text().strip()
-        actual = _file_digest(path)
+        try:
+            with open(digest_path, "rb") as f:
+                expected = f.read(256).strip()  # a hex sha256; whatever else is there cannot match
+            actual = (digest if digest is not None else _file_digest(path)).encode()
+        except OSError as exc:
+            raise CheckpointError(
+                f"The checkpoint '{path}' or its digest cannot be read: {exc.strerror or exc}.") from exc
         if actual != expected:
             raise CheckpointError(f"The checkpoint '{path}' does not match its digest (corrupt or partial).")
-        payload = torch.load(path, map_location=self.device, weights_only=True)
+        try:
+            payload = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as exc:  # torch raises many types for a malformed file
+            raise CheckpointError(
+                f"The checkpoint '{path}' cannot be loaded with weights_only=True: {_load_error(exc)}."
+            ) from exc
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             raise CheckpointError(f"The file '{path}' is not an elasticctl checkpoint.")
+        for field, kind in _PAYLOAD_FIELDS.items():
+            if not isinstance(payload.get(field), kind):
+                raise CheckpointError(f"The checkpoint '{path}' has no valid '{field}' field.")
         return payload
 
     def _newest_readable(self) -> tuple[Path | None, dict | None]:
         for _, path in self.checkpoints():
             try:
                 return path, self.read(path)
-            except Exception as exc:  # noqa: BLE001 - any defect: fall back to the previous checkpoint
+            except CheckpointError as exc:  # fall back to the previous checkpoint
                 log.warning("Skipping checkpoint %s: %s", path, exc)
         return None, None
 

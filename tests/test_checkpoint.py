@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -13,7 +15,12 @@ import torch
 from helpers import wait_for
 from torch import nn
 
-from elasticctl.checkpoint import Checkpointer, CheckpointError, check_directory
+from elasticctl import checkpoint
+from elasticctl.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    check_directory,
+)
 from elasticctl.errors import ConfigError
 from elasticctl.sampler import ResumableSampler
 
@@ -172,3 +179,66 @@ def test_sigkill_during_a_save_leaves_a_loadable_newest_checkpoint(tmp_path):
         payload = Checkpointer(tmp_path).load_latest()
         assert payload is not None, f"attempt {attempt}: nothing loadable"
         assert torch.all(payload["state"]["model"]["bias"] == payload["step"])
+
+
+class CreatesAFile:
+    """Pickles to a call of open(path, "w"): unpickling it unrestricted creates ``path``."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def plant(directory, name: str, data: bytes) -> None:
+    """A file with a correct digest next to it, as someone with write access could leave it."""
+    (directory / name).write_bytes(data)
+    (directory / f"{name}.sha256").write_text(hashlib.sha256(data).hexdigest())
+
+
+def plant_unloadable_checkpoints(directory, marker) -> list[str]:
+    """Three files named like newer checkpoints, each with a correct digest, none loadable."""
+    evil_zip, not_ours = directory / "evil.zip", directory / "not-ours.zip"
+    torch.save({"format": checkpoint.FORMAT, "step": 99999993, "x": CreatesAFile(marker)}, evil_zip)
+    torch.save({"format": "someone-elses-format", "step": 99999992}, not_ours)
+    names = ["step-99999993.pt", "step-99999992.pt", "step-99999991.pt"]
+    plant(directory, names[0], evil_zip.read_bytes())  # the right format, but weights_only refuses it
+    plant(directory, names[1], not_ours.read_bytes())  # loads, but is not an elasticctl checkpoint
+    plant(directory, names[2], pickle.dumps(CreatesAFile(marker)))  # a bare pickle
+    evil_zip.unlink()
+    not_ours.unlink()
+    return names
+
+
+def test_keep_n_counts_only_loadable_checkpoints_so_planted_files_never_evict_real_ones(
+        tmp_path, caplog):
+    directory, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    directory.mkdir()
+    planted = plant_unloadable_checkpoints(directory, marker)
+    state = make_state()
+    ckpt = Checkpointer(directory, keep=3)
+    with caplog.at_level(logging.WARNING, logger="elasticctl.checkpoint"):
+        for step in (10, 20, 30):
+            ckpt.save(step, **state)
+        restored = Checkpointer(directory).restore(**make_state(seed=1))
+    assert not marker.exists()
+    real = [f"step-{s:08d}.pt" for s in (10, 20, 30)]
+    assert all((directory / name).exists() and (directory / f"{name}.sha256").exists() for name in real)
+    assert all((directory / name).exists() for name in planted)  # left alone, not silently deleted
+    assert restored.step == 30
+    for name in planted:  # named once by the pruning (not once per save), then skipped by the load
+        assert sum(name in r.getMessage() and "not counted towards keep=3" in r.getMessage()
+                   for r in caplog.records) == 1
+
+
+def test_pruning_reads_each_file_once_and_still_keeps_the_newest_n(tmp_path, monkeypatch):
+    plant_unloadable_checkpoints(tmp_path, tmp_path / "code-ran")
+    read = []
+    digest = checkpoint._file_digest
+    monkeypatch.setattr(checkpoint, "_file_digest", lambda path: read.append(path.name) or digest(path))
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in range(1, 6):
+        ckpt.save(step, model=nn.Linear(2, 2))
+    assert sorted(read) == ["step-99999991.pt", "step-99999992.pt", "step-99999993.pt"]
+    assert [s for s, _ in ckpt.checkpoints() if s < 1000] == [5, 4]
