@@ -7,8 +7,12 @@ import re
 
 from elasticctl.errors import ConfigError
 
-_JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The one rule for every name that becomes part of an etcd key (job, run id, node id):
+# matched with fullmatch, so that no trailing newline slips through as it does with '$'.
+_JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# etcd grants leases of up to 9,000,000,000 s; a node silent for an hour is gone for good.
+MAX_NODE_TTL = 3600
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -40,18 +44,36 @@ def parse_env(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]
     pairs: dict[str, str] = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or not _ENV_NAME_RE.match(name):
-            raise ConfigError(f"The environment setting '{item}' must be of the form NAME=VALUE.")
+        if not sep or not _ENV_NAME_RE.fullmatch(name):
+            raise ConfigError(f"The environment setting {quote(item)} must be of the form NAME=VALUE.")
         pairs[name] = value
     return tuple(sorted(pairs.items()))
 
 
-def validate_job_name(name: str) -> str:
-    if not _JOB_NAME_RE.match(name):
+def quote(value: object, limit: int = 80) -> str:
+    """``'value'`` for a one-line message: control characters escaped, long values shortened."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return repr(text) if not text.isprintable() else f"'{text}'"
+
+
+def validate_name(value: str, what: str) -> str:
+    """``value`` if it is a valid ``what`` (job name, run id, node id), else a ConfigError naming it.
+
+    Names become etcd key segments: 1-63 letters, digits, '.', '_' or '-', starting
+    with a letter or digit (no '/', no whitespace, no trailing newline).
+    """
+    if not isinstance(value, str) or not _JOB_NAME_RE.fullmatch(value):
         raise ConfigError(
-            f"The job name '{name}' must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit."
+            f"The {what} {quote(value)} must be 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit."
         )
-    return name
+    return value
+
+
+def validate_job_name(name: str) -> str:
+    return validate_name(name, "job name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +106,15 @@ class JobSpec:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"The maximum number of restarts ({self.max_restarts}) must not be negative.")
-        if self.node_ttl < 2:
-            raise ConfigError(f"The node liveness TTL ({self.node_ttl} s) must be at least 2 seconds.")
+        if isinstance(self.node_ttl, bool) or not isinstance(self.node_ttl, int):
+            raise ConfigError(f"The node liveness TTL {quote(self.node_ttl)} must be a whole number of seconds.")
+        if not 2 <= self.node_ttl <= MAX_NODE_TTL:
+            raise ConfigError(
+                f"The node liveness TTL ({self.node_ttl} s) must be between 2 and {MAX_NODE_TTL} seconds."
+            )
         for name, _ in self.env:
-            if not _ENV_NAME_RE.match(name):
-                raise ConfigError(f"The environment variable name '{name}' is not valid.")
+            if not _ENV_NAME_RE.fullmatch(name):
+                raise ConfigError(f"The environment variable name {quote(name)} is not valid.")
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
