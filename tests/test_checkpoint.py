@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import wait_for
 from torch import nn
 
@@ -19,6 +21,7 @@ from elasticctl import checkpoint
 from elasticctl.checkpoint import (
     Checkpointer,
     CheckpointError,
+    ShardedCheckpointer,
     check_directory,
 )
 from elasticctl.errors import ConfigError
@@ -203,7 +206,7 @@ def plant_unloadable_checkpoints(directory, marker) -> list[str]:
     torch.save({"format": checkpoint.FORMAT, "step": 99999993, "x": CreatesAFile(marker)}, evil_zip)
     torch.save({"format": "someone-elses-format", "step": 99999992}, not_ours)
     names = ["step-99999993.pt", "step-99999992.pt", "step-99999991.pt"]
-    plant(directory, names[0], evil_zip.read_bytes())  # the right format, but weights_only refuses it
+    plant(directory, names[0], evil_zip.read_bytes())  # the right format; weights_only refuses it
     plant(directory, names[1], not_ours.read_bytes())  # loads, but is not an elasticctl checkpoint
     plant(directory, names[2], pickle.dumps(CreatesAFile(marker)))  # a bare pickle
     evil_zip.unlink()
@@ -224,7 +227,8 @@ def test_keep_n_counts_only_loadable_checkpoints_so_planted_files_never_evict_re
         restored = Checkpointer(directory).restore(**make_state(seed=1))
     assert not marker.exists()
     real = [f"step-{s:08d}.pt" for s in (10, 20, 30)]
-    assert all((directory / name).exists() and (directory / f"{name}.sha256").exists() for name in real)
+    assert all((directory / name).exists() and (directory / f"{name}.sha256").exists()
+               for name in real)
     assert all((directory / name).exists() for name in planted)  # left alone, not silently deleted
     assert restored.step == 30
     for name in planted:  # named once by the pruning (not once per save), then skipped by the load
@@ -236,9 +240,115 @@ def test_pruning_reads_each_file_once_and_still_keeps_the_newest_n(tmp_path, mon
     plant_unloadable_checkpoints(tmp_path, tmp_path / "code-ran")
     read = []
     digest = checkpoint._file_digest
-    monkeypatch.setattr(checkpoint, "_file_digest", lambda path: read.append(path.name) or digest(path))
+    monkeypatch.setattr(checkpoint, "_file_digest",
+                        lambda path: read.append(path.name) or digest(path))
     ckpt = Checkpointer(tmp_path, keep=2)
     for step in range(1, 6):
         ckpt.save(step, model=nn.Linear(2, 2))
     assert sorted(read) == ["step-99999991.pt", "step-99999992.pt", "step-99999993.pt"]
     assert [s for s, _ in ckpt.checkpoints() if s < 1000] == [5, 4]
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A world of one (gloo, in-process store), for the collectives of ShardedCheckpointer."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded_state(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def write_manifest(directory) -> None:
+    """A valid manifest for what the directory holds now, as anyone with write access can make."""
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in directory.iterdir() if p.name != checkpoint.MANIFEST}
+    (directory / checkpoint.MANIFEST).write_text(
+        json.dumps({"format": checkpoint.MANIFEST_FORMAT, "files": files}))
+
+
+def test_sharded_round_trip_writes_a_manifest_and_keeps_the_newest_n(tmp_path, process_group):
+    model, optimizer = sharded_state(0)
+    ckpt = ShardedCheckpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, model, optimizer, extra={"epoch": step})
+    assert [s for s, _ in ckpt.checkpoints()] == [3, 2]
+    manifest = json.loads((tmp_path / "step-00000003" / checkpoint.MANIFEST).read_text())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "extra.json"}
+    fresh, fresh_optimizer = sharded_state(1)
+    assert ShardedCheckpointer(tmp_path).restore(fresh, fresh_optimizer) == {"step": 3, "epoch": 3}
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("manifest", ["stale", "recomputed"])
+def test_a_planted_dcp_metadata_never_runs_and_restore_falls_back(
+        tmp_path, process_group, caplog, manifest):
+    marker = tmp_path / "code-ran"
+    directory = tmp_path / "ckpt"
+    model, optimizer = sharded_state(0)
+    ckpt = ShardedCheckpointer(directory, keep=3)
+    ckpt.save(1, model, optimizer, extra={"epoch": 1})
+    ckpt.save(2, model, optimizer, extra={"epoch": 2})
+    for step, expected in ((2, {"step": 1, "epoch": 1}), (1, None)):
+        tampered = directory / f"step-{step:08d}"
+        (tampered / ".metadata").write_bytes(pickle.dumps(CreatesAFile(marker)))
+        if manifest == "recomputed":
+            write_manifest(tampered)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="elasticctl.checkpoint"):
+            restored = ShardedCheckpointer(directory).restore(*sharded_state(1))
+        assert not marker.exists()
+        assert restored == expected
+        reason = "does not match" if manifest == "stale" else "io.open"
+        assert any(str(tampered) in r.getMessage() and reason in r.getMessage()
+                   for r in caplog.records)
+    assert ShardedCheckpointer(directory).checkpoints() == []
+
+
+def test_dcp_metadata_swapped_after_verification_is_still_refused_by_the_reader(
+        tmp_path, process_group, monkeypatch):
+    marker = tmp_path / "code-ran"
+    model, optimizer = sharded_state(0)
+    ShardedCheckpointer(tmp_path / "ckpt", keep=3).save(1, model, optimizer)
+    verify = checkpoint._verify_sharded
+
+    def verify_then_swap(directory, digests=None):  # the file changes between check and use
+        extra = verify(directory, digests)
+        (directory / ".metadata").write_bytes(pickle.dumps(CreatesAFile(marker)))
+        return extra
+
+    monkeypatch.setattr(checkpoint, "_verify_sharded", verify_then_swap)
+    with pytest.raises(CheckpointError, match=r"step-00000001' failed on rank 0: .*io\.open"):
+        ShardedCheckpointer(tmp_path / "ckpt").restore(*sharded_state(1))
+    assert not marker.exists()
+
+
+def test_non_tensor_values_in_shards_load_weights_only(tmp_path, process_group):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    marker = tmp_path / "code-ran"
+    model, optimizer = sharded_state(0)
+    directory = tmp_path / "ckpt"
+    ShardedCheckpointer(directory).save(1, model, optimizer, extra={"epoch": 1})
+    # Rewrite the shards with a hyperparameter that runs code when unpickled unrestricted.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    optim_state["param_groups"][0]["lr"] = CreatesAFile(marker)
+    planted = directory / "step-00000001"
+    for path in planted.iterdir():
+        path.unlink()
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(planted))
+    (planted / "extra.json").write_text(json.dumps({"step": 1}))
+    write_manifest(planted)
+    with pytest.raises(CheckpointError,
+                       match=r"'optim.param_groups.0.lr' .* weights_only=True: .*io\.open"):
+        ShardedCheckpointer(directory).restore(*sharded_state(1))
+    assert not marker.exists()
