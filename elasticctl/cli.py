@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -22,9 +23,17 @@ import yaml
 
 from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
-from elasticctl.etcd import EtcdSettings, connect
+from elasticctl.etcd import Endpoint, EtcdSettings, connect
 from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
-from elasticctl.spec import JobSpec, parse_env, parse_nnodes, parse_rdzv_conf
+from elasticctl.spec import (
+    MAX_NODE_TTL,
+    JobSpec,
+    parse_env,
+    parse_nnodes,
+    parse_rdzv_conf,
+    quote,
+    validate_name,
+)
 
 log = logging.getLogger("elasticctl")
 
@@ -36,6 +45,29 @@ _FLAT_ENV = {"auto_envvar_prefix": "ELASTICCTL"}
 def _fail(message: str, code: int = 1) -> None:
     click.echo(f"elasticctl: error: {message}", err=True)
     sys.exit(code)
+
+
+def _checked_name(what: str):
+    """A click callback applying the one naming rule (spec.validate_name) to an option's value."""
+
+    def check(_ctx, _param, value):
+        return value if value is None else validate_name(value, what)
+
+    return check
+
+
+# Port 0 lets the system pick a free port.
+_PORT = click.IntRange(0, 65535)
+
+
+class _Seconds(click.FloatRange):
+    """A finite number of seconds in a range (click's FloatRange lets nan and inf through)."""
+
+    def convert(self, value, param, ctx):
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{quote(value)} is not a finite number of seconds.", param, ctx)
+        return seconds
 
 
 @click.group(context_settings={"auto_envvar_prefix": "ELASTICCTL", "help_option_names": ["-h", "--help"]})
@@ -50,12 +82,14 @@ def cli(verbose: bool) -> None:
 
 
 @cli.command(context_settings=_FLAT_ENV)
-@click.option("--data-dir", default=None, help="Where etcd keeps its data (default: a temporary directory).")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where etcd keeps its data (default: a temporary directory).")
 @click.option("--listen", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--advertise", default=None, help="Address other hosts use to reach this etcd.")
-@click.option("--client-port", type=int, default=2379, show_default=True)
-@click.option("--peer-port", type=int, default=2380, show_default=True)
-@click.option("--name", default="elasticctl", show_default=True, help="The etcd member name.")
+@click.option("--client-port", type=_PORT, default=2379, show_default=True, help="0: a free port.")
+@click.option("--peer-port", type=_PORT, default=2380, show_default=True, help="0: a free port.")
+@click.option("--name", default="elasticctl", show_default=True,
+              callback=_checked_name("etcd member name"), help="The etcd member name.")
 def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
     """Run a standalone single-member etcd (v3 API only) until interrupted."""
     from elasticctl.etcd_server import EmbeddedEtcd
@@ -122,33 +156,105 @@ _JobFileLoader.add_implicit_resolver(
 )
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"the unprintable character #x{exc.character:04x} at position {exc.position}"
+    return " ".join(str(exc).split())
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+def _described(value) -> str:
+    """How a job-file value is named in an error: "the string 'abc'", "a list", "the number 5"."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"the string {quote(value)}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    return f"{quote(value)} (a {type(value).__name__}; quote it to make it a string)"
+
+
+def _config_value(path: str, key: str, param: click.Parameter, value):
+    """A job-file value checked against what its option takes (job files are untrusted input)."""
+    where = f"the key {quote(key)} in {quote(path)}"
+    name = param.name
+    if name == "script_args":
+        if not isinstance(value, list) or not all(_is_scalar(v) for v in value):
+            raise click.BadParameter(f"{where} must be a list of arguments such as [--epochs, 3], "
+                                     f"not {_described(value)}.")
+        return [str(v) for v in value]
+    if name in ("env", "rdzv_conf") and isinstance(value, dict):
+        for k, v in value.items():
+            if not _is_scalar(k) or not _is_scalar(v):
+                raise click.BadParameter(
+                    f"{where} must map names to single values (quote true/false), but "
+                    f"{quote(k)} maps to {_described(v)}."
+                )
+            if name == "rdzv_conf" and ("," in f"{k}{v}" or "=" in str(k)):
+                raise click.BadParameter(
+                    f"{where}: the rendezvous option {quote(k)} must not hold ',' or '='."
+                )
+        if name == "env":
+            return [f"{k}={v}" for k, v in value.items()]
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if param.multiple or param.nargs == -1:
+        if not isinstance(value, list) or not all(_is_scalar(v) for v in value):
+            raise click.BadParameter(f"{where} must be a list of values, not {_described(value)}.")
+        return [str(v) for v in value]
+    if isinstance(param, click.Option) and param.is_flag:
+        if not isinstance(value, bool):
+            raise click.BadParameter(f"{where} must be true or false, not {_described(value)}.")
+        return value
+    if not _is_scalar(value):
+        raise click.BadParameter(f"{where} must be a single value, not {_described(value)}.")
+    if isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType)):
+        return value  # click converts and range-checks it as it does a flag's value
+    return str(value)
+
+
 def _load_config(ctx: click.Context, _param, path: str | None):
     """``--config job.yaml``: its keys become the command's defaults; flags still win."""
     if path is None:
         return None
     try:
-        with open(path) as f:
-            data = yaml.load(f, Loader=_JobFileLoader) or {}
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as exc:
-        raise click.BadParameter(f"cannot read '{path}': {exc.strerror}.") from exc
+        raise click.BadParameter(f"cannot read {quote(path)}: {exc.strerror}.") from exc
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(
+            f"{quote(path)} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})."
+        ) from exc
+    try:
+        data = yaml.load(text, Loader=_JobFileLoader)
     except yaml.YAMLError as exc:
-        raise click.BadParameter(f"'{path}' is not valid YAML: {exc}.") from exc
+        raise click.BadParameter(f"{quote(path)} is not valid YAML: {_yaml_problem(exc)}.") from exc
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
-        raise click.BadParameter(f"'{path}' must hold a mapping of option names to values.")
-    known = {p.name for p in ctx.command.params}
+        raise click.BadParameter(f"{quote(path)} must hold a mapping of option names to values.")
+    params = {p.name: p for p in ctx.command.params}
     aliases = {"etcd": "etcd_endpoints", "args": "script_args"}
     defaults = {}
     for key, value in data.items():
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
-        if name not in known or name == "config":
-            raise click.BadParameter(f"'{path}' has the unknown key '{key}'.")
-        if name == "env" and isinstance(value, dict):
-            value = [f"{k}={v}" for k, v in value.items()]
-        elif name == "rdzv_conf" and isinstance(value, dict):
-            value = ",".join(f"{k}={v}" for k, v in value.items())
-        elif name == "script_args":
-            value = [str(v) for v in value]
-        defaults[name] = value
+        if name not in params or name == "config":
+            raise click.BadParameter(f"{quote(path)} has the unknown key {quote(key)}.")
+        defaults[name] = _config_value(path, str(key), params[name], value)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return path
 
@@ -159,7 +265,8 @@ def _load_config(ctx: click.Context, _param, path: str | None):
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
               help="A YAML job file; any flag can be set there, and flags override it.")
 @etcd_options
-@click.option("--job", default="elastic-job", show_default=True, help="The job name (torchrun's --rdzv-id).")
+@click.option("--job", default="elastic-job", show_default=True, callback=_checked_name("job name"),
+              help="The job name (torchrun's --rdzv-id).")
 @click.option("--nnodes", default=None, help="Node count: N, or MIN:MAX for an elastic job.  [required]")
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
 @click.option("--max-restarts", type=int, default=3, show_default=True,
@@ -167,15 +274,20 @@ def _load_config(ctx: click.Context, _param, path: str | None):
 @click.option("--checkpoint-dir", default=None, help="Where trainers checkpoint (handed to them as ELASTICCTL_CHECKPOINT_DIR).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
 @click.option("--node-ttl", type=int, default=5, show_default=True,
-              help="Seconds a silent node is given before the others re-form without it.")
+              help="Seconds a silent node is given before the others re-form without it "
+                   f"(2 to {MAX_NODE_TTL}).")
 @click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, secret, quarantine).")
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
-@click.option("--node-id", default=None, help="This node's id in the job (default: the host name, made unique).")
+@click.option("--node-id", default=None, callback=_checked_name("node id"),
+              help="This node's id in the job (default: the host name, made unique).")
 @click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
 @click.option("--etcd-listen", default="0.0.0.0", show_default=True, help="Embedded etcd: address to listen on.")
-@click.option("--etcd-port", type=int, default=2379, show_default=True, help="Embedded etcd: client port.")
-@click.option("--etcd-peer-port", type=int, default=2380, show_default=True, help="Embedded etcd: peer port.")
-@click.option("--etcd-data-dir", default=None, help="Embedded etcd: data directory (default: temporary).")
+@click.option("--etcd-port", type=_PORT, default=2379, show_default=True,
+              help="Embedded etcd: client port (0: a free port).")
+@click.option("--etcd-peer-port", type=_PORT, default=2380, show_default=True,
+              help="Embedded etcd: peer port (0: a free port).")
+@click.option("--etcd-data-dir", type=click.Path(file_okay=False), default=None,
+              help="Embedded etcd: data directory (default: temporary).")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a Python module name, as with python -m.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @click.argument("script", required=False)
@@ -189,7 +301,7 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     other hosts is printed.
     """
     from elasticctl import launcher
-    from elasticctl.etcd_server import EmbeddedEtcd
+    from elasticctl.etcd_server import EmbeddedEtcd, check_listen_host, free_port
 
     if script is None:
         raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
@@ -206,13 +318,21 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
 
     server = None
     if etcd_params["etcd_endpoints"] is None:
+        check_listen_host(etcd_listen)
+        if etcd_port == etcd_peer_port != 0:
+            raise ConfigError(f"The etcd client and peer ports must differ (both are {etcd_port}).")
+        # Chosen now, so that the endpoint (and --dry-run) names the real port.
+        etcd_port = etcd_port or free_port(etcd_listen)
+        etcd_peer_port = etcd_peer_port or free_port(etcd_listen)
         server = EmbeddedEtcd(
             data_dir=etcd_data_dir, listen_host=etcd_listen, client_port=etcd_port, peer_port=etcd_peer_port,
             advertise_host=None if launcher.is_loopback(etcd_listen) else launcher.primary_address(),
         )
         settings = _settings(etcd_params, server.endpoint)
+        _warn_if_exposed(settings, listening=Endpoint(etcd_listen, etcd_port))
     else:
         settings = _settings(etcd_params)
+        _warn_if_exposed(settings)
     local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
     if dry_run:
         from elasticctl.node import torchrun_for
@@ -220,35 +340,57 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
         click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
         return
 
-    if server is not None:
-        from elasticctl.etcd_server import forget_embedded, remember_embedded
-
-        server.start()
-        remember_embedded(server.endpoint, os.getpid())
-        click.echo(f"Embedded etcd serving at {server.endpoint}. On every other host run:", err=True)
-        click.echo(f"  elasticctl join --etcd {server.endpoint} --job {job}", err=True)
-        click.echo("The job's etcd lives in this process: when this node stops, the job stops with it "
-                   "(run `elasticctl etcd` on a dedicated host for a job that must outlive any node).", err=True)
     try:
+        if server is not None:
+            _start_embedded(server, job)
         client = connect(settings)
         registry = Registry(client, job, etcd_params["key_prefix"])
-        if registry.publish_spec(spec):
+        published = registry.publish_spec(spec)
+        if published:
             click.echo(f"published job {job} ({spec.nnodes} nodes, script {spec.script})", err=True)
         else:
             click.echo(f"job {job} already runs with this spec: joining it", err=True)
-        _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None)
+        try:
+            _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None)
+        except SystemExit:
+            raise  # the node ran: its outcome, and the spec stays like that of any run
+        except BaseException:
+            # Failed before the node could run (registration, lease, a bad setting, Ctrl-C):
+            # take back the spec this `up` published, unless a node or a round uses it.
+            if published:
+                _withdraw_spec(registry, spec)
+            raise
     finally:
         if server is not None:
+            from elasticctl.etcd_server import forget_embedded
+
             forget_embedded(os.getpid())
             server.stop()
 
 
+def _start_embedded(server, job: str) -> None:
+    from elasticctl.etcd_server import remember_embedded
+
+    server.start()
+    try:
+        remember_embedded(server.endpoint, os.getpid())
+    except OSError as exc:
+        log.warning("cannot record the embedded etcd for the other commands on this host: %s", exc)
+    click.echo(f"Embedded etcd serving at {server.endpoint}. On every other host run:", err=True)
+    click.echo(f"  elasticctl join --etcd {server.endpoint} --job {job}", err=True)
+    click.echo("The job's etcd lives in this process: when this node stops, the job stops with it "
+               "(run `elasticctl etcd` on a dedicated host for a job that must outlive any node).",
+               err=True)
+
+
 @cli.command(context_settings=_FLAT_ENV)
 @etcd_options
-@click.option("--job", default=None, help="The job to join (default: the only job in etcd).")
-@click.option("--wait", "wait_seconds", type=float, default=0.0, show_default=True,
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job to join (default: the only job in etcd).")
+@click.option("--wait", "wait_seconds", type=_Seconds(min=0), default=0.0, show_default=True,
               help="Wait this long for the job to be published (nodes started before `up`).")
-@click.option("--node-id", default=None, help="This node's id in the job (default: the host name, made unique).")
+@click.option("--node-id", default=None, callback=_checked_name("node id"),
+              help="This node's id in the job (default: the host name, made unique).")
 @click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None:
@@ -256,6 +398,7 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
     from elasticctl import launcher
 
     settings = _settings(etcd_params)
+    _warn_if_exposed(settings)
     client = connect(settings)
     deadline = time.monotonic() + wait_seconds
     while True:
@@ -278,6 +421,34 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
     _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False)
 
 
+def _withdraw_spec(registry: Registry, spec: JobSpec) -> None:
+    try:
+        if registry.withdraw_spec(spec):
+            log.info("withdrew the spec of job %s, which no node runs", spec.name)
+    except ElasticctlError as exc:
+        log.warning("cannot withdraw the spec of job %s: %s", spec.name, exc)
+
+
+def _warn_if_exposed(settings: EtcdSettings, listening: Endpoint | None = None) -> None:
+    """One line when anyone on the network could read and alter the job through its etcd.
+
+    ``listening`` is where an embedded etcd (plain http, no users) binds: 0.0.0.0 is
+    reachable from other hosts whatever address this node uses to reach it.
+    """
+    from elasticctl.launcher import is_loopback
+
+    if listening is not None:
+        exposed = [] if is_loopback(listening.host) else [str(listening)]
+    elif settings.protocol == "https" or settings.cacert or settings.user:
+        exposed = []
+    else:
+        exposed = [str(ep) for ep in settings.endpoints if not is_loopback(ep.host)]
+    if exposed:
+        click.echo(f"elasticctl: warning: etcd at {','.join(exposed)} is reached without TLS or "
+                   "authentication; anyone who can reach it can read and alter this job "
+                   "(see SECURITY.md).", err=True)
+
+
 def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> None:
     from elasticctl.node import NodeSession, wait_for_other_nodes
 
@@ -296,10 +467,12 @@ def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> 
 
 @cli.command(context_settings=_FLAT_ENV)
 @etcd_options
-@click.option("--job", default=None, help="The job (default: the only job in etcd).")
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--watch", is_flag=True, help="Refresh until interrupted.")
-@click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--interval", type=_Seconds(0.1, 3600), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch (0.1 to 3600).")
 def status(job, as_json, watch, interval, **etcd_params) -> None:
     """The job at a glance, from etcd alone: nodes, round, world size, trainer progress."""
     from elasticctl.status import render
@@ -336,9 +509,12 @@ def jobs(as_json, **etcd_params) -> None:
 
 @cli.command(context_settings=_FLAT_ENV)
 @etcd_options
-@click.option("--job", default=None, help="The job (default: the only job in etcd).")
-@click.option("--node", "node_id", default=None, help="The node to remove (default: the one on this host).")
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the node to go.")
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd).")
+@click.option("--node", "node_id", default=None, callback=_checked_name("node id"),
+              help="The node to remove (default: the one on this host).")
+@click.option("--timeout", type=_Seconds(min=0), default=120.0, show_default=True,
+              help="Seconds to wait for the node to go.")
 @click.option("--no-wait", is_flag=True, help="Ask the node to leave and return at once.")
 def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
     """Scale down by one node: it checkpoints, stops, and the others continue without a restart."""
@@ -371,8 +547,10 @@ def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
 
 @cli.command(context_settings=_FLAT_ENV)
 @etcd_options
-@click.option("--job", default=None, help="The job (default: the only job in etcd).")
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the nodes to stop.")
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd).")
+@click.option("--timeout", type=_Seconds(min=0), default=120.0, show_default=True,
+              help="Seconds to wait for the nodes to stop.")
 def down(job, timeout, **etcd_params) -> None:
     """Stop the job on every node (each exits 0) and remove its keys."""
     # Short retries: an embedded etcd may stop with the job, right after its nodes.
@@ -397,9 +575,10 @@ def _wait_until(done, timeout: float, what: str) -> None:
         time.sleep(0.5)  # polling etcd, bounded by --timeout
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The ``elasticctl`` entry point (``argv``: the arguments, default sys.argv[1:])."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(args=argv, prog_name="elasticctl", standalone_mode=False)
     except click.exceptions.Abort:
         _fail("aborted.", 130)
     except click.ClickException as exc:

@@ -8,6 +8,8 @@ The v2 API is never enabled: elasticctl speaks v3 only.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import ipaddress
 import json
 import logging
 import os
@@ -21,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from elasticctl import processes
-from elasticctl.errors import EtcdServerError, EtcdUnavailableError
+from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, wait_until_healthy
 
 log = logging.getLogger(__name__)
@@ -65,17 +67,69 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def check_listen_host(host: str) -> str:
+    """``host`` if etcd can listen on it here: an IP address of this host, 0.0.0.0, :: or localhost.
+
+    etcd binds only to IP addresses (a host name is refused), so anything else is a
+    ConfigError naming the value; so is an address that no interface of this host has.
+    """
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            shown = repr(host) if not host.isprintable() else f"'{host}'"
+            raise ConfigError(
+                f"The etcd listen address {shown} is not an IP address; give one of this host's "
+                "addresses, 127.0.0.1 for this host only, or 0.0.0.0 for all of them."
+            ) from None
+    ensure_port_free(host, 0, "listen")
+    return host
+
+
 def ensure_port_free(host: str, port: int, what: str) -> None:
+    """A one-sentence error if etcd could not bind ``host:port`` (port 0: the address only)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"The etcd {what} port {port} must be between 1 and 65535.")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
         # As etcd itself binds: connections in TIME_WAIT do not make a port busy.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+        except socket.gaierror as exc:
+            raise ConfigError(f"The etcd listen address '{host}' is not a valid address.") from exc
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise EtcdServerError(
+                    f"The etcd {what} port {port} on {host} is already in use; choose another port."
+                ) from exc
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(
+                    f"The etcd listen address '{host}' is not an address of this host; give one of "
+                    "its addresses, 127.0.0.1 for this host only, or 0.0.0.0 for all of them."
+                ) from exc
+            if exc.errno == errno.EACCES:
+                raise EtcdServerError(
+                    f"The etcd {what} port {port} on {host} needs privileges this process lacks; "
+                    "choose a port above 1023."
+                ) from exc
             raise EtcdServerError(
-                f"The etcd {what} port {port} on {host} is already in use; choose another port."
+                f"etcd cannot listen on {host} port {port} ({what}): {exc.strerror or exc}."
             ) from exc
+
+
+def prepare_data_dir(path: str) -> None:
+    """Create etcd's data directory, or raise a one-sentence error naming it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"The etcd data directory '{path}' exists and is not a directory.")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"The etcd data directory '{path}' cannot be created: {exc.strerror or exc}."
+        ) from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"The etcd data directory '{path}' is not writable by this user.")
 
 
 def _url(host: str, port: int, scheme: str = "http") -> str:
@@ -165,6 +219,11 @@ class EmbeddedEtcd:
         """Start etcd and wait until it answers (through ``client_settings`` when TLS needs them)."""
         if self._process is not None:
             return self
+        check_listen_host(self.listen_host)
+        if self.client_port == self.peer_port != 0:
+            raise ConfigError(
+                f"The etcd client and peer ports must differ (both are {self.client_port})."
+            )
         if self.client_port == 0:
             self.client_port = free_port(self.listen_host)
         if self.peer_port == 0:
@@ -174,13 +233,21 @@ class EmbeddedEtcd:
         if self.data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="elasticctl-etcd-")
             self._own_data_dir = True
-        Path(self.data_dir).mkdir(parents=True, exist_ok=True)
+        prepare_data_dir(str(self.data_dir))
         if self.log_path is None:
-            self.log_path = str(Path(self.data_dir).with_name(Path(self.data_dir).name + ".log"))
+            data_dir = Path(os.path.abspath(self.data_dir))
+            # Next to the data directory, or inside it when that is the root directory.
+            beside = data_dir.with_name(data_dir.name + ".log") if data_dir.name else None
+            self.log_path = str(beside or data_dir / "etcd.log")
         command = self.command()
         log.info("starting etcd: %s", " ".join(command))
-        with open(self.log_path, "ab") as log_file:
-            self._process = processes.spawn(command, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            with open(self.log_path, "ab") as log_file:
+                self._process = processes.spawn(command, stdout=log_file, stderr=subprocess.STDOUT)
+        except OSError as exc:
+            raise EtcdServerError(
+                f"etcd cannot be started with its log at '{self.log_path}': {exc.strerror or exc}."
+            ) from exc
         settings = client_settings or self.client_settings()
         client = EtcdClient(dataclasses.replace(settings, retry_timeout=1.0))
         deadline = time.monotonic() + timeout

@@ -242,6 +242,22 @@ class Registry:
             progress=self.progress(), down_requested=self.requested("") == "down",
         )
 
+    def withdraw_spec(self, spec: JobSpec) -> bool:
+        """Delete the spec this process published, for an `up` that failed before its node ran.
+
+        Only while the spec is still ``spec`` and the only key of the job (no node record,
+        no rendezvous, no progress: nothing else uses it). True if it was deleted. A node
+        that registers between the check and the delete loses the spec it has already
+        read: a window of one etcd round trip, and only after a failed `up`.
+        """
+        key = f"{self.prefix}/spec"
+        if self.client.count_prefix(self.prefix + "/") != 1:
+            return False
+        kv = self.client.get(key)
+        if kv is None or JobSpec.from_dict(_load(kv.value)) != spec:
+            return False
+        return bool(self.client.delete(key))
+
 
 def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:
     """Jobs with a published spec, and how many live nodes each has."""
