@@ -5,8 +5,11 @@ class ElasticctlError(Exception):
     """Base of every error elasticctl raises on purpose; its message is one sentence."""
 
 
-class ConfigError(ElasticctlError):
-    """A user-supplied value (flag, endpoint, rendezvous option) is invalid."""
+class ConfigError(ElasticctlError, ValueError):
+    """A user-supplied value (flag, endpoint, rendezvous option) is invalid.
+
+    Also a ``ValueError``: torch's rendezvous contract expects one for a bad setting.
+    """
 
 
 class EtcdUnavailableError(ElasticctlError):

@@ -6,13 +6,12 @@ import dataclasses
 import re
 
 from elasticctl.errors import ConfigError
+from elasticctl.rdzv_options import MAX_NODE_TTL, parse_rdzv_options
 
 # The one rule for every name that becomes part of an etcd key (job, run id, node id):
 # matched with fullmatch, so that no trailing newline slips through as it does with '$'.
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# etcd grants leases of up to 9,000,000,000 s; a node silent for an hour is gone for good.
-MAX_NODE_TTL = 3600
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -76,6 +75,14 @@ def validate_job_name(name: str) -> str:
     return validate_name(name, "job name")
 
 
+# How each JobSpec field looks in its JSON form in etcd.
+_SPEC_JSON_TYPES = {
+    "name": str, "script": str, "script_args": "strings", "min_nodes": int, "max_nodes": int,
+    "nproc_per_node": str, "max_restarts": int, "rdzv_conf": "mapping", "checkpoint_dir": (str, type(None)),
+    "module": bool, "env": "mapping", "legacy_local_rank": bool, "node_ttl": int,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     """Everything a node needs to launch its part of the job; identical on every node."""
@@ -106,6 +113,10 @@ class JobSpec:
             )
         if self.max_restarts < 0:
             raise ConfigError(f"The maximum number of restarts ({self.max_restarts}) must not be negative.")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(f"The node count {self.min_nodes}:{self.max_nodes} must be 1 <= MIN <= MAX.")
+        # Every rendezvous option is checked here, before anything is published or launched.
+        parse_rdzv_options(dict(self.rdzv_conf))
         if isinstance(self.node_ttl, bool) or not isinstance(self.node_ttl, int):
             raise ConfigError(f"The node liveness TTL {quote(self.node_ttl)} must be a whole number of seconds.")
         if not 2 <= self.node_ttl <= MAX_NODE_TTL:
@@ -125,12 +136,26 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> JobSpec:
-        """Rebuild a spec read from etcd; fields this version does not know are ignored."""
-        known = {field.name for field in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["script_args"] = tuple(values.get("script_args", ()))
-        values["rdzv_conf"] = tuple(sorted(dict(values.get("rdzv_conf", {})).items()))
-        values["env"] = tuple(sorted(dict(values.get("env", {})).items()))
+        """Rebuild a spec read from etcd (untrusted): every field is type-checked, then validated.
+
+        Fields this version does not know are ignored; anything malformed is a ConfigError.
+        """
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in data:
+                continue
+            value, kind = data[field.name], _SPEC_JSON_TYPES[field.name]
+            if kind == "strings":
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                value = tuple(value) if ok else value
+            elif kind == "mapping":
+                ok = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+                value = tuple(sorted(value.items())) if ok else value
+            else:
+                ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+            if not ok:
+                raise ConfigError(f"The job spec in etcd is unreadable: its field '{field.name}' is malformed.")
+            values[field.name] = value
         try:
             return cls(**values)
         except TypeError as exc:

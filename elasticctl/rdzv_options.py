@@ -1,0 +1,172 @@
+"""The rendezvous options of a job (torchrun's ``--rdzv-conf``), parsed and validated in one place.
+
+The CLI validates a job's options with :func:`parse_rdzv_options` before it launches
+anything; the handler inside torchrun parses the same options with the same
+function. Imports no torch, so the CLI stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+
+from elasticctl.errors import ConfigError
+
+DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
+DEFAULT_NODE_TTL = 5
+# Longer than this, a lost node would hold a job for an hour; etcd's own bound is 9e9 s.
+MAX_NODE_TTL = 3600
+DEFAULT_RUN_TTL = 7200
+MAX_SECONDS = 30 * 24 * 3600
+
+SECRET_ENV = "ELASTICCTL_RDZV_SECRET"
+PASSWORD_ENV = "ELASTICCTL_ETCD_PASSWORD"
+
+# Keys torchrun adds on its own (the launcher's overall timeout, a static node rank):
+# accepted and ignored, as torch's dynamic handler ignores them.
+TORCHRUN_KEYS = frozenset({"timeout", "rank"})
+
+_KEY_PREFIX_RE = re.compile(r"(?:/[A-Za-z0-9_.-]+)+")
+
+
+@dataclasses.dataclass(frozen=True)
+class RdzvOptions:
+    """Every ``--rdzv-conf`` option of the ``etcd3`` rendezvous, with its default."""
+
+    # How to reach etcd (aliases: torch's etcd-v2 names ca_cert, ssl_cert, ssl_cert_key).
+    protocol: str | None = None
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    read_timeout: float = 5.0
+    retry_timeout: float = 30.0
+    connect_timeout: float = 10.0
+    # Where the run's keys live, and how long an abandoned run's keys survive.
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    ttl: int = DEFAULT_RUN_TTL
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    # Liveness, restart budget, quarantine.
+    node_ttl: int = DEFAULT_NODE_TTL
+    max_restarts: int | None = None
+    quarantine_after: int = 2
+    quarantine_window: float = 600.0
+    quarantine_seconds: float = 60.0
+    # torch's dynamic rendezvous timing.
+    join_timeout: int | None = None
+    last_call_timeout: int | None = None
+    close_timeout: int | None = None
+    heartbeat_timeout: int | None = None
+    keep_alive_interval: int = 5
+    keep_alive_max_attempt: int = 3
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise ConfigError(
+            f"The rendezvous option {name} ('{text}') must be a positive number of seconds "
+            f"up to {MAX_SECONDS}."
+        )
+    return value
+
+
+def _whole(minimum: int, maximum: int) -> Callable[[str, str], int]:
+    def parse(name: str, text: str) -> int:
+        if not re.fullmatch(r"[0-9]+", text) or not minimum <= int(text) <= maximum:
+            raise ConfigError(
+                f"The rendezvous option {name} ('{text}') must be a whole number "
+                f"from {minimum} to {maximum}."
+            )
+        return int(text)
+
+    return parse
+
+
+def _protocol(name: str, text: str) -> str:
+    if text.lower() not in ("http", "https"):
+        raise ConfigError(f"The rendezvous option {name} ('{text}') must be http or https.")
+    return text.lower()
+
+
+def _key_prefix(name: str, text: str) -> str:
+    # A prefix is a path of plain segments: no '..', no empty segment, nothing a run id
+    # could escape into another job's keys with.
+    if not _KEY_PREFIX_RE.fullmatch(text) or "/../" in f"{text}/" or "/./" in f"{text}/":
+        raise ConfigError(
+            f"The rendezvous option {name} ('{text}') must be an absolute key path of "
+            "letters, digits, '.', '_' and '-' segments, such as /elasticctl/jobs."
+        )
+    return text.rstrip("/")
+
+
+def _text(name: str, text: str) -> str:
+    if not text or "\n" in text:
+        raise ConfigError(f"The rendezvous option {name} must be a non-empty single line.")
+    return text
+
+
+# option name -> (field, parser); several names may map onto one field.
+_OPTIONS: dict[str, tuple[str, Callable[[str, str], object]]] = {
+    "protocol": ("protocol", _protocol),
+    "cacert": ("cacert", _text),
+    "ca_cert": ("cacert", _text),
+    "cert": ("cert", _text),
+    "ssl_cert": ("cert", _text),
+    "key": ("key", _text),
+    "ssl_cert_key": ("key", _text),
+    "user": ("user", _text),
+    "password": ("password", _text),
+    "read_timeout": ("read_timeout", _seconds),
+    "retry_timeout": ("retry_timeout", _seconds),
+    "connect_timeout": ("connect_timeout", _seconds),
+    "key_prefix": ("key_prefix", _key_prefix),
+    "ttl": ("ttl", _whole(2, MAX_SECONDS)),
+    "secret": ("secret", _text),
+    "node_ttl": ("node_ttl", _whole(2, MAX_NODE_TTL)),
+    "max_restarts": ("max_restarts", _whole(0, 1_000_000)),
+    "quarantine_after": ("quarantine_after", _whole(1, 1_000_000)),
+    "quarantine_window": ("quarantine_window", _seconds),
+    "quarantine_seconds": ("quarantine_seconds", _seconds),
+    "join_timeout": ("join_timeout", _whole(1, MAX_SECONDS)),
+    "last_call_timeout": ("last_call_timeout", _whole(1, MAX_SECONDS)),
+    "close_timeout": ("close_timeout", _whole(1, MAX_SECONDS)),
+    "heartbeat_timeout": ("heartbeat_timeout", _whole(1, MAX_SECONDS)),
+    "keep_alive_interval": ("keep_alive_interval", _whole(1, MAX_SECONDS)),
+    "keep_alive_max_attempt": ("keep_alive_max_attempt", _whole(1, 1_000_000)),
+}
+
+KNOWN_OPTIONS = frozenset(_OPTIONS)
+
+
+def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
+    """Validate ``conf`` (``--rdzv-conf`` as a mapping) into :class:`RdzvOptions`.
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming the first bad key or value.
+    Empty values mean "the default", as torch treats them.
+    """
+    values: dict[str, object] = {}
+    for raw_key, raw_value in conf.items():
+        key = str(raw_key)
+        if key in TORCHRUN_KEYS:
+            continue
+        if key not in _OPTIONS:
+            raise ConfigError(
+                f"The rendezvous option '{key}' is unknown; known options: "
+                f"{', '.join(sorted(_OPTIONS))}."
+            )
+        text = "" if raw_value is None else str(raw_value).strip()
+        if not text:
+            continue
+        field, parse = _OPTIONS[key]
+        values[field] = parse(key, text)
+    options = RdzvOptions(**values)
+    if (options.cert is None) != (options.key is None):
+        raise ConfigError("The rendezvous options cert and key must be given together.")
+    return options
