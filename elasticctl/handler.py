@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 
 import psutil
@@ -87,6 +88,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         self._spent = 0
         self._counted_at: list[float] = []
         self._left = False
+        self._crashed = False
         self._last_check = 0.0
         os.environ[RESTARTS_ENV] = "0"
         return self
@@ -102,10 +104,17 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
     # -- the agent's view ----------------------------------------------------------------
 
     def num_nodes_waiting(self) -> int:
-        waiting = super().num_nodes_waiting()
+        waiting = super().num_nodes_waiting()  # also syncs the rendezvous state
         if waiting:
             self._free_restart = True
             return waiting
+        if self._round is not None and not self._left and not self._participates():
+            # Never train on in a round this node is no longer part of (its heartbeats
+            # were judged too old, the round was superseded): re-join instead.
+            log.warning("[%s] is no longer a participant of round %s; restarting its workers without "
+                        "spending a restart", self._node_id, self._round)
+            self._free_restart = True
+            return 1
         if self._round is None or time.monotonic() - self._last_check < CHECK_INTERVAL:
             return 0
         self._last_check = time.monotonic()
@@ -127,6 +136,10 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             return len(lost)
         return 0
 
+    def _participates(self) -> bool:
+        state = self._state_holder.state
+        return state.round == self._round and self._this_node in state.participants
+
     def _stop_stuck_workers(self) -> None:
         """Stop workers that may hang in a collective with a vanished peer.
 
@@ -147,6 +160,13 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             log.warning("[%s] %d worker process(es) hung after SIGTERM; killed", self._node_id, len(alive))
 
     def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except BaseException:
+            self._crashed = True
+            raise
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         if self._rounds_joined and not self._free_restart:
             self._account_failure()
         self._free_restart = False
@@ -167,8 +187,18 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
         if self._left:
             self._stop_heartbeats()
             return True
-        # The agent shuts down after its workers succeeded: say so where peers and
-        # `up` look, on the run's lease so the record outlives this process.
+        # torchrun calls shutdown from a `finally`: an exception in flight means the agent
+        # crashed (a refused state, etcd gone for good), not that the workers succeeded.
+        if self._crashed or sys.exc_info()[0] is not None:
+            self._stop_heartbeats()
+            try:
+                failed = {**self._member, "state": "failed", "reason": "agent crashed", "since": now()}
+                self._client.put(self._member_key, json.dumps(failed), lease=self._run_lease.id())
+            except ElasticctlError as exc:
+                log.warning("[%s] cannot record the crash of its agent: %s", self._node_id, exc)
+            return True
+        # The workers succeeded: say so where peers and `up` look, on the run's lease so
+        # the record outlives this process.
         try:
             done = {**self._member, "state": "done", "since": now()}
             self._client.put(self._member_key, json.dumps(done), lease=self._run_lease.id())
@@ -231,7 +261,7 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
             while verdict is None:
                 lost, _ = self._lost_members()
                 failures = sorted(self._client.get_prefix(prefix), key=lambda kv: kv.mod_revision)
-                first = failures[0].key.decode()[len(prefix):] if failures else self._node_id
+                first = failures[0].key.decode(errors="replace")[len(prefix):] if failures else self._node_id
                 if lost - {self._node_id}:
                     verdict = f"round {failed_round} lost {', '.join(sorted(lost - {self._node_id}))}"
                 elif self._node_id in lost:

@@ -175,6 +175,9 @@ class NodeSession:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             processes.terminate(child, timeout=10)
+        if code != 0 and not self._request:
+            # torchrun may exit on a `down` or `leave` before the last poll saw the request.
+            self._poll_request(retry_timeout=2.0)
         return self._outcome(code)
 
     def _announce_leave(self) -> None:
@@ -183,12 +186,19 @@ class NodeSession:
         self.record = {**self.record, "state": "leaving"}
         self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
 
-    def _poll_request(self) -> None:
+    def _poll_request(self, retry_timeout: float | None = None) -> None:
+        registry = self.registry
+        if retry_timeout is not None:
+            quick = EtcdClient(dataclasses.replace(self.client.settings, retry_timeout=retry_timeout))
+            registry = Registry(quick, self.registry.job, self.registry.key_prefix)
         try:
-            request = self.registry.requested(self.node_id)
+            request = registry.requested(self.node_id)
         except ElasticctlError as exc:
             log.warning("cannot read requests for node %s: %s", self.node_id, exc)
             return
+        finally:
+            if registry is not self.registry:
+                registry.client.close()
         if request and not self._request:
             self._note_request(request)
 
@@ -205,6 +215,9 @@ class NodeSession:
         if code == 0:
             return Outcome(0, f"node {self.node_id}: training finished")
         member = self._ignore_errors(lambda: self.registry.members().get(self.node_id)) or {}
+        if member.get("state") == "failed" and member.get("reason") == "agent crashed":
+            return Outcome(code, f"node {self.node_id}: its torchrun agent crashed (exit code {code}); "
+                                 "its log above says why")
         if member.get("state") == "failed":
             return Outcome(code, f"node {self.node_id} stopped: its workers failed {member.get('restarts')} times, "
                                  f"more than --max-restarts {self.spec.max_restarts}")

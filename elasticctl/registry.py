@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import re
 import socket
 import threading
 import time
@@ -25,12 +27,11 @@ from collections.abc import Callable
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd import EtcdClient
-from elasticctl.spec import JobSpec
+from elasticctl.rdzv_options import DEFAULT_KEY_PREFIX, DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.spec import JobSpec, validate_name
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
-DEFAULT_NODE_TTL = 5
 JOB_CONTROL = "_job"
 
 
@@ -45,9 +46,33 @@ def _json(value: object) -> str:
 def _load(raw: bytes) -> dict:
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+_NUMBER = (int, float)
+# The fields of each record kind and their JSON types; anything else read from etcd is
+# dropped, so that a malformed or planted record can confuse no reader.
+NODE_FIELDS = {"id": str, "host": str, "addr": str, "pid": int, "nproc": int, "gpus": int,
+               "joined_at": _NUMBER, "state": str}
+MEMBER_FIELDS = {"node": str, "addr": str, "pid": int, "state": str, "round": int, "rank": int,
+                 "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str}
+PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": _NUMBER, "world_size": int,
+                   "last_checkpoint_step": int, "time": _NUMBER, "rank": int}
+
+
+def typed_record(raw: bytes, fields: dict[str, type | tuple[type, ...]]) -> dict:
+    """The fields of the JSON object in ``raw`` that have their documented type (finite numbers)."""
+    record = {}
+    for key, value in _load(raw).items():
+        kind = fields.get(key)
+        if kind is None or isinstance(value, bool) or not isinstance(value, kind):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            continue
+        record[key] = value
+    return record
 
 
 class KeptLease:
@@ -133,6 +158,7 @@ class Registry:
     """Reads and writes one job's records."""
 
     def __init__(self, client: EtcdClient, job: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        validate_name(job, "job name")  # a '/' would reach into another job's keys
         self.client = client
         self.job = job
         self.key_prefix = key_prefix
@@ -182,7 +208,7 @@ class Registry:
 
     def register_node(self, record: dict, lease: int, wanted_id: str | None = None) -> str:
         """Claim a node id (``wanted_id``, else the host name, suffixed while taken)."""
-        base = wanted_id or socket.gethostname().split(".")[0]
+        base = validate_name(wanted_id, "node id") if wanted_id else _host_node_id()
         for attempt in range(1, 1000):
             node = base if attempt == 1 else f"{base}-{attempt}"
             ok, _, _ = self.client.compare_and_swap(
@@ -198,18 +224,20 @@ class Registry:
         self.client.put(f"{self.prefix}/nodes/{node}", _json({**record, "id": node}), lease=lease)
 
     def live_nodes(self) -> dict[str, dict]:
-        return self._records("nodes")
+        return self._records("nodes", NODE_FIELDS)
 
     def members(self) -> dict[str, dict]:
-        return self._records("members")
+        return self._records("members", MEMBER_FIELDS)
 
-    def _records(self, kind: str) -> dict[str, dict]:
+    def _records(self, kind: str, fields: dict) -> dict[str, dict]:
         start = f"{self.prefix}/{kind}/"
-        return {kv.key.decode()[len(start):]: _load(kv.value) for kv in self.client.get_prefix(start)}
+        return {kv.key.decode(errors="replace")[len(start):]: typed_record(kv.value, fields)
+                for kv in self.client.get_prefix(start)}
 
     # -- requests ----------------------------------------------------------------------
 
     def request_leave(self, node: str) -> None:
+        validate_name(node, "node id")
         self.client.put(f"{self.prefix}/control/{node}", "leave")
 
     def request_down(self) -> None:
@@ -217,8 +245,9 @@ class Registry:
 
     def requested(self, node: str) -> str | None:
         """'down' for the whole job, 'leave' for this node, else None."""
-        controls = {kv.key.decode().rsplit("/", 1)[-1]: kv.value.decode()
-                    for kv in self.client.get_prefix(f"{self.prefix}/control/")}
+        start = f"{self.prefix}/control/"
+        controls = {kv.key.decode(errors="replace")[len(start):]: kv.value.decode(errors="replace")
+                    for kv in self.client.get_prefix(start)}
         if controls.get(JOB_CONTROL) == "down":
             return "down"
         return "leave" if controls.get(node) == "leave" else None
@@ -233,7 +262,7 @@ class Registry:
 
     def progress(self) -> dict | None:
         kv = self.client.get(f"{self.prefix}/progress")
-        return None if kv is None else _load(kv.value)
+        return None if kv is None else typed_record(kv.value, PROGRESS_FIELDS)
 
     def view(self) -> JobView:
         spec = self.read_spec()
@@ -265,7 +294,7 @@ def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[
     specs: set[str] = set()
     nodes: dict[str, int] = {}
     for kv in client.get_prefix(root):
-        parts = kv.key.decode()[len(root):].split("/")
+        parts = kv.key.decode(errors="replace")[len(root):].split("/")
         if len(parts) == 2 and parts[1] == "spec":
             specs.add(parts[0])
         elif len(parts) == 3 and parts[1] == "nodes":
@@ -286,6 +315,12 @@ def resolve_job(client: EtcdClient, job: str | None, key_prefix: str = DEFAULT_K
     if not jobs:
         raise ConfigError("There is no job in etcd; start one with 'elasticctl up'.")
     raise ConfigError(f"There are {len(jobs)} jobs in etcd ({', '.join(jobs)}); name one with --job.")
+
+
+def _host_node_id() -> str:
+    """The host name as a node id: its first label, with characters ids may not hold replaced."""
+    label = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0])[:50].lstrip("-_.")
+    return label or "node"
 
 
 def now() -> float:

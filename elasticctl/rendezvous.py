@@ -14,15 +14,15 @@ Keys live under ``<key_prefix>/<run_id>/`` and are bound to a lease, so an
 abandoned run's keys disappear after ``ttl`` seconds instead of piling up.
 
 torch unpickles the state it reads, so whoever can write to etcd could run code
-on every agent. The state is therefore always checksummed, and HMAC-signed when
-a job secret is configured; unsigned or altered state is refused.
+on every agent. Every state is checked by :mod:`elasticctl.rdzv_state` (seal,
+allow-listed classes, shape, sequence) before torch sees its bytes; a node that
+meets a refused or replayed state keeps the newest good state it has seen and
+writes it back over the bad one.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import logging
 import os
 import threading
@@ -44,18 +44,22 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, connect
-from elasticctl.registry import DEFAULT_KEY_PREFIX, DEFAULT_NODE_TTL, Registry, job_prefix
+from elasticctl.rdzv_options import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_RUN_TTL,
+    PASSWORD_ENV,
+    SECRET_ENV,
+    RdzvOptions,
+    parse_rdzv_options,
+)
+from elasticctl.rdzv_state import open_state, seal_state
+from elasticctl.registry import Registry, job_prefix
+from elasticctl.spec import validate_name
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
-DEFAULT_TTL = 7200
-SECRET_ENV = "ELASTICCTL_RDZV_SECRET"
-PASSWORD_ENV = "ELASTICCTL_ETCD_PASSWORD"
-
-_STATE_MAGIC = b"elasticctl-rdzv/1\n"
-_CHECKSUM = b"sha256"
-_SIGNATURE = b"hmac-sha256"
+DEFAULT_TTL = DEFAULT_RUN_TTL
 
 
 class RunLease:
@@ -104,48 +108,19 @@ def _with_lease(lease: RunLease, op: Callable[[int], object]):
         return op(lease.id())
 
 
-def seal_state(state: bytes, secret: bytes | None) -> bytes:
-    """Wrap encoded state with a checksum, or an HMAC when a secret is configured."""
-    if secret:
-        tag = _SIGNATURE + b":" + hmac.new(secret, state, hashlib.sha256).hexdigest().encode()
-    else:
-        tag = _CHECKSUM + b":" + hashlib.sha256(state).hexdigest().encode()
-    return _STATE_MAGIC + tag + b"\n" + state
-
-
-def open_state(sealed: bytes, secret: bytes | None, where: str) -> bytes:
-    """Return the state inside ``sealed``; raise RendezvousStateError unless it is intact and trusted."""
-    if not sealed.startswith(_STATE_MAGIC) or b"\n" not in sealed[len(_STATE_MAGIC):]:
-        raise RendezvousStateError(f"The rendezvous state at '{where}' is corrupt or was not written by elasticctl.")
-    tag, _, state = sealed[len(_STATE_MAGIC):].partition(b"\n")
-    kind, _, digest = tag.partition(b":")
-    if kind == _SIGNATURE:
-        if not secret:
-            raise RendezvousStateError(
-                f"The rendezvous state at '{where}' is signed, but this node has no secret ({SECRET_ENV})."
-            )
-        expected = hmac.new(secret, state, hashlib.sha256).hexdigest().encode()
-    elif kind == _CHECKSUM:
-        if secret:
-            raise RendezvousStateError(
-                f"The rendezvous state at '{where}' is not signed, and this node requires a signature."
-            )
-        expected = hashlib.sha256(state).hexdigest().encode()
-    else:
-        raise RendezvousStateError(f"The rendezvous state at '{where}' has an unknown integrity tag.")
-    if not hmac.compare_digest(digest, expected):
-        raise RendezvousStateError(
-            f"The rendezvous state at '{where}' failed its integrity check (altered, or a different secret)."
-        )
-    return state
-
-
 class EtcdRendezvousBackend(RendezvousBackend):
     """Holds torch's rendezvous state in one etcd v3 key.
 
     The fencing token is the key's ``mod_revision``. ``set_state`` is one etcd
     transaction: compare the revision (or absence, for ``token=None``), put on
     success, read the current value on failure.
+
+    Every state read is checked (see :mod:`elasticctl.rdzv_state`) before torch
+    unpickles it. A state this node refuses (forged, corrupt) or that is older than
+    one it has already seen (replayed, rolled back, deleted) is never handed to
+    torch: the newest good state is, with the current token, so that torch's next
+    write puts it back. A node that has seen no good state yet raises
+    :class:`RendezvousStateError` naming the key.
 
     Args:
         client: the etcd client.
@@ -163,12 +138,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
         lease: RunLease | None = None,
         secret: bytes | None = None,
     ) -> None:
-        if not run_id:
-            raise ValueError("The run id must be a non-empty string.")
+        validate_name(run_id, "run id")
         self._client = client
         self._key = job_prefix(key_prefix, run_id) + "/rdzv"
         self._lease = lease or RunLease(client, DEFAULT_TTL)
         self._secret = secret or None
+        self._lock = threading.Lock()
+        self._newest_seq = 0
+        self._newest_state: bytes | None = None
+        self._refused_revision = 0
 
     @property
     def name(self) -> str:
@@ -193,8 +171,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         except ElasticctlError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
         if kv is None:
-            return None
-        return open_state(kv.value, self._secret, self._key), kv.mod_revision
+            with self._lock:
+                if self._newest_state is None:
+                    return None
+            return self._keep_newest("it was deleted", None, 0)
+        return self._accept(kv.value, kv.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """See base class."""
@@ -204,14 +185,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
             try:
                 expected_revision = int(token)
             except (TypeError, ValueError):
+                expected_revision = -1
+            if expected_revision <= 0:
                 # A token we never issued cannot match: report the current state.
                 result = self.get_state()
                 return None if result is None else (*result, False)
-            if expected_revision <= 0:
-                result = self.get_state()
-                return None if result is None else (*result, False)
 
-        sealed = seal_state(state, self._secret)
+        with self._lock:
+            seq = self._newest_seq + 1
+        sealed = seal_state(state, seq, self._secret)
         try:
             succeeded, kv, _ = _with_lease(
                 self._lease,
@@ -219,11 +201,48 @@ class EtcdRendezvousBackend(RendezvousBackend):
             )
         except ElasticctlError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
-        if kv is None:
-            return None
         if succeeded:
+            with self._lock:
+                self._newest_seq, self._newest_state = seq, state
             return state, kv.mod_revision, True
-        return open_state(kv.value, self._secret, self._key), kv.mod_revision, False
+        if kv is None:
+            # Deleted between the compare and the read: the next get_state decides.
+            result = self.get_state()
+            return None if result is None else (*result, False)
+        return *self._accept(kv.value, kv.mod_revision), False
+
+    def _accept(self, sealed: bytes, revision: int) -> tuple[bytes, Token]:
+        """The state in ``sealed`` if it is good and not older than what this node saw."""
+        try:
+            opened = open_state(sealed, self._secret, self._key)
+        except RendezvousStateError as exc:
+            with self._lock:
+                if self._newest_state is None:
+                    raise
+            return self._keep_newest(str(exc), revision, revision)
+        with self._lock:
+            if opened.seq < self._newest_seq:
+                stale = True
+            else:
+                stale = False
+                self._newest_seq, self._newest_state = opened.seq, opened.state
+        if stale:
+            return self._keep_newest(
+                f"its sequence {opened.seq} is older than {self._newest_seq}, which this node has "
+                "seen (replayed or rolled back)", revision, revision)
+        return opened.state, revision
+
+    def _keep_newest(self, reason: str, token: Token | None, revision: int) -> tuple[bytes, Token]:
+        """Answer with the newest good state, so that torch writes it back over a bad one."""
+        with self._lock:
+            state, seq = self._newest_state, self._newest_seq
+            first_time = revision != self._refused_revision or revision == 0
+            self._refused_revision = revision
+        if first_time:
+            log.warning("Refusing the rendezvous state at '%s' (%s); keeping the newest good state "
+                        "this node has seen (sequence %d) and writing it back.", self._key, reason, seq)
+        assert state is not None  # callers checked
+        return state, token
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -356,127 +375,78 @@ class EtcdStore(dist.Store):
 
 # -- torchrun integration -----------------------------------------------------------------
 
-_RDZV_TIMEOUT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
-
-
-def _seconds(params: RendezvousParameters, name: str, default: float) -> float:
-    value = params.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ConfigError(f"The rendezvous option {name} ('{value}') must be a positive number of seconds.")
-    return seconds
-
-
-def settings_from_params(params: RendezvousParameters) -> EtcdSettings:
-    """Build etcd connection settings from ``--rdzv-endpoint`` and ``--rdzv-conf``.
-
-    torch's etcd-v2 option names (``ca_cert``, ``ssl_cert``, ``ssl_cert_key``) are
-    accepted as aliases so that existing launch lines keep working.
-    """
-
-    def option(*names: str) -> str | None:
-        for name in names:
-            value = params.get(name)
-            if value not in (None, ""):
-                return str(value)
-        return None
-
+def settings_from_params(params: RendezvousParameters, options: RdzvOptions | None = None) -> EtcdSettings:
+    """Build etcd connection settings from ``--rdzv-endpoint`` and ``--rdzv-conf``."""
+    options = options or parse_rdzv_options(params.config)
     if not params.endpoint:
         raise ConfigError("The etcd3 rendezvous needs --rdzv-endpoint HOST:PORT[,HOST:PORT...].")
     return EtcdSettings.from_string(
-        params.endpoint,
-        protocol=(option("protocol") or "").lower() or None,
-        cacert=option("cacert", "ca_cert"),
-        cert=option("cert", "ssl_cert"),
-        key=option("key", "ssl_cert_key"),
-        user=option("user"),
-        password=option("password") or os.environ.get(PASSWORD_ENV) or None,
-        read_timeout=_seconds(params, "read_timeout", 5.0),
-        retry_timeout=_seconds(params, "retry_timeout", 30.0),
+        params.endpoint, protocol=options.protocol, cacert=options.cacert, cert=options.cert,
+        key=options.key, user=options.user,
+        password=options.password or os.environ.get(PASSWORD_ENV) or None,
+        read_timeout=options.read_timeout, retry_timeout=options.retry_timeout,
     )
 
 
-def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+def create_backend(
+    params: RendezvousParameters, options: RdzvOptions | None = None
+) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """Create the backend and store for ``params``, after checking etcd answers.
 
-    Extra ``--rdzv-conf`` keys: protocol, cacert, cert, key, user, password, read_timeout,
-    retry_timeout, connect_timeout, key_prefix, ttl, secret.
+    The ``--rdzv-conf`` options are those of :class:`elasticctl.rdzv_options.RdzvOptions`.
     """
-    settings = settings_from_params(params)
-    key_prefix = params.get("key_prefix") or DEFAULT_KEY_PREFIX
-    ttl = int(_seconds(params, "ttl", DEFAULT_TTL))
-    secret = (params.get("secret") or os.environ.get(SECRET_ENV) or "").encode() or None
-    connect_timeout = _seconds(params, "connect_timeout", 10.0)
-
+    options = options or parse_rdzv_options(params.config)
+    validate_name(params.run_id, "run id")
+    settings = settings_from_params(params, options)
+    secret = (options.secret or os.environ.get(SECRET_ENV) or "").encode() or None
     try:
-        client = connect(settings, connect_timeout)
+        client = connect(settings, options.connect_timeout)
     except EtcdUnavailableError as exc:
         raise RendezvousConnectionError(
             f"The etcd3 rendezvous cannot reach etcd at {settings.describe()}: {exc.__cause__ or exc}"
         ) from exc
-    lease = RunLease(client, ttl)
-    prefix = job_prefix(key_prefix, params.run_id)
-    backend = EtcdRendezvousBackend(client, params.run_id, key_prefix, lease, secret)
+    lease = RunLease(client, options.ttl)
+    prefix = job_prefix(options.key_prefix, params.run_id)
+    backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, lease, secret)
     store = EtcdStore(client, prefix + "/store", lease)
     return backend, store
-
-
-def _whole(params: RendezvousParameters, key: str, default: int | None, minimum: int) -> int | None:
-    value = params.get(key)
-    if value in (None, ""):
-        return default
-    try:
-        number = int(value)
-        if number < minimum:
-            raise ValueError
-    except ValueError as exc:
-        raise ConfigError(f"The rendezvous option {key} ('{value}') must be a whole number of at least {minimum}.") from exc
-    return number
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the elasticctl handler (torch's dynamic handler + liveness) on the etcd3 backend.
 
-    Extra ``--rdzv-conf`` keys: node_ttl (seconds a node may be silent, default 5),
+    Besides the connection options: node_ttl (seconds a node may be silent, default 5),
     max_restarts (the real restart budget; torch's own counts every failure),
     quarantine_after (counted failures, default 2) within quarantine_window (s, 600)
     put the node aside for quarantine_seconds (60).
     """
     from elasticctl.handler import NODE_ENV, ElasticctlRendezvousHandler
 
+    options = parse_rdzv_options(params.config)
+    node_id = os.environ.get(NODE_ENV) or None
+    if node_id is not None:
+        validate_name(node_id, "node id")
     # torch's shared agent TCPStore deadlocks a scale-up in which the joiner is not
     # rank 0; the etcd store serves the agents instead, and workers build their own.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    for key in _RDZV_TIMEOUT_KEYS:
-        _whole(params, key, None, 1)
-    node_ttl = _whole(params, "node_ttl", DEFAULT_NODE_TTL, 2)
-    max_restarts = _whole(params, "max_restarts", None, 0)
-    quarantine_after = _whole(params, "quarantine_after", 2, 1)
-    quarantine_window = _seconds(params, "quarantine_window", 600.0)
-    quarantine_seconds = _seconds(params, "quarantine_seconds", 60.0)
-
-    backend, store = create_backend(params)
-    timeout = RendezvousTimeout(
-        *(datetime.timedelta(seconds=int(params.get(f"{key}_timeout")))
-          if params.get(f"{key}_timeout") else None for key in ("join", "last_call", "close", "heartbeat"))
-    )
+    backend, store = create_backend(params, options)
+    timeout = RendezvousTimeout(*(
+        None if seconds is None else datetime.timedelta(seconds=seconds)
+        for seconds in (options.join_timeout, options.last_call_timeout, options.close_timeout,
+                        options.heartbeat_timeout)
+    ))
     handler = ElasticctlRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
-        keep_alive_interval=_whole(params, "keep_alive_interval", 5, 1),
-        keep_alive_max_attempt=_whole(params, "keep_alive_max_attempt", 3, 1),
+        keep_alive_interval=options.keep_alive_interval,
+        keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
-    registry = Registry(backend.client, params.run_id, params.get("key_prefix") or DEFAULT_KEY_PREFIX)
+    registry = Registry(backend.client, params.run_id, options.key_prefix)
     return handler.attach(
-        backend.client, registry, backend.lease, os.environ.get(NODE_ENV) or None, node_ttl, max_restarts,
-        quarantine_after, quarantine_window, quarantine_seconds,
+        backend.client, registry, backend.lease, node_id, options.node_ttl, options.max_restarts,
+        options.quarantine_after, options.quarantine_window, options.quarantine_seconds,
     )
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torch calls it once and registers the result."""
+    """Kept for code that imports it from here; torchrun uses :mod:`elasticctl.rdzv_plugin`."""
     return create_rdzv_handler

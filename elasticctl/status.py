@@ -16,7 +16,10 @@ def _age(timestamp: float | None) -> str:
         return f"{seconds}s ago"
     if seconds < 7200:
         return f"{seconds // 60}m ago"
-    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")
+    try:
+        return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")
+    except (OverflowError, OSError, ValueError):  # a time no clock of ours wrote
+        return "-"
 
 
 def _table(rows: list[list[str]]) -> list[str]:

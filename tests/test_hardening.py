@@ -1,0 +1,91 @@
+"""Issue 10's correctness odds and ends, each reproduced with real processes and a real etcd."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import torchrun_command
+
+from elasticctl.etcd import EtcdClient
+from elasticctl.registry import Registry
+
+ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
+DOWN_THEN_DIE = str(Path(__file__).parent / "workers" / "down_then_die.py")
+
+
+@pytest.mark.slow
+def test_down_seen_only_after_torchrun_exited_still_exits_0(default_etcd, run_id, nodes):
+    # Item 13: the node must look for a request once more after torchrun exits.
+    node = nodes("a", [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id,
+                       "--nnodes", "1", "--node-id", "a", DOWN_THEN_DIE])
+    assert node.wait(120) == 0, node.log()
+    assert "stopped (job down)" in node.log()
+
+
+@pytest.mark.slow
+def test_a_crashed_agent_is_recorded_as_failed_not_done(default_etcd, run_id, nodes):
+    # Item 14: an agent that crashed (here on a refused rendezvous state) read as a clean finish.
+    with EtcdClient(default_etcd.client_settings()) as client:
+        registry = Registry(client, run_id)
+        client.put(f"{registry.prefix}/rdzv", b"not a state elasticctl wrote")
+        node = nodes("crasher", torchrun_command(default_etcd.endpoint, run_id, "1", ["--steps", "1"]))
+        assert node.wait(120) != 0
+        assert "was not written by this version of elasticctl" in node.log()
+        member = json.loads(client.get(f"{registry.prefix}/members/crasher").value)
+        assert member["state"] == "failed", member
+        assert client.get(f"{registry.prefix}/finished") is None
+
+
+def test_importing_the_rendezvous_module_first_registers_etcd3(default_etcd, run_id):
+    # Item 15: `import elasticctl.rendezvous` met itself half-initialised; etcd3 stayed unregistered.
+    code = (
+        "import elasticctl.rendezvous\n"
+        "from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry\n"
+        f"params = RendezvousParameters('etcd3', '{default_etcd.endpoint}', '{run_id}', 1, 1)\n"
+        "handler = rendezvous_handler_registry.create_handler(params)\n"
+        "print(handler.get_backend())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "etcd3"
+    assert "circular import" not in result.stderr
+
+
+@pytest.mark.parametrize(("conf", "needle"), [
+    ({"protocol": "ftp"}, "'ftp'"),
+    ({"read_timeout": "abc"}, "'abc'"),
+    ({"read_timeout": "-1"}, "'-1'"),
+    ({"node_ttl": "abc"}, "node_ttl ('abc')"),
+    ({"node_ttl": "99999999999999999999"}, "node_ttl"),
+    ({"key_prefix": "/a/../b"}, "key_prefix"),
+    ({"no_such_option": "1"}, "'no_such_option' is unknown"),
+])
+def test_bad_rendezvous_settings_are_value_errors_naming_the_value(default_etcd, run_id, conf, needle):
+    # Item 16: torch's backend tests expect ValueError for an invalid protocol or read_timeout.
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+
+    params = RendezvousParameters("etcd3", default_etcd.endpoint, run_id, 1, 1, **conf)
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        rendezvous_handler_registry.create_handler(params)
+
+
+@pytest.mark.parametrize("run", ["jv/x", "jv/nodes", "abc\n"])
+def test_run_ids_that_could_reach_another_jobs_keys_are_refused(default_etcd, run):
+    # Item 5: --rdzv-id=jv/x landed inside job jv's prefix; `down --job jv` then deleted its keys.
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+
+    params = RendezvousParameters("etcd3", default_etcd.endpoint, run, 1, 1)
+    with pytest.raises(ValueError, match="run id"):
+        rendezvous_handler_registry.create_handler(params)
+    with EtcdClient(default_etcd.client_settings()) as client:
+        assert not [kv for kv in client.get_prefix("/elasticctl/jobs/jv") if b"/jv/" in kv.key]
