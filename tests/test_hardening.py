@@ -89,3 +89,17 @@ def test_run_ids_that_could_reach_another_jobs_keys_are_refused(default_etcd, ru
         rendezvous_handler_registry.create_handler(params)
     with EtcdClient(default_etcd.client_settings()) as client:
         assert not [kv for kv in client.get_prefix("/elasticctl/jobs/jv") if b"/jv/" in kv.key]
+
+
+@pytest.mark.parametrize("conf", ["node_ttl=abc", "read_timeout=-3", "protocol=ftp", "join_timout=5"])
+def test_bad_rdzv_conf_is_refused_before_anything_is_published_or_launched(default_etcd, run_id, conf):
+    # Item 11: `up --rdzv-conf node_ttl=abc` launched torchrun, which printed a traceback.
+    result = subprocess.run([*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                             "--rdzv-conf", conf, DOWN_THEN_DIE], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert conf.split("=")[0] in lines[0]
+    with EtcdClient(default_etcd.client_settings()) as client:
+        assert client.get_prefix(Registry(client, run_id).prefix + "/") == []
