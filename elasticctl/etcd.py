@@ -248,6 +248,28 @@ class EtcdClient:
             "read keys", lambda c: [_kv(v, m) for v, m in c.get_prefix(prefix, sort_order="ascend")]
         )
 
+    def get_prefix_at(self, prefix: bytes | str) -> tuple[list[KeyValue], int]:
+        """The keys under ``prefix`` and the store revision they were read at (to watch from)."""
+
+        def read(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[list[KeyValue], int]:
+            response = c.get_prefix_response(prefix)
+            kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in response.kvs]
+            return kvs, response.header.revision
+
+        return self._call("read keys", read)
+
+    def watch_prefix(self, prefix: bytes | str, start_revision: int):
+        """Watch ``prefix`` from ``start_revision``: (iterator of responses, cancel).
+
+        Each response has ``events`` (pyetcd's PutEvent/DeleteEvent: key, value,
+        mod_revision, lease) and ``header.revision``. The iterator raises when the
+        stream breaks (member gone, revision compacted); the caller re-reads and
+        watches again.
+        """
+        return self._call(
+            "watch keys", lambda c: c.watch_prefix_response(prefix, start_revision=start_revision)
+        )
+
     def count_prefix(self, prefix: bytes | str) -> int:
         def count(c: pyetcd.MultiEndpointEtcd3Client) -> int:
             return c.get_prefix_response(prefix, count_only=True).count

@@ -1,0 +1,155 @@
+"""One node's part in the etcd-native rendezvous: its lease, its declarations, sealing, waiting.
+
+:meth:`RoundMember.join` declares for the next round (one put) and waits, on the
+watched view, until a round with this node in it is sealed; the first node that
+wants a round seals it (one compare-and-swap) as soon as :func:`seal_due` says so.
+Nothing polls: every wait is on the view's condition, with a timeout only where a
+deadline (last call, the sealer's grace, the join timeout) can fire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd import EtcdClient
+from elasticctl.rdzv_rounds import (
+    Change,
+    Declaration,
+    Round,
+    Settings,
+    change_for,
+    next_members,
+    next_number,
+    seal_due,
+    sealer,
+    wanting,
+)
+from elasticctl.rdzv_view import RoundView
+from elasticctl.registry import KeptLease
+
+log = logging.getLogger(__name__)
+
+# How long the others give the first node that wants a round to seal it (it may have died).
+SEALER_GRACE = 1.0
+
+
+class RoundMember:
+    """This node (``node`` at ``addr``) in the rounds of the run whose keys ``view`` watches."""
+
+    def __init__(self, client: EtcdClient, view: RoundView, node: str, addr: str, settings: Settings,
+                 node_ttl: int, join_timeout: float, run_lease=None, pid: int = 0) -> None:
+        self._client = client
+        self.view = view
+        self.node = node
+        self.addr = addr
+        self.pid = pid
+        self.settings = settings
+        self.node_ttl = node_ttl
+        self.join_timeout = join_timeout
+        self._run_lease = run_lease
+        self._lease: KeptLease | None = None
+        self._lease_lost = threading.Event()
+        self.round: Round | None = None  # the round this node is in
+
+    # -- liveness --------------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> int:
+        if self._lease is None:
+            self._lease = KeptLease(self._client, self.node_ttl, self._on_lease_lost, name="rdzv-member")
+        return self._lease.id
+
+    def _on_lease_lost(self, _new_lease: int) -> None:
+        # Frozen or cut off past node_ttl: the others have gone on without this node. It
+        # must not slip back into the old round; it re-joins as a newcomer.
+        log.warning("[%s] its rendezvous lease expired (frozen or cut off); it will join again", self.node)
+        self._lease_lost.set()
+        self.view.wait_for(lambda: True, 0)  # wake waiters
+
+    # -- joining ---------------------------------------------------------------------
+
+    def join(self) -> Round:
+        """Declare for the next round and return it once it is sealed with this node in it."""
+        deadline = time.monotonic() + self.join_timeout
+        self._lease_lost.clear()
+        while True:
+            current, _, closed = self.view.snapshot()
+            if closed:
+                raise RendezvousClosedError()
+            target = next_number(current)
+            self.view.declare(Declaration(self.node, self.addr, target, self.pid), self.lease_id)
+            sealed = self._await_round(target, deadline)
+            if sealed is not None:
+                self.round = sealed
+                return sealed
+            # Sealed without this node (the round was full): want the one after it.
+
+    def _await_round(self, target: int, deadline: float) -> Round | None:
+        quorum_since: float | None = None
+        due_since: float | None = None
+        while True:
+            now = time.monotonic()
+            current, declarations, closed = self.view.snapshot()
+            if closed:
+                raise RendezvousClosedError()
+            if current is not None and current.number >= target:
+                return current if self.node in current.members else None
+            live = list(declarations.values())
+            enough = len(wanting(current, live)) >= self.settings.min_nodes
+            quorum_since = (quorum_since or now) if enough else None
+            if seal_due(current, live, self.settings, quorum_since, now):
+                due_since = due_since or now
+                if sealer(current, live) == self.node or now - due_since >= SEALER_GRACE:
+                    self._seal(current, live, target)
+            else:
+                due_since = None
+            if now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"The rendezvous round {target} did not complete within {self.join_timeout:g} s "
+                    f"({len(wanting(current, live))} of at least {self.settings.min_nodes} nodes joined)."
+                )
+            wake_at = [deadline]
+            if quorum_since is not None:
+                wake_at.append(quorum_since + self.settings.last_call)
+            if due_since is not None:
+                wake_at.append(due_since + SEALER_GRACE)
+            revision = self.view.revision
+            self.view.wait_for(lambda r=revision: self.view.revision != r,
+                               max(0.0, min(wake_at) - time.monotonic()) + 0.01)
+
+    def _seal(self, current: Round | None, live: list[Declaration], target: int) -> None:
+        candidates = wanting(current, live)
+        members = next_members(current, candidates, self.settings.max_nodes)
+        addrs = {d.node: d.addr for d in candidates}
+        sealed = Round(number=target, members=members, addrs=tuple(addrs[m] for m in members))
+        run_lease = self._run_lease.id() if self._run_lease is not None else None
+        try:
+            if self.view.seal(sealed, current, run_lease):
+                log.info("[%s] sealed round %d: %s", self.node, target, ", ".join(members))
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot seal round %d: %s", self.node, target, exc)
+
+    # -- while in a round ------------------------------------------------------------
+
+    def change(self) -> Change:
+        """What changed since this node's round was sealed, from the watched view alone."""
+        if self.round is None:
+            return Change()
+        if self._lease_lost.is_set():
+            return Change(superseded=True)
+        current, declarations, _ = self.view.snapshot()
+        return change_for(self.node, self.round.number, current, declarations, self.settings.max_nodes)
+
+    def leave(self) -> None:
+        """Leave gracefully: the others see this node's key go at once, not after node_ttl."""
+        try:
+            self.view.withdraw(self.node)
+        finally:
+            if self._lease is not None:
+                self._lease.stop(revoke=True)
+                self._lease = None

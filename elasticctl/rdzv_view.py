@@ -1,0 +1,178 @@
+"""A watched local copy of one run's rendezvous keys, and the few writes of the protocol.
+
+The view is read once, then kept current by a watch from the revision it was read
+at: nodes learn of declarations, sealed rounds and lost leases without polling, and
+answer questions such as "is anybody waiting?" with no etcd request. When the watch
+breaks (an etcd member restarts, a leader changes, history was compacted) the view
+re-reads everything and watches again from the new revision.
+
+Writes per node per round: one declaration (a put bound to the node's lease); per
+round: one compare-and-swap of the sealed round. See :mod:`elasticctl.rdzv_rounds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd import EtcdClient
+from elasticctl.rdzv_rounds import Declaration, Round
+
+log = logging.getLogger(__name__)
+
+_RETRY_DELAY = 0.2
+
+
+class RoundView:
+    """The rendezvous keys under ``prefix`` (``<key_prefix>/<run>/rdzv/``), kept current by a watch.
+
+    Attributes are replaced, never mutated, under the condition's lock; read them
+    through :meth:`snapshot` or inside :meth:`wait_for`.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str) -> None:
+        self._client = client
+        self.prefix = prefix.rstrip("/") + "/"
+        self._nodes_prefix = self.prefix + "nodes/"
+        self._round_key = self.prefix + "round"
+        self._closed_key = self.prefix + "closed"
+        self._changed = threading.Condition()
+        self.declarations: dict[str, Declaration] = {}
+        self.round: Round | None = None
+        self.closed = False
+        self.revision = 0
+        self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
+        self._stopped = threading.Event()
+        self._cancel: Callable[[], None] | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> RoundView:
+        self._reload()
+        self._thread = threading.Thread(target=self._watch_forever, name="elasticctl-rdzv-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        cancel = self._cancel
+        if cancel is not None:
+            with contextlib.suppress(Exception):
+                cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def wait_for(self, predicate: Callable[[], object], timeout: float | None) -> object:
+        """Block until ``predicate()`` (evaluated under the view's lock) is truthy, or ``timeout``."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def snapshot(self) -> tuple[Round | None, dict[str, Declaration], bool]:
+        with self._changed:
+            return self.round, self.declarations, self.closed
+
+    # -- the watch -------------------------------------------------------------------
+
+    def _reload(self) -> None:
+        kvs, revision = self._client.get_prefix_at(self.prefix)
+        declarations: dict[str, Declaration] = {}
+        sealed, closed = None, False
+        for kv in kvs:
+            kind, value = self._decode(kv.key, kv.value, kv.mod_revision)
+            if kind == "node" and value is not None:
+                declarations[value.node] = value
+            elif kind == "round":
+                sealed = value
+            elif kind == "closed":
+                closed = True
+        with self._changed:
+            now = time.monotonic()
+            for node in self.declarations.keys() - declarations.keys():
+                self.gone_at[node] = now
+            self.declarations, self.round, self.closed, self.revision = declarations, sealed, closed, revision
+            self._changed.notify_all()
+
+    def _decode(self, key: bytes, value: bytes, revision: int):
+        name = key.decode(errors="replace")
+        if name.startswith(self._nodes_prefix):
+            declaration = Declaration.from_json(value, revision)
+            # A record under another node's name is not that node's declaration.
+            valid = declaration is not None and declaration.node == name[len(self._nodes_prefix):]
+            return "node", declaration if valid else None
+        if name == self._round_key:
+            return "round", Round.from_json(value, revision)
+        if name == self._closed_key:
+            return "closed", True
+        return "other", None
+
+    def _apply(self, response) -> None:
+        with self._changed:
+            declarations = dict(self.declarations)
+            sealed, closed = self.round, self.closed
+            now = time.monotonic()
+            for event in response.events:
+                deleted = type(event).__name__ == "DeleteEvent"
+                kind, value = self._decode(event.key, b"" if deleted else event.value, event.mod_revision)
+                name = event.key.decode(errors="replace")
+                if kind == "node":
+                    node = name[len(self._nodes_prefix):]
+                    if deleted or value is None:
+                        if declarations.pop(node, None) is not None:
+                            self.gone_at[node] = now
+                    else:
+                        declarations[node] = value
+                        self.gone_at.pop(node, None)
+                elif kind == "round":
+                    sealed = None if deleted else value
+                elif kind == "closed":
+                    closed = not deleted
+            self.declarations, self.round, self.closed = declarations, sealed, closed
+            self.revision = max(self.revision, response.header.revision)
+            self._changed.notify_all()
+
+    def _watch_forever(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                responses, self._cancel = self._client.watch_prefix(self.prefix, self.revision + 1)
+                for response in responses:
+                    if self._stopped.is_set():
+                        return
+                    self._apply(response)
+            except Exception as exc:  # noqa: BLE001 - any broken stream: re-read, then watch again
+                if self._stopped.is_set():
+                    return
+                log.info("rendezvous watch on %s broke (%s); re-reading", self.prefix, exc)
+            if self._stopped.wait(_RETRY_DELAY):
+                return
+            try:
+                self._reload()
+            except ElasticctlError as exc:
+                log.warning("cannot re-read the rendezvous at %s: %s", self.prefix, exc)
+
+    # -- the protocol's writes -------------------------------------------------------
+
+    def declare(self, declaration: Declaration, lease: int) -> int:
+        """Put this node's declaration, bound to its lease; returns the new revision."""
+        return self._client.put(self._nodes_prefix + declaration.node, declaration.to_json(), lease=lease)
+
+    def withdraw(self, node: str) -> None:
+        self._client.delete(self._nodes_prefix + node)
+
+    def seal(self, sealed: Round, previous: Round | None, lease: int | None = None) -> bool:
+        """Seal ``sealed`` if ``previous`` is still the current round (one compare-and-swap).
+
+        ``lease``: the run's lease, so that an abandoned run's round expires with it.
+        """
+        expected = 0 if previous is None else previous.revision
+        ok, _, _ = self._client.compare_and_swap(self._round_key, sealed.to_json(), expected, lease)
+        return ok
+
+    def close(self, lease: int | None = None) -> None:
+        self._client.put(self._closed_key, "1", lease=lease)

@@ -1,0 +1,171 @@
+"""The etcd-native rendezvous protocol against a real etcd: concurrent joins, sealing, leaving,
+lease expiry, rounds that supersede rounds, close, a watch that survives an etcd restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+
+from elasticctl.etcd import EtcdClient
+from elasticctl.etcd_server import EmbeddedEtcd
+from elasticctl.rdzv_member import RoundMember
+from elasticctl.rdzv_rounds import Settings
+from elasticctl.rdzv_view import RoundView
+
+
+class Run:
+    """Members of one run, each with its own client and view, as separate agents would have."""
+
+    def __init__(self, etcd, run_id: str, settings: Settings, node_ttl: int = 2, join_timeout: float = 30) -> None:
+        self.etcd, self.prefix = etcd, f"/elasticctl/jobs/{run_id}/rdzv/"
+        self.settings, self.node_ttl, self.join_timeout = settings, node_ttl, join_timeout
+        self.members: list[RoundMember] = []
+        self.clients: list[EtcdClient] = []
+
+    def member(self, node: str) -> RoundMember:
+        client = EtcdClient(self.etcd.client_settings())
+        self.clients.append(client)
+        view = RoundView(client, self.prefix).start()
+        member = RoundMember(client, view, node, f"addr-{node}", self.settings, self.node_ttl, self.join_timeout)
+        self.members.append(member)
+        return member
+
+    def join_all(self, members: list[RoundMember]) -> dict[str, object]:
+        results: dict[str, object] = {}
+
+        def join(m: RoundMember) -> None:
+            try:
+                results[m.node] = m.join()
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                results[m.node] = exc
+
+        threads = [threading.Thread(target=join, args=(m,)) for m in members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def close(self) -> None:
+        for m in self.members:
+            m.view.stop()
+            if m._lease is not None:
+                m._lease.stop(revoke=False)
+        for c in self.clients:
+            c.close()
+
+
+@pytest.fixture
+def run(default_etcd, run_id):
+    runs: list[Run] = []
+
+    def make(settings: Settings, **kwargs) -> Run:
+        runs.append(Run(default_etcd, run_id, settings, **kwargs))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+def test_concurrent_joins_seal_one_round_with_distinct_ranks(run):
+    r = run(Settings(min_nodes=8, max_nodes=8, last_call=30))
+    members = [r.member(f"n{i}") for i in range(8)]
+    started = time.monotonic()
+    results = r.join_all(members)
+    elapsed = time.monotonic() - started
+    rounds = set(results.values())
+    assert len(rounds) == 1, results
+    sealed = rounds.pop()
+    assert sealed.number == 1 and sorted(sealed.members) == sorted(m.node for m in members)
+    # the round is full at max_nodes: nobody waited for the 30 s last call
+    assert elapsed < 15
+
+
+def test_a_round_seals_once_every_live_node_wants_it(run):
+    r = run(Settings(min_nodes=1, max_nodes=8, last_call=5))
+    a, b = r.member("a"), r.member("b")
+    first = r.join_all([a, b])
+    assert first["a"].number == 1 and first["a"] == first["b"]
+    # a's workers failed: it wants round 2; b is still in round 1 until it sees the change
+    waiting = b.change()
+    assert waiting.count == 0
+    t = threading.Thread(target=lambda: first.update(a2=a.join()))
+    t.start()
+    b.view.wait_for(lambda: b.change().count > 0, 10)
+    assert b.change().moved_on == ("a",)
+    rejoined_at = time.monotonic()
+    first["b2"] = b.join()
+    assert time.monotonic() - rejoined_at < 4.5, "re-forming waited for the 5 s last call"
+    t.join()
+    assert first["a2"] == first["b2"] and first["a2"].number == 2
+    assert first["a2"].members == first["a"].members  # ranks kept
+
+
+def test_a_lost_lease_is_a_change_and_the_survivor_reforms_alone(run):
+    r = run(Settings(min_nodes=1, max_nodes=2, last_call=1), node_ttl=2)
+    a, b = r.member("a"), r.member("b")
+    r.join_all([a, b])
+    b._lease.stop(revoke=False)  # b freezes: its keep-alives stop, its lease expires
+    assert a.view.wait_for(lambda: a.change().lost == ("b",), 10)
+    again = a.join()
+    assert again.number == 2 and again.members == ("a",)
+
+
+def test_a_graceful_leave_is_seen_at_once(run):
+    r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))
+    a, b = r.member("a"), r.member("b")
+    r.join_all([a, b])
+    b.leave()
+    assert a.view.wait_for(lambda: a.change().lost == ("b",), 2)
+
+
+def test_nodes_beyond_max_wait_and_are_counted_only_when_there_is_room(run):
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
+    a, b, c = r.member("a"), r.member("b"), r.member("c")
+    results = r.join_all([a, b])
+    assert results["a"].members == ("a", "b") or results["a"].members == ("b", "a")
+    c_joined = {}
+    t = threading.Thread(target=lambda: c_joined.update(c=c.join()))
+    t.start()
+    assert a.view.wait_for(lambda: "c" in a.view.declarations, 5)
+    assert a.change().count == 0  # full round: c waits without disturbing it
+    b.leave()
+    assert a.view.wait_for(lambda: a.change().count >= 1, 5)  # b gone: room for c
+    c_joined["a"] = a.join()
+    t.join(30)
+    assert c_joined["c"] == c_joined["a"] and set(c_joined["c"].members) == {"a", "c"}
+
+
+def test_close_ends_joining(run):
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1), join_timeout=30)
+    a = r.member("a")
+    closer = r.member("closer")
+    threading.Timer(0.5, closer.view.close).start()
+    with pytest.raises(RendezvousClosedError):
+        a.join()
+
+
+def test_join_timeout_names_the_round(run):
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1), join_timeout=1)
+    with pytest.raises(RendezvousTimeoutError, match="round 1"):
+        r.member("a").join()
+
+
+def test_the_view_survives_an_etcd_restart(tmp_path, run_id):
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0).start()
+    try:
+        r = Run(etcd, run_id, Settings(min_nodes=1, max_nodes=2, last_call=1))
+        a, b = r.member("a"), r.member("b")
+        r.join_all([a, b])
+        etcd.kill()
+        etcd.start()
+        # A change made after the restart reaches a's view through a new watch.
+        b.leave()
+        assert a.view.wait_for(lambda: a.change().lost == ("b",), 20)
+        r.close()
+    finally:
+        etcd.stop()
