@@ -64,6 +64,11 @@ class RoundMember:
             self._lease = KeptLease(self._client, self.node_ttl, self._on_lease_lost, name="rdzv-member")
         return self._lease.id
 
+    @property
+    def lease_lost(self) -> bool:
+        """Whether this node's lease ended since it last joined (it was frozen or cut off)."""
+        return self._lease_lost.is_set()
+
     def _on_lease_lost(self, _new_lease: int) -> None:
         # Frozen or cut off past node_ttl: the others have gone on without this node. It
         # must not slip back into the old round; it re-joins as a newcomer.
@@ -123,13 +128,14 @@ class RoundMember:
                                max(0.0, min(wake_at) - time.monotonic()) + 0.01)
 
     def _seal(self, current: Round | None, live: list[Declaration], target: int) -> None:
+        token = self.view.seal_token()
         candidates = wanting(current, live)
         members = next_members(current, candidates, self.settings.max_nodes)
         addrs = {d.node: d.addr for d in candidates}
         sealed = Round(number=target, members=members, addrs=tuple(addrs[m] for m in members))
         run_lease = self._run_lease.id() if self._run_lease is not None else None
         try:
-            if self.view.seal(sealed, current, run_lease):
+            if self.view.seal(sealed, token, run_lease):
                 log.info("[%s] sealed round %d: %s", self.node, target, ", ".join(members))
         except ElasticctlError as exc:
             log.warning("[%s] cannot seal round %d: %s", self.node, target, exc)

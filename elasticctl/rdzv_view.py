@@ -43,6 +43,7 @@ class RoundView:
         self._changed = threading.Condition()
         self.declarations: dict[str, Declaration] = {}
         self.round: Round | None = None
+        self.round_revision = 0  # of the round key as it is in etcd, readable or not: the seal's token
         self.closed = False
         self.revision = 0
         self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
@@ -78,18 +79,22 @@ class RoundView:
         with self._changed:
             return self.round, self.declarations, self.closed
 
+    def seal_token(self) -> int:
+        with self._changed:
+            return self.round_revision
+
     # -- the watch -------------------------------------------------------------------
 
     def _reload(self) -> None:
         kvs, revision = self._client.get_prefix_at(self.prefix)
         declarations: dict[str, Declaration] = {}
-        sealed, closed = None, False
+        sealed, round_revision, closed = self.round, 0, False
         for kv in kvs:
             kind, value = self._decode(kv.key, kv.value, kv.mod_revision)
             if kind == "node" and value is not None:
                 declarations[value.node] = value
             elif kind == "round":
-                sealed = value
+                sealed, round_revision = self._newer_round(value, kv.mod_revision), kv.mod_revision
             elif kind == "closed":
                 closed = True
         with self._changed:
@@ -97,7 +102,22 @@ class RoundView:
             for node in self.declarations.keys() - declarations.keys():
                 self.gone_at[node] = now
             self.declarations, self.round, self.closed, self.revision = declarations, sealed, closed, revision
+            self.round_revision = round_revision
             self._changed.notify_all()
+
+    def _newer_round(self, candidate: Round | None, revision: int) -> Round | None:
+        """The round to believe: ``candidate`` unless it is unreadable or older than one seen.
+
+        A planted or replayed round record is never followed (rounds only go forward);
+        its revision is kept, so that the next seal overwrites it.
+        """
+        if candidate is not None and (self.round is None or candidate.number >= self.round.number):
+            return candidate
+        if self.round is None or self.round.revision != revision:
+            log.warning("Ignoring the round record at %sround (revision %d): %s", self.prefix, revision,
+                        "unreadable" if candidate is None else
+                        f"round {candidate.number} is older than round {self.round.number}")
+        return self.round
 
     def _decode(self, key: bytes, value: bytes, revision: int):
         name = key.decode(errors="replace")
@@ -130,7 +150,9 @@ class RoundView:
                         declarations[node] = value
                         self.gone_at.pop(node, None)
                 elif kind == "round":
-                    sealed = None if deleted else value
+                    self.round = sealed
+                    sealed = self.round if deleted else self._newer_round(value, event.mod_revision)
+                    self.round_revision = 0 if deleted else event.mod_revision
                 elif kind == "closed":
                     closed = not deleted
             self.declarations, self.round, self.closed = declarations, sealed, closed
@@ -165,13 +187,12 @@ class RoundView:
     def withdraw(self, node: str) -> None:
         self._client.delete(self._nodes_prefix + node)
 
-    def seal(self, sealed: Round, previous: Round | None, lease: int | None = None) -> bool:
-        """Seal ``sealed`` if ``previous`` is still the current round (one compare-and-swap).
+    def seal(self, sealed: Round, expected_revision: int, lease: int | None = None) -> bool:
+        """Seal ``sealed`` if the round key is still at ``expected_revision`` (one compare-and-swap).
 
         ``lease``: the run's lease, so that an abandoned run's round expires with it.
         """
-        expected = 0 if previous is None else previous.revision
-        ok, _, _ = self._client.compare_and_swap(self._round_key, sealed.to_json(), expected, lease)
+        ok, _, _ = self._client.compare_and_swap(self._round_key, sealed.to_json(), expected_revision, lease)
         return ok
 
     def close(self, lease: int | None = None) -> None:

@@ -169,3 +169,42 @@ def test_the_view_survives_an_etcd_restart(tmp_path, run_id):
         r.close()
     finally:
         etcd.stop()
+
+
+class _WritesAFile:
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("planted", ["pickle", "garbage", "replay"])
+def test_a_planted_or_replayed_round_is_ignored_then_overwritten(run, tmp_path, planted):
+    import pickle
+
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
+    a, b = r.member("a"), r.member("b")
+    r.join_all([a, b])
+    round_key = r.prefix + "round"
+    old = a._client.get(round_key).value
+    again = r.join_all([a, b])  # round 2
+    assert again["a"].number == 2
+    marker = tmp_path / "pwned"
+    value = {"pickle": pickle.dumps(_WritesAFile(marker)), "garbage": b"\x00\xff not json",
+             "replay": old}[planted]
+    revision = a._client.put(round_key, value)
+    assert a.view.wait_for(lambda: a.view.round_revision == revision, 5)
+    assert a.change().count == 0 and b.change().count == 0, "a planted round disturbed a running round"
+    assert a.view.round.number == 2
+    third = r.join_all([a, b])  # the next seal overwrites the planted value
+    assert third["a"].number == 3 and third["a"] == third["b"]
+    assert not marker.exists()
+
+
+def test_a_planted_declaration_under_another_name_is_ignored(run):
+    r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))
+    a = r.member("a")
+    a._client.put(r.prefix + "nodes/ghost", '{"node": "a", "addr": "x", "wants": 1}')
+    a._client.put(r.prefix + "nodes/junk", b"\x80\x04not json")
+    assert a.join().members == ("a",)

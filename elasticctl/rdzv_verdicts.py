@@ -1,0 +1,58 @@
+"""Whose fault was a worker-group failure, and when a node is put aside: pure decisions.
+
+A node whose workers failed re-joins at once; whether the failure spends one of its
+restarts is decided afterwards, from evidence gathered in etcd (:class:`Evidence`),
+by :func:`failure_verdict`. The rules:
+
+* a member of the failed round was lost (its lease ended) up to ``node_ttl`` + 1 s
+  after the failure: the failure was collateral, free;
+* this node was cut off (its own lease ended, or etcd was unreachable): free;
+* another node recorded a failure in the same round first: free;
+* otherwise, once ``node_ttl`` + 1 s have passed without such evidence: its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+EVIDENCE_SLACK = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    node: str
+    round_members: tuple[str, ...]
+    failed_at: float                    # when this node's workers were seen failing (monotonic)
+    gone_at: Mapping[str, float]        # member -> when its lease ended (monotonic)
+    departed: frozenset[str] = frozenset()  # members that left gracefully (not a fault)
+    failures: Sequence[str] = ()        # nodes that recorded a failure of the round, first first
+    cut_off: bool = False               # this node's lease ended, or etcd was out of reach
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    own: bool
+    reason: str
+
+
+def failure_verdict(evidence: Evidence, node_ttl: float, now: float) -> Verdict | None:
+    """The verdict on ``evidence``, or None while it may still change (keep gathering)."""
+    window = node_ttl + EVIDENCE_SLACK
+    lost = sorted(m for m in evidence.round_members
+                  if m != evidence.node and m in evidence.gone_at and m not in evidence.departed
+                  and evidence.gone_at[m] <= evidence.failed_at + window)
+    if lost:
+        return Verdict(False, f"the round lost {', '.join(lost)}")
+    if evidence.cut_off:
+        return Verdict(False, "this node was cut off (frozen, or etcd out of reach)")
+    if evidence.failures and evidence.failures[0] != evidence.node:
+        return Verdict(False, f"{evidence.failures[0]} failed first")
+    if now - evidence.failed_at < window:
+        return None
+    return Verdict(True, "its workers failed on their own")
+
+
+def quarantine_due(counted_at: Sequence[float], now: float, window: float, after: int) -> bool:
+    """Whether ``after`` own failures fell within the last ``window`` seconds."""
+    return len([t for t in counted_at if now - t < window]) >= after

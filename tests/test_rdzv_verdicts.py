@@ -1,0 +1,47 @@
+"""Whose fault a failure was, and quarantine: table-driven on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticctl.rdzv_verdicts import Evidence, failure_verdict, quarantine_due
+
+MEMBERS = ("a", "b", "c")
+
+
+def ev(**kwargs) -> Evidence:
+    return Evidence(**{"node": "a", "round_members": MEMBERS, "failed_at": 100.0, "gone_at": {}, **kwargs})
+
+
+@pytest.mark.parametrize(("evidence", "now", "own", "reason"), [
+    # a peer's lease ended shortly after our failure: collateral, decided at once
+    (ev(gone_at={"c": 104.0}), 100.1, False, "lost c"),
+    # ... but not one that ended long after (another incident)
+    (ev(gone_at={"c": 130.0}), 130.0, True, "on their own"),
+    # a graceful leave is nobody's fault, and no excuse either
+    (ev(gone_at={"c": 100.5}, departed=frozenset({"c"})), 107.0, True, "on their own"),
+    (ev(cut_off=True), 100.0, False, "cut off"),
+    (ev(failures=("b", "a")), 100.0, False, "b failed first"),
+    # we failed first, and nobody was lost within node_ttl + 1 s: our own
+    (ev(failures=("a", "b")), 105.9, None, None),
+    (ev(failures=("a", "b")), 106.0, True, "on their own"),
+    (ev(), 106.0, True, "on their own"),
+    # our own key vanishing is not a lost peer
+    (ev(gone_at={"a": 101.0}), 106.0, True, "on their own"),
+])
+def test_failure_verdict(evidence, now, own, reason):
+    verdict = failure_verdict(evidence, node_ttl=5, now=now)
+    if own is None:
+        assert verdict is None
+    else:
+        assert verdict.own is own and reason in verdict.reason
+
+
+@pytest.mark.parametrize(("counted_at", "now", "due"), [
+    ([], 0.0, False),
+    ([10.0], 20.0, False),
+    ([10.0, 500.0], 600.0, True),
+    ([10.0, 700.0], 700.0, False),   # the first fell out of the 600 s window
+])
+def test_quarantine_due(counted_at, now, due):
+    assert quarantine_due(counted_at, now, window=600, after=2) is due
