@@ -1,76 +1,381 @@
-"""Time one rendezvous round of N agents: the etcd3 backend next to torch's c10d backend.
+"""Rendezvous at scale: N real torchrun rendezvous handlers over P processes, one round each.
 
-Each agent is torch's DynamicRendezvousHandler in its own thread of one process,
-so the figure is the rendezvous protocol itself, not torch's import time.
-Run: python -m bench.rendezvous --agents 2 8 --repeat 3
+Handlers are built as torchrun builds them (the registry, RendezvousParameters with
+min = max = N), in threads of P = min(16, ceil(N/64)) child processes (bench/rdzv_worker.py),
+so one interpreter's GIL is not what is measured. Building them (connecting) is not timed:
+every child reports ready, then all get "go" at once. Per round: seconds from "go" to the
+last next_rendezvous() return, etcd raft proposals and writes (its /metrics before and
+after), CPU seconds of the agents' processes and of etcd, and a check that every handler
+got world size N and the ranks are exactly 0..N-1. A round that does not form within the
+timeout is a result ("k/N in 120 s"), not a crash.
+
+Run: python -m bench.rendezvous --agents 8 64 256 1000 --backends etcd3 c10d --repeat 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import queue
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
 import uuid
+from pathlib import Path
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+import psutil
 
-from elasticctl.etcd_server import EmbeddedEtcd, free_port
+from elasticctl import processes as procs
+from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = "@rdzv "  # bench.rdzv_worker's protocol lines
+AGENTS_PER_PROCESS = 64
+MAX_PROCESSES = 16
+SETUP_TIMEOUT = 300.0  # 16 children importing torch on a loaded 2-core machine
+TEARDOWN_WAIT = 20.0  # the children give their handlers' shutdown() 10 s, then exit
+# etcd counters read before and after a round (the same names in 3.4.23 and 3.5.1).
+COUNTERS = {
+    "etcd_server_proposals_committed_total": "proposals",  # raft entries: failed CAS txns count too
+    "etcd_mvcc_put_total": "puts",
+    "etcd_mvcc_delete_total": "deletes",  # lease expiry and revocation included
+    "etcd_mvcc_txn_total": "txns",  # transactions of more than one operation only
+    "etcd_mvcc_range_total": "ranges",
+    "process_cpu_seconds_total": "cpu",  # etcd's CPU when there is no pid to ask (external etcd)
+}
 
 
-def one_round(backend: str, endpoint: str, agents: int) -> float:
-    """Seconds from the first agent's join to the last agent's completed rendezvous."""
-    run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    conf = {"last_call_timeout": 1, "join_timeout": 120}
-    handlers = []
-    for index in range(agents):
-        extra = {"is_host": index == 0} if backend == "c10d" else {}
-        params = RendezvousParameters(backend, endpoint, run_id, agents, agents, local_addr="127.0.0.1",
-                                      **conf, **extra)
-        handlers.append(get_rendezvous_handler(params))
-    done: list[float] = []
-    errors: list[BaseException] = []
+def default_processes(agents: int) -> int:
+    return max(1, min(MAX_PROCESSES, math.ceil(agents / AGENTS_PER_PROCESS), agents))
 
-    def join(handler) -> None:
+
+def torchrun_conf(timeout: float) -> dict:
+    """--rdzv-conf as torchrun passes it (strings, plus its own "timeout")."""
+    # The handlers' own join timeout must not decide before the harness does.
+    return {"join_timeout": str(math.ceil(timeout) + 60), "last_call_timeout": "1", "timeout": 900}
+
+
+def etcd_counters(endpoint: str) -> dict[str, float]:
+    """The COUNTERS of the etcd at ``endpoint`` (host:port) by short name; {} if unreadable."""
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    values: dict[str, float] = {}
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError:
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in COUNTERS:  # these counters carry no labels
+                values[COUNTERS[name]] = float(value)
+    else:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                short = COUNTERS.get(sample.name)
+                if short:
+                    values[short] = values.get(short, 0.0) + sample.value
+    return values
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
         try:
-            handler.next_rendezvous()
-            done.append(time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 (any failure of a thread is reported below)
-            errors.append(exc)
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
-    threads = [threading.Thread(target=join, args=(h,)) for h in handlers]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    elapsed = max(done) - start
-    for handler in handlers:
-        handler.shutdown()
-    return elapsed
+
+class _Children:
+    """The child processes of one round and the messages they send (one queue for all)."""
+
+    def __init__(self, count: int, logs: Path) -> None:
+        self.messages: queue.Queue = queue.Queue()
+        self.popens: list[subprocess.Popen] = []
+        self.logs = [logs / f"child{k}.log" for k in range(count)]
+        self._readers: list[threading.Thread] = []
+        self.ps: list[psutil.Process] = []
+        command = [sys.executable, "-m", "bench.rdzv_worker"]
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+        self.killed = 0
+        try:
+            for k in range(count):
+                with open(self.logs[k], "wb") as log:
+                    # spawn: a new session, and SIGTERM from the kernel if this process dies.
+                    popen = procs.spawn(command, cwd=REPO, stderr=log, **pipes)
+                self.popens.append(popen)
+                self.ps.append(psutil.Process(popen.pid))
+                reader = threading.Thread(target=self._read, args=(k, popen), daemon=True)
+                reader.start()
+                self._readers.append(reader)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read(self, k: int, popen: subprocess.Popen) -> None:
+        for line in popen.stdout:
+            if line.startswith(PREFIX):
+                self.messages.put((k, json.loads(line[len(PREFIX):])))
+        self.messages.put((k, None))  # EOF: the child is gone
+
+    def send(self, k: int, line: str) -> None:
+        try:
+            self.popens[k].stdin.write(line + "\n")
+            self.popens[k].stdin.flush()
+        except (BrokenPipeError, ValueError):  # it already exited; its EOF says so
+            pass
+
+    def log_tail(self, k: int) -> str:
+        try:
+            lines = self.logs[k].read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
+    def stop(self) -> list[str]:
+        """Ask every child to shut its handlers down and exit, kill the rest; returns leftovers."""
+        for k in range(len(self.popens)):
+            self.send(k, "stop")
+            try:
+                self.popens[k].stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + TEARDOWN_WAIT
+        for popen in self.popens:
+            try:
+                popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.killed += 1
+                procs.terminate(popen, timeout=5)
+        for reader in self._readers:
+            reader.join(5)
+        leftover = []
+        for process in self.ps:
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    leftover.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
+            except psutil.NoSuchProcess:
+                pass
+        return leftover
+
+
+def measure_round(backend: str, etcd: EmbeddedEtcd | str | None, agents: int,
+                  processes: int | None = None, timeout: float = 120.0,
+                  setup_timeout: float = SETUP_TIMEOUT) -> dict:
+    """One round of ``agents`` handlers of ``backend``: a row, also for a round that fails.
+
+    ``etcd``: the server etcd3 uses and whose metrics are read, an EmbeddedEtcd (its CPU is
+    read with psutil) or a "host:port"; None starts a fresh one for this round (none for c10d,
+    which gets a free port on 127.0.0.1 and its store in agent 0).
+    """
+    if etcd is None and backend != "c10d":
+        with EmbeddedEtcd(client_port=0, peer_port=0) as fresh:
+            return measure_round(backend, fresh, agents, processes, timeout, setup_timeout)
+    count = min(processes or default_processes(agents), agents)
+    etcd_endpoint = etcd.endpoint if isinstance(etcd, EmbeddedEtcd) else etcd
+    etcd_process = psutil.Process(etcd.pid) if isinstance(etcd, EmbeddedEtcd) and etcd.pid else None
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    endpoint = f"127.0.0.1:{free_port()}" if backend == "c10d" else etcd_endpoint
+    row: dict = {"backend": backend, "agents": agents, "processes": count, "run_id": run_id,
+                 "timeout": timeout, "completed": False, "correct": None, "agents_done": 0,
+                 "agents_failed": 0, "seconds": None, "errors": []}
+    spec = {"backend": backend, "endpoint": endpoint, "run_id": run_id, "agents": agents,
+            "conf": torchrun_conf(timeout)}
+    logs = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
+    children = _Children(count, logs)
+    try:
+        _round(children, row, spec, etcd_endpoint, etcd_process, timeout, setup_timeout)
+    finally:
+        row["leftover"] = children.stop()
+        row["processes_killed"] = children.killed  # did not exit within TEARDOWN_WAIT of "stop"
+        row["pids"] = [process.pid for process in children.ps]
+        row["shutdown_stuck"] = 0
+        while not children.messages.empty():
+            _, message = children.messages.get()
+            row["shutdown_stuck"] += (message or {}).get("stuck", 0)
+        shutil.rmtree(logs, ignore_errors=True)
+    return row
+
+
+def _round(children: _Children, row: dict, spec: dict, etcd_endpoint: str | None,
+           etcd_process: psutil.Process | None, timeout: float, setup_timeout: float) -> None:
+    agents, count = spec["agents"], len(children.popens)
+    # Contiguous blocks: agent 0 (c10d's store host) is built first, by child 0.
+    for k in range(count):
+        indices = list(range(k * agents // count, (k + 1) * agents // count))
+        children.send(k, json.dumps({**spec, "indices": indices}))
+
+    ready, rss, base_rss, setup = 0, 0, 0, 0.0
+    deadline = time.monotonic() + setup_timeout
+    while ready < count:
+        try:
+            k, message = children.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            row["errors"].append(
+                f"setup: {count - ready} of {count} processes not ready in {setup_timeout:g} s")
+            return
+        if message is None or "setup_error" in message:
+            error = (message["setup_error"] if message
+                     else f"exited while building: {children.log_tail(k)}")
+            row["errors"].append(f"setup, process {k}: {error}")
+            return
+        if "ready" in message:
+            ready, setup = ready + 1, max(setup, message["setup_s"])
+            rss, base_rss = rss + message["rss"], base_rss + message["base_rss"]
+    row["setup_s"] = round(setup, 2)
+    row["rss_mb"] = round(rss / 2**20)  # all agents' processes: torch itself plus N handlers
+    # What the handlers add (their etcd clients' grpc channels, c10d's store sockets):
+    row["rss_per_agent_kb"] = round((rss - base_rss) / 1024 / agents)
+
+    before = etcd_counters(etcd_endpoint) if etcd_endpoint else {}
+    etcd_ps = [etcd_process] if etcd_process else []
+    cpu_agents, cpu_etcd = _cpu_seconds(children.ps), _cpu_seconds(etcd_ps)
+    start = time.time()
+    for k in range(count):
+        children.send(k, "go")
+    deadline = time.monotonic() + timeout
+    done: dict[int, dict] = {}
+    failed: dict[int, str] = {}
+    gone: set[int] = set()
+    while len(done) + len(failed) < agents and len(gone) < count:
+        try:
+            k, message = children.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if message is None:
+            gone.add(k)
+            row["errors"].append(f"process {k} exited during the round: {children.log_tail(k)}")
+        elif "error" in message:
+            failed[message["index"]] = message["error"]
+        elif "rank" in message:
+            done[message["index"]] = message
+    # Read right after the last return: the handlers' shutdown is not part of the round.
+    after = etcd_counters(etcd_endpoint) if etcd_endpoint else {}
+    row["cpu_agents_s"] = round(_cpu_seconds(children.ps) - cpu_agents, 2)
+    if etcd_process is not None:
+        row["cpu_etcd_s"] = round(_cpu_seconds(etcd_ps) - cpu_etcd, 2)
+    elif "cpu" in before and "cpu" in after:
+        row["cpu_etcd_s"] = round(after["cpu"] - before["cpu"], 2)
+    row["cpu_seconds"] = round(row["cpu_agents_s"] + row.get("cpu_etcd_s", 0.0), 2)
+    row["load_1min"] = round(os.getloadavg()[0], 2)  # explains an outlier on a shared machine
+
+    row["agents_done"], row["agents_failed"] = len(done), len(failed)
+    row["errors"] += [f"agent {index}: {error}" for index, error in sorted(failed.items())[:5]]
+    returns = sorted(message["t"] - start for message in done.values())
+    if returns:
+        row["first_s"], row["median_s"] = round(returns[0], 3), round(statistics.median(returns), 3)
+    row["completed"] = len(done) == agents
+    if row["completed"]:
+        row["seconds"] = round(returns[-1], 3)
+        ranks = sorted(message["rank"] for message in done.values())
+        sizes = {message["world_size"] for message in done.values()}
+        row["correct"] = ranks == list(range(agents)) and sizes == {agents}
+        if not row["correct"]:
+            row["errors"].append(
+                f"wrong round: world sizes {sorted(sizes)}, ranks {_ranges(ranks)}")
+
+    for name in ("proposals", "puts", "deletes", "txns", "ranges"):
+        if name in before and name in after:
+            row[name] = int(after[name] - before[name])
+    if "puts" in row and "deletes" in row:
+        row["writes"] = row["puts"] + row["deletes"]
+    for name in ("proposals", "writes"):
+        if name in row:
+            row[f"{name}_per_agent"] = round(row[name] / agents, 1)
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5, 5] -> "0-2,5,5": the ranks of a wrong round, readable."""
+    parts, first = [], None
+    for i, value in enumerate(values):
+        first = value if first is None else first
+        if i + 1 == len(values) or values[i + 1] != value + 1:
+            parts.append(str(value) if first == value else f"{first}-{value}")
+            first = None
+    return ",".join(parts)
+
+
+def describe(row: dict) -> str:
+    """The outcome in a few words: "1.23 s", "17/128 in 120 s", "WRONG ROUND", "setup failed"."""
+    if row["completed"]:
+        return f"{row['seconds']:.2f} s" if row["correct"] else "WRONG ROUND"
+    if "setup_s" not in row:
+        return "setup failed"
+    failed = f", {row['agents_failed']} failed" if row["agents_failed"] else ""
+    return f"did not complete: {row['agents_done']}/{row['agents']} in {row['timeout']:g} s{failed}"
+
+
+def table(rows: list[dict]) -> str:
+    def cell(row: dict, key: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+    header = ("backend", "agents", "procs", "outcome", "proposals", "/agent", "writes", "/agent",
+              "cpu s", "rss MB", "setup s")
+    keys = ("proposals", "proposals_per_agent", "writes", "writes_per_agent", "cpu_seconds",
+            "rss_mb", "setup_s")
+    lines = [header]
+    for row in rows:
+        lines.append((row["backend"], str(row["agents"]), str(row["processes"]), describe(row),
+                      *(cell(row, key) for key in keys)))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(text.ljust(w) if i in (0, 3) else text.rjust(w)
+                               for i, (text, w) in enumerate(zip(line, widths))) for line in lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--agents", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--backends", nargs="+", default=["etcd3", "c10d"])
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--processes", type=int, default=None, help=(
+        f"agents' processes (default min({MAX_PROCESSES}, ceil(N/{AGENTS_PER_PROCESS})))"))
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a round may take (default 120)")
+    parser.add_argument("--c10d-max-agents", type=int, default=None,
+                        help="run c10d only up to this many agents (default: every size)")
+    parser.add_argument("--etcd-binary", default=None,
+                        help="etcd server to start (default: the one elasticctl finds)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every row to this file")
     args = parser.parse_args()
-    results = []
-    with EmbeddedEtcd(client_port=0, peer_port=0) as etcd:
-        for agents in args.agents:
-            for backend in ("etcd3", "c10d"):
-                times = []
-                for _ in range(args.repeat):
-                    endpoint = etcd.endpoint if backend == "etcd3" else f"127.0.0.1:{free_port()}"
-                    times.append(one_round(backend, endpoint, agents))
-                row = {"backend": backend, "agents": agents, "min": min(times),
-                       "median": statistics.median(times), "max": max(times)}
-                results.append(row)
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    binary = args.etcd_binary or find_etcd_binary()
+    version = etcd_version(binary)
+    rows = []
+    for agents in args.agents:
+        for backend in args.backends:
+            too_many = args.c10d_max_agents is not None and agents > args.c10d_max_agents
+            if backend == "c10d" and too_many:
+                continue
+            for repeat in range(args.repeat):
+                print(f"# {backend}, {agents} agents, repeat {repeat + 1}", file=sys.stderr,
+                      flush=True)
+                if backend == "c10d":
+                    row = measure_round(backend, None, agents, args.processes, args.timeout)
+                else:
+                    # A fresh etcd per round: no lease of the last round expires into its counts.
+                    with EmbeddedEtcd(client_port=0, peer_port=0, binary=binary) as etcd:
+                        row = measure_round(backend, etcd, agents, args.processes, args.timeout)
+                    row["etcd_version"] = version
+                row["repeat"] = repeat + 1
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(table(rows), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if any(row["correct"] is False or row["leftover"] for row in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,10 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
     paired("Cold start: 3 nodes → all training at world 3 (s)", "lifecycle", ("cold_start_s",))
 
     for entry in scenarios.get("rendezvous", []):
+        cap = entry.get("timeout")  # older results have none
         out.append((f"Rendezvous: {entry['agents']} agents, one round (s)",
-                    _cell(entry["etcd3"], None, digits=2), _cell(entry["c10d"], None, digits=2),
-                    _ratio(entry["etcd3"], entry["c10d"], None)))
+                    _cell(entry["etcd3"], cap, digits=2), _cell(entry["c10d"], cap, digits=2),
+                    _ratio(entry["etcd3"], entry["c10d"], cap)))
     return out
 
 
@@ -176,8 +177,9 @@ def markdown(results: dict, png: str | None) -> str:
         "then start node d, then SIGSTOP of node b's tree; each starts from a world of 3 (2 for the "
         "scale-up). The kill of node a runs as a job of its own. Steady state: another job, no "
         "`--step-sleep`, no checkpoints, rank 0's steps/s over a window at world 3."),
-        ("- Rendezvous scale (`bench/rendezvous.py`): N torch `DynamicRendezvousHandler`s in threads of "
-        "one process complete one round, `last_call_timeout=1`, on one etcd vs a c10d TCPStore."),
+        ("- Rendezvous scale (`bench/rendezvous.py`): N handlers built as torchrun builds them, in "
+        "threads of ceil(N/64) processes (at most 16), complete one round from a common start, "
+        "`last_call_timeout=1`, on one etcd vs a c10d TCPStore."),
         "",
         "## Reading the numbers",
         "",

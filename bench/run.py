@@ -30,7 +30,7 @@ from bench import plot, report, scenarios
 from bench.cluster import SYSTEMS
 from bench.scenarios import Caps
 from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
+from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -58,6 +58,7 @@ PLANS = {
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "steady": scenarios.steady}
 ALL = (*JOB_SCENARIOS, "checkpoint", "rendezvous")
+RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 
 
 def machine() -> dict:
@@ -100,19 +101,27 @@ def run_jobs(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict
 
 
 def run_rendezvous(plan: Plan, etcd: EmbeddedEtcd) -> list[dict]:
-    from bench.rendezvous import one_round  # imports torch's rendezvous registry: only when needed
+    from bench.rendezvous import describe, measure_round  # imports torch: only when needed
 
     rows = []
     for agents in plan.rendezvous_agents:
-        row: dict = {"agents": agents, "etcd3": [], "c10d": []}
+        row: dict = {"agents": agents, "etcd3": [], "c10d": [], "timeout": RENDEZVOUS_TIMEOUT,
+                     "rounds": []}
         for _ in range(plan.rendezvous_repeats):
             for backend in ("etcd3", "c10d"):
-                endpoint = etcd.endpoint if backend == "etcd3" else f"127.0.0.1:{free_port()}"
                 try:
-                    row[backend].append(one_round(backend, endpoint, agents))
-                except Exception as exc:  # noqa: BLE001 - a backend that cannot hold N agents is a result
+                    result = measure_round(backend, etcd if backend == "etcd3" else None, agents,
+                                           timeout=RENDEZVOUS_TIMEOUT)
+                except Exception as exc:  # noqa: BLE001 - one broken round must not cost the run
                     row[backend].append(None)
                     row.setdefault("errors", []).append(f"{backend}: {exc}")
+                    continue
+                row["rounds"].append(result)
+                good = result["completed"] and result["correct"]
+                row[backend].append(result["seconds"] if good else None)
+                if not good:
+                    row.setdefault("errors", []).append(
+                        f"{backend}: {describe(result)} {'; '.join(result['errors'][:2])}")
         rows.append(row)
         log(f"rendezvous {agents} agents: etcd3 {row['etcd3']} c10d {row['c10d']}")
     return rows
