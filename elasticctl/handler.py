@@ -1,23 +1,28 @@
-"""torch's dynamic rendezvous handler, plus what an elastic job needs to recover in seconds.
+"""The ``etcd3`` rendezvous handler for torchrun, on the etcd-native protocol.
 
-torch's agent restarts its workers for free when ``num_nodes_waiting() > 0`` and
-spends one of ``--max-restarts`` when they fail. On its own that means a frozen or
-partitioned peer is only noticed when a collective times out (minutes), and a
-crashed peer costs every survivor a restart. This handler adds:
+Implements torch's public :class:`RendezvousHandler` on :mod:`elasticctl.rdzv_member`:
+a node joins a round with one lease-bound put, the round is sealed by one
+compare-and-swap, everyone learns it by watch. On top of the protocol:
 
-* **Liveness**: after each round a node writes ``members/<node>`` bound to a lease
-  of ``node_ttl`` seconds that a thread of this (mostly idle) agent renews. When a
-  member of the current round loses its key, is marked left, or rejoins elsewhere,
-  ``num_nodes_waiting()`` reports it, and the agent restarts at once, for free.
-* **Restart accounting**: elasticctl gives torchrun an unlimited restart budget and
-  the handler keeps the real one. A worker-group failure is free when a member of
-  the round was lost (within ``node_ttl`` + 1 s) or another node's failure in the
-  same round came first; otherwise it is this node's own and counts. Too many
-  counted failures in a short time quarantine the node for a cooldown; more than
-  ``max_restarts`` stop it (without closing the rendezvous for the others).
-* **Requests**: ``elasticctl leave`` / ``down`` are seen here; the node leaves the
-  round properly (others need not wait for its heartbeats to time out) and stops
-  its workers with SIGTERM, so trainers write a final checkpoint.
+* **Membership changes restart for free.** ``num_nodes_waiting()`` answers from the
+  watched view (no etcd request): a member lost (lease ended) or gone to a later
+  round, a newcomer with room, a round sealed without this node. torch's agent then
+  restarts its workers without spending a restart. Workers of a node whose peer was
+  lost (not a graceful leave) are killed at once: their collectives wait on that peer.
+* **Nothing waits on the recovery path.** A node whose workers failed re-joins at
+  once; whose fault it was is decided afterwards from the evidence in etcd
+  (:mod:`elasticctl.rdzv_verdicts`) and charged to the node's budget then. elasticctl
+  gives torchrun an unlimited ``--max-restarts``; this handler keeps the real one.
+  Over budget, the node stops (the others continue); too many own failures in a
+  window put it aside for a while (quarantine).
+* **Requests**: ``elasticctl leave`` / ``down`` make the node leave its round at once
+  and stop its workers with SIGTERM, so trainers write a final checkpoint.
+* **Records for ``status``**: ``members/<node>`` (round, rank, restarts) and, at the
+  end, ``finished`` or the crash.
+* **A finished group never trains again.** torch judges a worker group all or
+  nothing: a worker that died after another exited 0 (an abort at interpreter exit)
+  would have the whole group started again from scratch. Workers mark what they
+  did (:mod:`elasticctl.worker_entry`); a group with a finished worker is ended.
 """
 
 from __future__ import annotations
@@ -26,72 +31,95 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 
 import psutil
-from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousInfo
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    _RendezvousExitOp,
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
 )
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
+from elasticctl import envvars
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
-from elasticctl.registry import KeptLease, Registry, now
+from elasticctl.rdzv_member import RoundMember
+from elasticctl.rdzv_rounds import Round, Settings
+from elasticctl.rdzv_verdicts import Evidence, Verdict, failure_verdict, quarantine_due
+from elasticctl.rdzv_view import RoundView
+from elasticctl.registry import Registry, now
 
 log = logging.getLogger(__name__)
 
-RESTARTS_ENV = "ELASTICCTL_RESTARTS"
-NODE_ENV = "ELASTICCTL_NODE"
-# States of a member record that mean "no longer training with us".
-GONE_STATES = ("left", "failed", "quarantined")
-# Membership is checked at most this often, however short torchrun's monitor interval.
-CHECK_INTERVAL = 0.5
-# Seconds workers get to exit on SIGTERM after a peer was lost (see _stop_stuck_workers).
-STUCK_WORKER_GRACE = 3.0
+BACKEND_NAME = "etcd3"
+RESTARTS_ENV = envvars.RESTARTS
+NODE_ENV = envvars.NODE
+# leave/down requests are read at most this often (one etcd read; everything else is watched).
+REQUEST_CHECK_INTERVAL = 0.5
 
 
-class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
+class EtcdRendezvousHandler(RendezvousHandler):
     """See the module docstring. Built by :func:`elasticctl.rendezvous.create_rdzv_handler`."""
 
-    def attach(
-        self,
-        client: EtcdClient,
-        registry: Registry,
-        run_lease,
-        node_id: str | None,
-        node_ttl: int,
-        max_restarts: int | None,
-        quarantine_after: int,
-        quarantine_window: float,
-        quarantine_seconds: float,
-    ) -> ElasticctlRendezvousHandler:
+    def __init__(self, *, client: EtcdClient, run_id: str, registry: Registry, run_lease, node_id: str,
+                 local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
+                 max_restarts: int | None, quarantine_after: int, quarantine_window: float,
+                 quarantine_seconds: float, store_factory) -> None:
         self._client = client
+        self._run_id = run_id
         self._registry = registry
         self._run_lease = run_lease
-        self._node_id = node_id or f"{self._this_node.addr}-{self._this_node.pid}"
+        self._node_id = node_id
+        self._local_addr = local_addr
         self._node_ttl = node_ttl
         self._max_restarts = max_restarts
         self._quarantine_after = quarantine_after
         self._quarantine_window = quarantine_window
         self._quarantine_seconds = quarantine_seconds
-        self._member_lease: KeptLease | None = None
-        self._member: dict = {}
-        self._round: int | None = None
-        self._world_size = 0
-        self._round_started = 0.0
-        self._seen: set[str] = set()
-        self._rounds_joined = 0
-        self._free_restart = False
+        self._store_factory = store_factory
+        self._view = RoundView(client, f"{registry.prefix}/rdzv/").start()
+        self._member = RoundMember(client, self._view, node_id, local_addr, settings, node_ttl, join_timeout,
+                                   run_lease, os.getpid())
+        self._lock = threading.Lock()
+        self._round: Round | None = None
+        self._record: dict = {}
+        self._changed = False     # the last restart was a membership change, not a failure
         self._spent = 0
         self._counted_at: list[float] = []
+        self._stop_reason: str | None = None
+        self._quarantine = False
         self._left = False
         self._crashed = False
-        self._last_check = 0.0
+        self._finished = False
+        self._last_request_check = 0.0
+        # Workers mark here which of them finished their script (see worker_entry.py).
+        self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
+        self._marks: str | None = None
         os.environ[RESTARTS_ENV] = "0"
-        return self
+
+    # -- torch's contract ----------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def is_closed(self) -> bool:
+        return self._view.closed
+
+    def set_closed(self) -> None:
+        self._view.close(self._run_lease.id())
 
     @property
     def node_id(self) -> str:
@@ -101,218 +129,235 @@ class ElasticctlRendezvousHandler(DynamicRendezvousHandler):
     def restarts_spent(self) -> int:
         return self._spent
 
-    # -- the agent's view ----------------------------------------------------------------
-
-    def num_nodes_waiting(self) -> int:
-        waiting = super().num_nodes_waiting()  # also syncs the rendezvous state
-        if waiting:
-            self._free_restart = True
-            return waiting
-        if self._round is not None and not self._left and not self._participates():
-            # Never train on in a round this node is no longer part of (its heartbeats
-            # were judged too old, the round was superseded): re-join instead.
-            log.warning("[%s] is no longer a participant of round %s; restarting its workers without "
-                        "spending a restart", self._node_id, self._round)
-            self._free_restart = True
-            return 1
-        if self._round is None or time.monotonic() - self._last_check < CHECK_INTERVAL:
-            return 0
-        self._last_check = time.monotonic()
-        try:
-            request = self._registry.requested(self._node_id)
-            if request is not None:
-                self._honour(request)
-            lost, departed = self._lost_members()
-        except ElasticctlError as exc:
-            # etcd away: keep training; the client retried for its whole window already.
-            log.warning("[%s] cannot check the members of round %s: %s", self._node_id, self._round, exc)
-            return 0
-        if lost:
-            log.warning("[%s] round %s lost %s; restarting workers without spending a restart",
-                        self._node_id, self._round, ", ".join(sorted(lost)))
-            self._free_restart = True
-            if lost - departed:
-                self._stop_stuck_workers()
-            return len(lost)
-        return 0
-
-    def _participates(self) -> bool:
-        state = self._state_holder.state
-        return state.round == self._round and self._this_node in state.participants
-
-    def _stop_stuck_workers(self) -> None:
-        """Stop workers that may hang in a collective with a vanished peer.
-
-        torch stops workers on a restart with SIGTERM and waits 30 s before SIGKILL.
-        A trainer that handles SIGTERM at a step boundary never reaches one while a
-        collective waits for a frozen or cut-off peer, so those 30 s would be lost.
-        A final checkpoint is impossible then anyway (it needs the lost peer).
-        """
-        workers = psutil.Process().children(recursive=True)
-        for proc in workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.terminate()
-        _, alive = psutil.wait_procs(workers, timeout=STUCK_WORKER_GRACE)
-        for proc in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        if alive:
-            log.warning("[%s] %d worker process(es) hung after SIGTERM; killed", self._node_id, len(alive))
-
     def next_rendezvous(self) -> RendezvousInfo:
         try:
             return self._next_rendezvous()
+        except SystemExit as exc:
+            self._finished = exc.code in (None, 0)
+            self._crashed = not self._finished
+            raise
         except BaseException:
             self._crashed = True
             raise
 
     def _next_rendezvous(self) -> RendezvousInfo:
-        if self._rounds_joined and not self._free_restart:
-            self._account_failure()
-        self._free_restart = False
+        if self._round is not None:
+            started, done = self._worker_marks()
+            if done:
+                self._end_after_finish(started, done)
+        if self._round is not None and not self._changed:
+            self._workers_failed(self._round)
+        self._changed = False
+        with self._lock:
+            stop_reason, quarantine = self._stop_reason, self._quarantine
+            self._quarantine = False
+        if stop_reason:
+            self._left = True  # so that torchrun's shutdown does not close the job for the others
+            self._leave("failed")
+            raise RendezvousError(stop_reason)
+        if quarantine:
+            self._sit_out_quarantine()
         os.environ[RESTARTS_ENV] = str(self._spent)
-        info = super().next_rendezvous()
-        self._round = self._state_holder.state.round
-        self._world_size = info.world_size
-        self._round_started = time.monotonic()
-        self._seen = {self._node_id}
-        self._rounds_joined += 1
-        self._write_member(state="training", round=self._round, rank=info.rank, world_size=info.world_size)
-        return info
+        sealed = self._member.join()
+        rank = sealed.rank_of(self._node_id)
+        store = self._store_factory(sealed.number)
+        bootstrap = RendezvousStoreInfo.build(rank, store, self._local_addr)
+        self._round = sealed
+        self._write_member(state="training", round=sealed.number, rank=rank, world_size=sealed.world_size)
+        # The agent starts the workers right after this, with this process's environment.
+        self._marks = os.path.join(self._marks_root, f"round-{sealed.number}")
+        os.makedirs(self._marks, exist_ok=True)
+        os.environ[envvars.WORKER_MARKS] = self._marks
+        log.info("[%s] round %d: rank %d of %d", self._node_id, sealed.number, rank, sealed.world_size)
+        if rank == 0 and sealed.number > 2:
+            self._ignore_errors(lambda: self._client.delete_prefix(f"{self._registry.prefix}/store/{sealed.number - 2}/"))
+        return RendezvousInfo(store, rank, sealed.world_size, bootstrap)
+
+    def num_nodes_waiting(self) -> int:
+        if self._round is None or self._left or self._worker_marks()[1]:
+            return 0  # a finished worker: the group is ending, a restart would train again
+        with self._lock:
+            if self._stop_reason or self._quarantine:
+                self._changed = True  # our own verdict, not a new failure
+                return 1
+        self._check_requests()
+        change = self._member.change()
+        if not change.count:
+            return 0
+        self._changed = True
+        why = [f"lost {', '.join(change.lost)}"] if change.lost else []
+        why += [f"{', '.join(change.moved_on)} re-joining"] if change.moved_on else []
+        why += [f"{', '.join(change.waiting)} waiting"] if change.waiting else []
+        why += ["round superseded"] if change.superseded else []
+        log.warning("[%s] round %d: %s; restarting workers without spending a restart",
+                    self._node_id, self._round.number, "; ".join(why))
+        if change.lost and set(change.lost) - self._departed(change.lost):
+            self._kill_workers()
+        return change.count
 
     def shutdown(self) -> bool:
-        if self._member_lease is not None:
-            # Its keys stay until the TTL runs out: peers read "left"/"failed" from them.
-            self._member_lease.stop(revoke=False)
+        self._view.stop()
+        shutil.rmtree(self._marks_root, ignore_errors=True)
         if self._left:
-            self._stop_heartbeats()
             return True
         # torchrun calls shutdown from a `finally`: an exception in flight means the agent
-        # crashed (a refused state, etcd gone for good), not that the workers succeeded.
-        if self._crashed or sys.exc_info()[0] is not None:
-            self._stop_heartbeats()
-            try:
-                failed = {**self._member, "state": "failed", "reason": "agent crashed", "since": now()}
-                self._client.put(self._member_key, json.dumps(failed), lease=self._run_lease.id())
-            except ElasticctlError as exc:
-                log.warning("[%s] cannot record the crash of its agent: %s", self._node_id, exc)
-            return True
-        # The workers succeeded: say so where peers and `up` look, on the run's lease so
-        # the record outlives this process.
+        # crashed (a refused record, etcd gone for good), not that the workers succeeded.
+        crashed = self._crashed or (sys.exc_info()[0] is not None and not self._finished)
         try:
-            done = {**self._member, "state": "done", "since": now()}
-            self._client.put(self._member_key, json.dumps(done), lease=self._run_lease.id())
-            self._client.put(f"{self._registry.prefix}/finished", json.dumps({"node": self._node_id, "time": now()}),
-                             lease=self._run_lease.id())
+            if crashed:
+                self._write_member(state="failed", reason="agent crashed", lease=self._run_lease.id())
+            else:
+                self._write_member(state="done", lease=self._run_lease.id())
+                self._client.put(f"{self._registry.prefix}/finished",
+                                 json.dumps({"node": self._node_id, "time": now()}), lease=self._run_lease.id())
+                self.set_closed()
         except ElasticctlError as exc:
-            log.warning("[%s] cannot record the end of the job: %s", self._node_id, exc)
-        return super().shutdown()
+            log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
+        self._ignore_errors(self._member.leave)
+        return True
+
+    # -- failures ----------------------------------------------------------------------
+
+    def _worker_marks(self) -> tuple[set[str], set[str]]:
+        """Local ranks of this round's workers that started, and that finished their script."""
+        try:
+            names = os.listdir(self._marks) if self._marks else []
+        except OSError:
+            names = []
+        started = {name.split("-", 1)[1] for name in names if name.startswith("started-")}
+        done = {name.split("-", 1)[1] for name in names if name.startswith("done-")}
+        return started, done
+
+    def _end_after_finish(self, started: set[str], done: set[str]) -> None:
+        """The agent wants a new round although workers of this one finished: end instead."""
+        failed = sorted(started - done)
+        if not failed:
+            log.warning("[%s] round %d: every worker finished its script (local ranks %s) and one died "
+                        "afterwards, at interpreter exit: the job is complete, not starting it again",
+                        self._node_id, self._round.number, ", ".join(sorted(done)))
+            # torch's RendezvousGracefulExitError would be the documented way out, but torch
+            # 2.14's launch_agent then calls .is_failed() on the None run() returns; torchrun's
+            # main treats SystemExit(0) as success, and shutdown() records "done".
+            raise SystemExit(0)
+        reason = (f"local worker(s) {', '.join(failed)} failed after local worker(s) "
+                  f"{', '.join(sorted(done))} had finished; the group is not started again")
+        self._left = True  # the others are not told the job is over: on this node it is not
+        self._leave("failed", reason=reason)
+        raise RendezvousError(f"The node '{self._node_id}' stops: {reason}.")
+
+    def _workers_failed(self, failed: Round) -> None:
+        """Record the failure and re-join at once; the verdict follows from the evidence."""
+        failed_at = time.monotonic()
+        at_failure = self._member.change()  # what the view showed as the workers failed
+        prefix = f"{self._registry.prefix}/failures/{failed.number}/"
+        try:
+            self._member.bound_to_lease(lambda lease: self._client.put(
+                prefix + self._node_id, json.dumps({"time": now()}), lease=lease))
+            cut_off = False
+        except ElasticctlError:
+            cut_off = True
+        thread = threading.Thread(target=self._judge, args=(failed, prefix, failed_at, cut_off, at_failure),
+                                  name="elasticctl-verdict", daemon=True)
+        thread.start()
+
+    def _judge(self, failed: Round, prefix: str, failed_at: float, cut_off: bool, at_failure) -> None:
+        verdict: Verdict | None = None
+        while verdict is None:
+            try:
+                failures = [kv.key.decode(errors="replace")[len(prefix):]
+                            for kv in sorted(self._client.get_prefix(prefix), key=lambda kv: kv.mod_revision)]
+                gone = {m: t for m, t in self._view.gone_at.items() if m in failed.members}
+                departed = self._departed(tuple(gone))
+            except ElasticctlError:
+                failures, gone, departed, cut_off = [], {}, frozenset(), True
+            evidence = Evidence(node=self._node_id, round_members=failed.members, failed_at=failed_at,
+                                gone_at=gone, departed=departed, failures=failures,
+                                cut_off=cut_off or self._member.lease_lost,
+                                waiting=at_failure.waiting, rejoining=at_failure.moved_on)
+            verdict = failure_verdict(evidence, self._node_ttl, time.monotonic())
+            if verdict is None:
+                self._view.wait_for(lambda: False, 0.25)  # more evidence arrives by watch; bounded
+        if not verdict.own:
+            log.warning("[%s] workers failed in round %d because %s; not spending a restart",
+                        self._node_id, failed.number, verdict.reason)
+            return
+        self._charge(failed)
+
+    def _charge(self, failed: Round) -> None:
+        with self._lock:
+            self._spent += 1
+            self._counted_at.append(time.monotonic())
+            spent = self._spent
+            log.warning("[%s] workers failed on their own in round %d (%d so far)",
+                        self._node_id, failed.number, spent)
+            if self._max_restarts is not None and spent > self._max_restarts:
+                self._stop_reason = (
+                    f"The node '{self._node_id}' stops: its workers failed {spent} times, more than the "
+                    f"{self._max_restarts} restarts allowed; the other nodes continue."
+                )
+            elif quarantine_due(self._counted_at, time.monotonic(), self._quarantine_window, self._quarantine_after):
+                self._quarantine = True
+                self._counted_at.clear()
+        self._ignore_errors(lambda: self._write_member(restarts=spent))
+
+    def _sit_out_quarantine(self) -> None:
+        until = time.time() + self._quarantine_seconds
+        log.warning("[%s] failed %d times within %.0f s: quarantined for %.0f s", self._node_id,
+                    self._quarantine_after, self._quarantine_window, self._quarantine_seconds)
+        self._leave("quarantined", until=round(until, 3))
+        time.sleep(self._quarantine_seconds)  # the cooldown itself, not a synchronisation
 
     # -- membership ----------------------------------------------------------------------
 
-    @property
-    def _member_key(self) -> str:
-        return f"{self._registry.prefix}/members/{self._node_id}"
+    def _write_member(self, lease: int | None = None, **fields) -> None:
+        self._record = {**self._record, **fields, "node": self._node_id, "addr": self._local_addr,
+                        "pid": os.getpid(), "restarts": self._spent, "since": now()}
+        key, value = f"{self._registry.prefix}/members/{self._node_id}", json.dumps(self._record)
+        if lease is not None:
+            self._client.put(key, value, lease=lease)
+        else:
+            self._member.bound_to_lease(lambda member_lease: self._client.put(key, value, lease=member_lease))
 
-    def _write_member(self, **fields) -> None:
-        self._member = {**self._member, **fields, "node": self._node_id, "addr": self._this_node.addr,
-                        "pid": self._this_node.pid, "restarts": self._spent, "since": now()}
-        if self._member_lease is None:
-            self._member_lease = KeptLease(self._client, self._node_ttl, self._rewrite_member, name="member")
-        self._rewrite_member(self._member_lease.id)
+    def _leave(self, state: str, **fields) -> None:
+        """Leave the round now: the others see it at once, not after node_ttl."""
+        self._ignore_errors(lambda: self._write_member(state=state, lease=self._run_lease.id(), **fields))
+        self._ignore_errors(self._member.leave)
 
-    def _rewrite_member(self, lease_id: int) -> None:
-        self._client.put(self._member_key, json.dumps(self._member), lease=lease_id)
+    def _departed(self, nodes) -> frozenset[str]:
+        """Those of ``nodes`` that left gracefully (their member record says so)."""
+        members = self._ignore_errors(self._registry.members) or {}
+        return frozenset(n for n in nodes if members.get(n, {}).get("state") == "left")
 
-    def _lost_members(self) -> tuple[set[str], set[str]]:
-        """Members of this node's round that are gone, left, or moved to another round.
+    def _kill_workers(self) -> None:
+        """SIGKILL this agent's workers: they wait in a collective on a peer that is gone, so
+        they can neither finish a step nor checkpoint (torch would give them 30 s)."""
+        workers = psutil.Process().children(recursive=True)
+        for proc in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(workers, timeout=5)
 
-        Returns (lost, departed): departed are those of the lost that left gracefully,
-        whose peers' collectives still complete.
-        """
-        members = self._registry.members()
-        current = {node for node, m in members.items() if m.get("round") == self._round}
-        self._seen |= current
-        lost: set[str] = set()
-        departed: set[str] = set()
-        for node in self._seen:
-            member = members.get(node)
-            if member is None or member.get("state") in GONE_STATES:
-                lost.add(node)
-                if member is not None and member.get("state") == "left":
-                    departed.add(node)
-            elif member.get("round") != self._round and member.get("state") != "done":
-                lost.add(node)
-        # A member that died between the rendezvous and writing its record never shows up.
-        if len(self._seen) < self._world_size and time.monotonic() - self._round_started > 2 * self._node_ttl:
-            lost.add(f"{self._world_size - len(self._seen)} unseen node(s)")
-        return lost, departed
+    # -- requests ------------------------------------------------------------------------
 
-    # -- failures ------------------------------------------------------------------------
-
-    def _account_failure(self) -> None:
-        """Decide whether this worker-group failure was this node's own, and act on it."""
-        failed_round = self._round
-        prefix = f"{self._registry.prefix}/failures/{failed_round}/"
-        try:
-            self._client.put(prefix + self._node_id, json.dumps({"time": now()}), lease=self._member_lease.id)
-            deadline = time.monotonic() + self._node_ttl + 1
-            verdict = None
-            while verdict is None:
-                lost, _ = self._lost_members()
-                failures = sorted(self._client.get_prefix(prefix), key=lambda kv: kv.mod_revision)
-                first = failures[0].key.decode(errors="replace")[len(prefix):] if failures else self._node_id
-                if lost - {self._node_id}:
-                    verdict = f"round {failed_round} lost {', '.join(sorted(lost - {self._node_id}))}"
-                elif self._node_id in lost:
-                    verdict = "this node's lease expired (it was frozen or cut off)"
-                elif first != self._node_id:
-                    verdict = f"{first} failed first in round {failed_round}"
-                elif time.monotonic() > deadline:
-                    break
-                else:
-                    time.sleep(0.25)  # polling etcd for the evidence, bounded by the deadline
-        except ElasticctlError as exc:
-            # No etcd for a whole retry window: this node is the one cut off, and its
-            # workers failed because the others went on without it.
-            verdict = f"this node cannot reach etcd ({exc})"
-        if verdict is not None:
-            log.warning("[%s] workers failed because %s; not spending a restart", self._node_id, verdict)
+    def _check_requests(self) -> None:
+        if time.monotonic() - self._last_request_check < REQUEST_CHECK_INTERVAL:
             return
-        self._spent += 1
-        self._counted_at = [t for t in self._counted_at if time.monotonic() - t < self._quarantine_window]
-        self._counted_at.append(time.monotonic())
-        log.warning("[%s] workers failed on their own (%d so far)", self._node_id, self._spent)
-        if self._max_restarts is not None and self._spent > self._max_restarts:
-            self._left = True  # so that torchrun's shutdown does not close the job for the others
-            self._leave_round("failed")
-            raise RendezvousError(
-                f"The node '{self._node_id}' stops: its workers failed {self._spent} times, more than the "
-                f"{self._max_restarts} restarts allowed; the other nodes continue."
-            )
-        if len(self._counted_at) >= self._quarantine_after:
-            until = time.time() + self._quarantine_seconds
-            self._leave_round("quarantined", until=round(until, 3))
-            log.warning("[%s] failed %d times within %.0f s: quarantined for %.0f s",
-                        self._node_id, len(self._counted_at), self._quarantine_window, self._quarantine_seconds)
-            time.sleep(self._quarantine_seconds)  # the cooldown itself, not a synchronisation
-            self._counted_at.clear()
-
-    def _leave_round(self, state: str, **fields) -> None:
-        """Leave the current round now, so the others re-form without waiting for heartbeats."""
-        self._stop_heartbeats()
-        with self._heartbeat_lock:
-            # torch has no public "leave" short of closing the whole rendezvous.
-            self._op_executor.run(_RendezvousExitOp(), self._get_deadline(self._settings.timeout.close))
-        self._write_member(state=state, **fields)
-
-    def _honour(self, request: str) -> None:
-        """Leave (or, for ``down``, close the job), then stop like a preempted node."""
-        log.warning("[%s] %s requested: leaving round %s", self._node_id, request, self._round)
+        self._last_request_check = time.monotonic()
+        request = self._ignore_errors(lambda: self._registry.requested(self._node_id))
+        if request is None:
+            return
+        log.warning("[%s] %s requested: leaving round %s", self._node_id, request, self._round.number)
         self._left = True
         if request == "down":
-            self.set_closed()
-        self._leave_round("left")
+            self._ignore_errors(self.set_closed)
+        self._leave("left")
         # The agent turns SIGTERM into a clean stop of its workers (SIGTERM first, so
         # trainers checkpoint) and exits without closing the rendezvous.
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def _ignore_errors(self, action):
+        try:
+            return action()
+        except ElasticctlError as exc:
+            log.warning("[%s] %s", self._node_id, exc)
+            return None

@@ -98,13 +98,12 @@ def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: 
         f"--monitor-interval={MONITOR_INTERVAL}",
         f"--local-addr={local_addr}",
     ]
+    # Every worker runs its script through elasticctl's entry, which tells the handler
+    # which workers finished (see worker_entry.py); it also adds --local_rank=N if asked.
+    entry = ["-m", "elasticctl.worker_entry"] + (["--module"] if spec.module else [])
     if spec.legacy_local_rank:
-        # Each worker runs the script through a shim that adds --local_rank=N.
-        shim = ["-m", "elasticctl.legacy_local_rank"] + (["--module"] if spec.module else [])
-        return [*command, *shim, spec.script, *spec.script_args]
-    if spec.module:
-        command.append("-m")
-    return [*command, spec.script, *spec.script_args]
+        entry.append("--local-rank-flag")
+    return [*command, *entry, spec.script, *spec.script_args]
 
 
 def check_script(spec: JobSpec) -> None:

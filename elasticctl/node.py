@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 
-from elasticctl import launcher, processes
+from elasticctl import envvars, launcher, processes
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, EtcdSettings
 from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now
@@ -44,7 +44,7 @@ def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: 
     env = {
         **dict(spec.env),
         "ELASTICCTL_JOB": spec.name,
-        "ELASTICCTL_NODE": node_id,
+        envvars.NODE: node_id,
         "ELASTICCTL_ETCD": settings.urls(),
         "ELASTICCTL_KEY_PREFIX": key_prefix,
     }
@@ -218,6 +218,8 @@ class NodeSession:
         if member.get("state") == "failed" and member.get("reason") == "agent crashed":
             return Outcome(code, f"node {self.node_id}: its torchrun agent crashed (exit code {code}); "
                                  "its log above says why")
+        if member.get("state") == "failed" and member.get("reason"):
+            return Outcome(code, f"node {self.node_id} stopped: {member['reason']}")
         if member.get("state") == "failed":
             return Outcome(code, f"node {self.node_id} stopped: its workers failed {member.get('restarts')} times, "
                                  f"more than --max-restarts {self.spec.max_restarts}")

@@ -15,7 +15,7 @@ import time
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
-from elasticctl.errors import ElasticctlError
+from elasticctl.errors import ElasticctlError, EtcdRequestError
 from elasticctl.etcd import EtcdClient
 from elasticctl.rdzv_rounds import (
     Change,
@@ -64,6 +64,21 @@ class RoundMember:
             self._lease = KeptLease(self._client, self.node_ttl, self._on_lease_lost, name="rdzv-member")
         return self._lease.id
 
+    def bound_to_lease(self, write):
+        """``write(lease_id)``, on a fresh lease if etcd no longer knows this node's lease
+        (it expired while the node was frozen or starved): keys on the old one are gone."""
+        try:
+            return write(self.lease_id)
+        except EtcdRequestError as exc:
+            if "lease not found" not in str(exc):
+                raise
+        log.warning("[%s] its rendezvous lease expired; granting a new one", self.node)
+        if self._lease is not None:
+            self._lease.stop(revoke=False)
+            self._lease = None
+        self._lease_lost.set()
+        return write(self.lease_id)
+
     @property
     def lease_lost(self) -> bool:
         """Whether this node's lease ended since it last joined (it was frozen or cut off)."""
@@ -74,7 +89,6 @@ class RoundMember:
         # must not slip back into the old round; it re-joins as a newcomer.
         log.warning("[%s] its rendezvous lease expired (frozen or cut off); it will join again", self.node)
         self._lease_lost.set()
-        self.view.wait_for(lambda: True, 0)  # wake waiters
 
     # -- joining ---------------------------------------------------------------------
 
@@ -87,7 +101,9 @@ class RoundMember:
             if closed:
                 raise RendezvousClosedError()
             target = next_number(current)
-            self.view.declare(Declaration(self.node, self.addr, target, self.pid), self.lease_id)
+            declaration = Declaration(self.node, self.addr, target, self.pid)
+            self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
+            self._lease_lost.clear()  # the declaration is on the lease in use now
             sealed = self._await_round(target, deadline)
             if sealed is not None:
                 self.round = sealed
@@ -95,19 +111,31 @@ class RoundMember:
             # Sealed without this node (the round was full): want the one after it.
 
     def _await_round(self, target: int, deadline: float) -> Round | None:
+        view, settings = self.view, self.settings
         quorum_since: float | None = None
         due_since: float | None = None
+
+        def progress() -> tuple:
+            """What this node waits on, from the view's counts: O(1), under the view's lock."""
+            sealed = view.round
+            wanting_count = view.want_counts[target]
+            return (view.closed, sealed is not None and sealed.number >= target,
+                    wanting_count >= settings.min_nodes, wanting_count >= settings.max_nodes,
+                    sealed is not None and wanting_count == len(view.declarations))
+
         while True:
+            # Read what we wait on before deciding, so that no change slips in between.
+            seen = view.evaluate(lambda *_: progress())
             now = time.monotonic()
-            current, declarations, closed = self.view.snapshot()
+            current, declarations, closed = view.snapshot()
             if closed:
                 raise RendezvousClosedError()
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
             live = list(declarations.values())
-            enough = len(wanting(current, live)) >= self.settings.min_nodes
+            enough = len(wanting(current, live)) >= settings.min_nodes
             quorum_since = (quorum_since or now) if enough else None
-            if seal_due(current, live, self.settings, quorum_since, now):
+            if seal_due(current, live, settings, quorum_since, now):
                 due_since = due_since or now
                 if sealer(current, live) == self.node or now - due_since >= SEALER_GRACE:
                     self._seal(current, live, target)
@@ -116,16 +144,15 @@ class RoundMember:
             if now >= deadline:
                 raise RendezvousTimeoutError(
                     f"The rendezvous round {target} did not complete within {self.join_timeout:g} s "
-                    f"({len(wanting(current, live))} of at least {self.settings.min_nodes} nodes joined)."
+                    f"({len(wanting(current, live))} of at least {settings.min_nodes} nodes joined)."
                 )
             wake_at = [deadline]
             if quorum_since is not None:
-                wake_at.append(quorum_since + self.settings.last_call)
+                wake_at.append(quorum_since + settings.last_call)
             if due_since is not None:
                 wake_at.append(due_since + SEALER_GRACE)
-            revision = self.view.revision
-            self.view.wait_for(lambda r=revision: self.view.revision != r,
-                               max(0.0, min(wake_at) - time.monotonic()) + 0.01)
+            view.wait_until(lambda seen=seen: progress() != seen,
+                            max(0.0, min(wake_at) - time.monotonic()) + 0.01)
 
     def _seal(self, current: Round | None, live: list[Declaration], target: int) -> None:
         token = self.view.seal_token()
@@ -148,8 +175,8 @@ class RoundMember:
             return Change()
         if self._lease_lost.is_set():
             return Change(superseded=True)
-        current, declarations, _ = self.view.snapshot()
-        return change_for(self.node, self.round.number, current, declarations, self.settings.max_nodes)
+        return self.view.evaluate(lambda current, declarations, _closed: change_for(
+            self.node, self.round.number, current, declarations, self.settings.max_nodes))
 
     def leave(self) -> None:
         """Leave gracefully: the others see this node's key go at once, not after node_ttl."""

@@ -7,6 +7,8 @@ by :func:`failure_verdict`. The rules:
 * a member of the failed round was lost (its lease ended) up to ``node_ttl`` + 1 s
   after the failure: the failure was collateral, free;
 * this node was cut off (its own lease ended, or etcd was unreachable): free;
+* the round was re-forming when the workers failed (a newcomer waiting, a member
+  re-joining without a failure of its own): the teardown took them down, free;
 * another node recorded a failure in the same round first: free;
 * otherwise, once ``node_ttl`` + 1 s have passed without such evidence: its own.
 """
@@ -28,6 +30,8 @@ class Evidence:
     departed: frozenset[str] = frozenset()  # members that left gracefully (not a fault)
     failures: Sequence[str] = ()        # nodes that recorded a failure of the round, first first
     cut_off: bool = False               # this node's lease ended, or etcd was out of reach
+    waiting: tuple[str, ...] = ()       # newcomers waiting for the next round when the workers failed
+    rejoining: tuple[str, ...] = ()     # members that wanted a later round when the workers failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,9 @@ def failure_verdict(evidence: Evidence, node_ttl: float, now: float) -> Verdict 
         return Verdict(False, f"the round lost {', '.join(lost)}")
     if evidence.cut_off:
         return Verdict(False, "this node was cut off (frozen, or etcd out of reach)")
+    changed = [*evidence.waiting, *(m for m in evidence.rejoining if m not in evidence.failures)]
+    if changed:
+        return Verdict(False, f"the round was re-forming for {', '.join(changed)}")
     if evidence.failures and evidence.failures[0] != evidence.node:
         return Verdict(False, f"{evidence.failures[0]} failed first")
     if now - evidence.failed_at < window:

@@ -23,8 +23,10 @@ writes it back over the bad one.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +40,6 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
-    RendezvousTimeout,
     Token,
 )
 
@@ -388,6 +389,16 @@ def settings_from_params(params: RendezvousParameters, options: RdzvOptions | No
     )
 
 
+def _connect(params: RendezvousParameters, options: RdzvOptions) -> EtcdClient:
+    settings = settings_from_params(params, options)
+    try:
+        return connect(settings, options.connect_timeout)
+    except EtcdUnavailableError as exc:
+        raise RendezvousConnectionError(
+            f"The etcd3 rendezvous cannot reach etcd at {settings.describe()}: {exc.__cause__ or exc}"
+        ) from exc
+
+
 def create_backend(
     params: RendezvousParameters, options: RdzvOptions | None = None
 ) -> tuple[EtcdRendezvousBackend, EtcdStore]:
@@ -397,14 +408,8 @@ def create_backend(
     """
     options = options or parse_rdzv_options(params.config)
     validate_name(params.run_id, "run id")
-    settings = settings_from_params(params, options)
     secret = (options.secret or os.environ.get(SECRET_ENV) or "").encode() or None
-    try:
-        client = connect(settings, options.connect_timeout)
-    except EtcdUnavailableError as exc:
-        raise RendezvousConnectionError(
-            f"The etcd3 rendezvous cannot reach etcd at {settings.describe()}: {exc.__cause__ or exc}"
-        ) from exc
+    client = _connect(params, options)
     lease = RunLease(client, options.ttl)
     prefix = job_prefix(options.key_prefix, params.run_id)
     backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, lease, secret)
@@ -412,38 +417,53 @@ def create_backend(
     return backend, store
 
 
+_handlers_made = itertools.count()
+
+
+def _default_node_id(local_addr: str) -> str:
+    """address-pid-n: unique per handler even with several in one process (tests, benchmarks)."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", local_addr).strip("-_.")[:40] or "node"
+    return f"{host}-{os.getpid()}-{next(_handlers_made)}"
+
+
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Create the elasticctl handler (torch's dynamic handler + liveness) on the etcd3 backend.
+    """Create the ``etcd3`` handler: elasticctl's etcd-native rendezvous (see handler.py).
 
     Besides the connection options: node_ttl (seconds a node may be silent, default 5),
     max_restarts (the real restart budget; torch's own counts every failure),
     quarantine_after (counted failures, default 2) within quarantine_window (s, 600)
-    put the node aside for quarantine_seconds (60).
+    put the node aside for quarantine_seconds (60); join_timeout (600) and
+    last_call_timeout (30) as in torch's dynamic rendezvous.
     """
-    from elasticctl.handler import NODE_ENV, ElasticctlRendezvousHandler
+    import socket
+
+    from elasticctl.handler import NODE_ENV, EtcdRendezvousHandler
+    from elasticctl.rdzv_rounds import Settings
 
     options = parse_rdzv_options(params.config)
-    node_id = os.environ.get(NODE_ENV) or None
-    if node_id is not None:
-        validate_name(node_id, "node id")
+    validate_name(params.run_id, "run id")
+    if params.min_nodes < 1 or params.max_nodes < params.min_nodes:
+        raise ConfigError(
+            f"The node counts {params.min_nodes}:{params.max_nodes} must satisfy 1 <= MIN <= MAX."
+        )
+    local_addr = params.local_addr or socket.getfqdn()
+    node_id = os.environ.get(NODE_ENV) or _default_node_id(local_addr)
+    validate_name(node_id, "node id")
     # torch's shared agent TCPStore deadlocks a scale-up in which the joiner is not
     # rank 0; the etcd store serves the agents instead, and workers build their own.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    backend, store = create_backend(params, options)
-    timeout = RendezvousTimeout(*(
-        None if seconds is None else datetime.timedelta(seconds=seconds)
-        for seconds in (options.join_timeout, options.last_call_timeout, options.close_timeout,
-                        options.heartbeat_timeout)
-    ))
-    handler = ElasticctlRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
-        keep_alive_interval=options.keep_alive_interval,
-        keep_alive_max_attempt=options.keep_alive_max_attempt,
-    )
-    registry = Registry(backend.client, params.run_id, options.key_prefix)
-    return handler.attach(
-        backend.client, registry, backend.lease, node_id, options.node_ttl, options.max_restarts,
-        options.quarantine_after, options.quarantine_window, options.quarantine_seconds,
+    client = _connect(params, options)
+    lease = RunLease(client, options.ttl)
+    registry = Registry(client, params.run_id, options.key_prefix)
+    settings = Settings(min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+                        last_call=float(options.last_call_timeout or 30))
+    return EtcdRendezvousHandler(
+        client=client, run_id=params.run_id, registry=registry, run_lease=lease, node_id=node_id,
+        local_addr=local_addr, settings=settings, node_ttl=options.node_ttl,
+        join_timeout=float(options.join_timeout or 600), max_restarts=options.max_restarts,
+        quarantine_after=options.quarantine_after, quarantine_window=options.quarantine_window,
+        quarantine_seconds=options.quarantine_seconds,
+        store_factory=lambda number: EtcdStore(client, f"{registry.prefix}/store/{number}", lease),
     )
 
 

@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from elasticctl import envvars
 from elasticctl.errors import ConfigError, ElasticctlError
 
 CHECKPOINT_DIR_ENV = "ELASTICCTL_CHECKPOINT_DIR"
@@ -54,7 +55,7 @@ def restart_count() -> int:
     elasticctl makes restarts caused by a lost peer free and says so in
     ELASTICCTL_RESTARTS; torchrun's own TORCHELASTIC_RESTART_COUNT counts those too.
     """
-    value = os.environ.get("ELASTICCTL_RESTARTS") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    value = os.environ.get(envvars.RESTARTS) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
     return int(value)
 
 

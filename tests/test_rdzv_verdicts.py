@@ -26,6 +26,11 @@ def ev(**kwargs) -> Evidence:
     (ev(failures=("a", "b")), 105.9, None, None),
     (ev(failures=("a", "b")), 106.0, True, "on their own"),
     (ev(), 106.0, True, "on their own"),
+    # a join or a re-forming was tearing the round down (a worker raised PeerLeaving)
+    (ev(waiting=("x",)), 100.0, False, "re-forming for x"),
+    (ev(rejoining=("b",)), 100.0, False, "re-forming for b"),
+    # ... but a member that re-joined because its own workers failed is no excuse
+    (ev(rejoining=("b",), failures=("a", "b")), 106.0, True, "on their own"),
     # our own key vanishing is not a lost peer
     (ev(gone_at={"a": 101.0}), 106.0, True, "on their own"),
 ])

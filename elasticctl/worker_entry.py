@@ -1,0 +1,73 @@
+"""How every worker runs its script, so the agent can tell "finished" from "failed".
+
+torch's agent sees only exit statuses, and judges a worker group all-or-nothing: a
+worker that died at interpreter exit (a C++ destructor in gloo, NCCL or CUDA
+aborting after the script returned) makes the group FAILED, and the group would be
+started again from scratch although the training had finished. This entry runs the
+script in this process (like ``python SCRIPT``) and records, in the directory the
+rendezvous handler names in ``ELASTICCTL_WORKER_MARKS``:
+
+* ``started-<LOCAL_RANK>`` before the script runs;
+* ``done-<LOCAL_RANK>`` once the script ended with status 0 and every ``atexit``
+  callback ran: the last thing Python does before its teardown.
+
+    python -m elasticctl.worker_entry [--module] [--local-rank-flag] SCRIPT [ARGS...]
+
+``--local-rank-flag`` hands the script ``--local_rank=N`` as torch.distributed.launch did.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+
+from elasticctl.envvars import WORKER_MARKS as MARKS_ENV
+
+_completed = False
+
+
+def _mark(kind: str) -> None:
+    directory = os.environ.get(MARKS_ENV)
+    if directory:
+        with open(os.path.join(directory, f"{kind}-{os.environ.get('LOCAL_RANK', '0')}"), "w"):
+            pass
+
+
+def _mark_done() -> None:
+    # Registered before the script runs, so it runs after the script's own atexit callbacks.
+    if _completed:
+        _mark("done")
+
+
+def main(argv: list[str]) -> None:
+    global _completed
+    module = local_rank_flag = False
+    while argv and argv[0] in ("--module", "--local-rank-flag"):
+        module |= argv[0] == "--module"
+        local_rank_flag |= argv[0] == "--local-rank-flag"
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: python -m elasticctl.worker_entry [--module] [--local-rank-flag] "
+                 "SCRIPT [ARGS...]")
+    script, *args = argv
+    if local_rank_flag:
+        args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
+    _mark("started")
+    atexit.register(_mark_done)
+    sys.argv = [script, *args]
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+            runpy.run_path(script, run_name="__main__")
+        _completed = True
+    except SystemExit as exc:
+        _completed = exc.code is None or exc.code == 0
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
