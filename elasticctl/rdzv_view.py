@@ -12,6 +12,7 @@ round: one compare-and-swap of the sealed round. See :mod:`elasticctl.rdzv_round
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -30,8 +31,10 @@ _RETRY_DELAY = 0.2
 class RoundView:
     """The rendezvous keys under ``prefix`` (``<key_prefix>/<run>/rdzv/``), kept current by a watch.
 
-    Attributes are replaced, never mutated, under the condition's lock; read them
-    through :meth:`snapshot` or inside :meth:`wait_for`.
+    Attributes change under the view's lock; read them through :meth:`snapshot` (a copy),
+    :meth:`evaluate`, or in an interest of :meth:`wait_until`. Counts of declarations per
+    wanted round are kept as events arrive, so that a node waiting for a round is woken
+    only when something it waits for changed, not by each of a thousand declarations.
     """
 
     def __init__(self, client: EtcdClient, prefix: str) -> None:
@@ -42,6 +45,8 @@ class RoundView:
         self._closed_key = self.prefix + "closed"
         self._changed = threading.Condition()
         self.declarations: dict[str, Declaration] = {}
+        self.want_counts: collections.Counter[int] = collections.Counter()
+        self._interests: list[tuple[Callable[[], object], threading.Event]] = []
         self.round: Round | None = None
         self.round_revision = 0  # of the round key as it is in etcd, readable or not: the seal's token
         self.closed = False
@@ -75,9 +80,37 @@ class RoundView:
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
 
+    def wait_until(self, interest: Callable[[], object], timeout: float | None) -> bool:
+        """Block until ``interest()`` is truthy, or ``timeout``; it is evaluated under the lock
+        by the watch after each change (keep it O(1)), and the waiter is woken only then."""
+        woken = threading.Event()
+        entry = (interest, woken)
+        with self._changed:
+            if interest():
+                return True
+            self._interests.append(entry)
+        try:
+            return woken.wait(timeout)
+        finally:
+            with self._changed:
+                if entry in self._interests:
+                    self._interests.remove(entry)
+
+    def evaluate(self, decide: Callable[[Round | None, dict[str, Declaration], bool], object]) -> object:
+        """``decide(round, declarations, closed)`` under the lock, without copying the view."""
+        with self._changed:
+            return decide(self.round, self.declarations, self.closed)
+
     def snapshot(self) -> tuple[Round | None, dict[str, Declaration], bool]:
         with self._changed:
-            return self.round, self.declarations, self.closed
+            return self.round, dict(self.declarations), self.closed
+
+    def _notify(self) -> None:
+        """Wake the threads waiting on the view; called with the lock held."""
+        self._changed.notify_all()
+        for interest, woken in self._interests:
+            if not woken.is_set() and interest():
+                woken.set()
 
     def seal_token(self) -> int:
         with self._changed:
@@ -102,8 +135,9 @@ class RoundView:
             for node in self.declarations.keys() - declarations.keys():
                 self.gone_at[node] = now
             self.declarations, self.round, self.closed, self.revision = declarations, sealed, closed, revision
+            self.want_counts = collections.Counter(d.wants for d in declarations.values())
             self.round_revision = round_revision
-            self._changed.notify_all()
+            self._notify()
 
     def _newer_round(self, candidate: Round | None, revision: int) -> Round | None:
         """The round to believe: ``candidate`` unless it is unreadable or older than one seen.
@@ -134,30 +168,30 @@ class RoundView:
 
     def _apply(self, response) -> None:
         with self._changed:
-            declarations = dict(self.declarations)
-            sealed, closed = self.round, self.closed
             now = time.monotonic()
             for event in response.events:
                 deleted = type(event).__name__ == "DeleteEvent"
                 kind, value = self._decode(event.key, b"" if deleted else event.value, event.mod_revision)
-                name = event.key.decode(errors="replace")
                 if kind == "node":
-                    node = name[len(self._nodes_prefix):]
+                    node = event.key.decode(errors="replace")[len(self._nodes_prefix):]
+                    previous = self.declarations.pop(node, None)
+                    if previous is not None:
+                        self.want_counts[previous.wants] -= 1
                     if deleted or value is None:
-                        if declarations.pop(node, None) is not None:
+                        if previous is not None:
                             self.gone_at[node] = now
                     else:
-                        declarations[node] = value
+                        self.declarations[node] = value
+                        self.want_counts[value.wants] += 1
                         self.gone_at.pop(node, None)
                 elif kind == "round":
-                    self.round = sealed
-                    sealed = self.round if deleted else self._newer_round(value, event.mod_revision)
+                    if not deleted:
+                        self.round = self._newer_round(value, event.mod_revision)
                     self.round_revision = 0 if deleted else event.mod_revision
                 elif kind == "closed":
-                    closed = not deleted
-            self.declarations, self.round, self.closed = declarations, sealed, closed
+                    self.closed = not deleted
             self.revision = max(self.revision, response.header.revision)
-            self._changed.notify_all()
+            self._notify()
 
     def _watch_forever(self) -> None:
         while not self._stopped.is_set():
