@@ -70,7 +70,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def __init__(self, *, client: EtcdClient, run_id: str, registry: Registry, run_lease, node_id: str,
                  local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
                  max_restarts: int | None, quarantine_after: int, quarantine_window: float,
-                 quarantine_seconds: float, store_factory) -> None:
+                 quarantine_seconds: float, store_factory, secret: bytes | None = None) -> None:
         self._client = client
         self._run_id = run_id
         self._registry = registry
@@ -83,7 +83,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._quarantine_window = quarantine_window
         self._quarantine_seconds = quarantine_seconds
         self._store_factory = store_factory
-        self._view = RoundView(client, f"{registry.prefix}/rdzv/").start()
+        self._view = RoundView(client, f"{registry.prefix}/rdzv/", secret).start()
         self._member = RoundMember(client, self._view, node_id, local_addr, settings, node_ttl, join_timeout,
                                    run_lease, os.getpid())
         self._lock = threading.Lock()

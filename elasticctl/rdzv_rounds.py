@@ -18,6 +18,8 @@ function here is pure: the view and the clock come in as arguments.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 from collections.abc import Iterable, Mapping
 
@@ -34,14 +36,13 @@ class Declaration:
     pid: int = 0
     revision: int = 0  # etcd's mod_revision of the key: the order of declarations
 
-    def to_json(self) -> str:
-        return json.dumps({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid},
-                          sort_keys=True)
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid}, key, secret)
 
     @classmethod
-    def from_json(cls, raw: bytes, revision: int) -> Declaration | None:
-        """The declaration in ``raw``, or None if it is malformed (untrusted data)."""
-        data = _object(raw)
+    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
+        """The declaration in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(_object(raw), key, secret)
         try:
             declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
                               wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)), revision=revision)
@@ -66,13 +67,14 @@ class Round:
     def rank_of(self, node: str) -> int | None:
         return self.members.index(node) if node in self.members else None
 
-    def to_json(self) -> str:
-        return json.dumps({"round": self.number, "members": list(self.members), "addrs": list(self.addrs)},
-                          sort_keys=True)
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"round": self.number, "members": list(self.members), "addrs": list(self.addrs)},
+                       key, secret)
 
     @classmethod
-    def from_json(cls, raw: bytes, revision: int) -> Round | None:
-        data = _object(raw)
+    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Round | None:
+        """The round in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(_object(raw), key, secret)
         try:
             members = tuple(validate_name(m, "node id") for m in data["members"])
             addrs = tuple(_text(a) for a in data.get("addrs", ()))
@@ -161,6 +163,30 @@ def change_for(node: str, my_round: int, current: Round | None, live: Mapping[st
     waiting = tuple(d.node for d in sorted(live.values(), key=lambda d: d.revision)
                     if d.node not in current.members and d.wants > my_round)[:max(0, room)]
     return Change(lost=lost, moved_on=moved_on, waiting=waiting)
+
+
+def _signature(fields: dict, key: str, secret: bytes) -> str:
+    # Bound to the key, so that a signed record cannot be moved to another node, round or run.
+    message = key.encode() + b"\n" + json.dumps(fields, sort_keys=True).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _signed(fields: dict, key: str, secret: bytes | None) -> str:
+    """A record as JSON, with an HMAC of the job secret over key and fields when there is one."""
+    if secret:
+        fields = {**fields, "sig": _signature(fields, key, secret)}
+    return json.dumps(fields, sort_keys=True)
+
+
+def _verified(data: dict, key: str, secret: bytes | None) -> dict:
+    """``data`` without its signature if the signature holds (or no secret is set), else {}."""
+    if not secret:
+        return data
+    fields = {k: v for k, v in data.items() if k != "sig"}
+    signature = data.get("sig")
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(fields, key, secret)):
+        return {}
+    return fields
 
 
 def _object(raw: bytes) -> dict:

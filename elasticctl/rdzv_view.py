@@ -37,8 +37,9 @@ class RoundView:
     only when something it waits for changed, not by each of a thousand declarations.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, secret: bytes | None = None) -> None:
         self._client = client
+        self._secret = secret or None  # with a job secret, records are signed and unsigned ones ignored
         self.prefix = prefix.rstrip("/") + "/"
         self._nodes_prefix = self.prefix + "nodes/"
         self._round_key = self.prefix + "round"
@@ -156,12 +157,12 @@ class RoundView:
     def _decode(self, key: bytes, value: bytes, revision: int):
         name = key.decode(errors="replace")
         if name.startswith(self._nodes_prefix):
-            declaration = Declaration.from_json(value, revision)
+            declaration = Declaration.from_json(value, revision, name, self._secret)
             # A record under another node's name is not that node's declaration.
             valid = declaration is not None and declaration.node == name[len(self._nodes_prefix):]
             return "node", declaration if valid else None
         if name == self._round_key:
-            return "round", Round.from_json(value, revision)
+            return "round", Round.from_json(value, revision, name, self._secret)
         if name == self._closed_key:
             return "closed", True
         return "other", None
@@ -216,7 +217,8 @@ class RoundView:
 
     def declare(self, declaration: Declaration, lease: int) -> int:
         """Put this node's declaration, bound to its lease; returns the new revision."""
-        return self._client.put(self._nodes_prefix + declaration.node, declaration.to_json(), lease=lease)
+        key = self._nodes_prefix + declaration.node
+        return self._client.put(key, declaration.to_json(key, self._secret), lease=lease)
 
     def withdraw(self, node: str) -> None:
         self._client.delete(self._nodes_prefix + node)
@@ -226,7 +228,8 @@ class RoundView:
 
         ``lease``: the run's lease, so that an abandoned run's round expires with it.
         """
-        ok, _, _ = self._client.compare_and_swap(self._round_key, sealed.to_json(), expected_revision, lease)
+        ok, _, _ = self._client.compare_and_swap(
+            self._round_key, sealed.to_json(self._round_key, self._secret), expected_revision, lease)
         return ok
 
     def close(self, lease: int | None = None) -> None:

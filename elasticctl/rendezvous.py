@@ -464,6 +464,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         quarantine_after=options.quarantine_after, quarantine_window=options.quarantine_window,
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, f"{registry.prefix}/store/{number}", lease),
+        secret=(options.secret or os.environ.get(SECRET_ENV) or "").encode() or None,
     )
 
 

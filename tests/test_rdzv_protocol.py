@@ -208,3 +208,25 @@ def test_a_planted_declaration_under_another_name_is_ignored(run):
     a._client.put(r.prefix + "nodes/ghost", '{"node": "a", "addr": "x", "wants": 1}')
     a._client.put(r.prefix + "nodes/junk", b"\x80\x04not json")
     assert a.join().members == ("a",)
+
+
+def test_with_a_secret_unsigned_or_foreign_records_are_ignored(default_etcd, run_id):
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=0.5)
+    client = EtcdClient(default_etcd.client_settings())
+    prefix = f"/elasticctl/jobs/{run_id}/rdzv/"
+    view = RoundView(client, prefix, secret=b"s3cret").start()
+    try:
+        # Someone without the secret declares a node and plants a round.
+        client.put(prefix + "nodes/intruder", '{"node": "intruder", "addr": "x", "wants": 1}')
+        client.put(prefix + "round", '{"round": 7, "members": ["intruder"], "addrs": ["x"]}')
+        member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
+        sealed = member.join()
+        assert sealed.members == ("a",) and sealed.number == 1
+        assert "intruder" not in view.declarations
+        # A node with another secret cannot read the signed round either.
+        other = RoundView(client, prefix, secret=b"other").start()
+        assert other.round is None
+        other.stop()
+    finally:
+        view.stop()
+        client.close()
