@@ -75,6 +75,9 @@ _EXTRA = "extra.json"
 # What the payload of a single-file checkpoint must hold, beyond its format, for restore to use it.
 _PAYLOAD_FIELDS = {"step": int, "epoch": int, "world_size": int, "state": dict, "rng": dict,
                    "extra": dict}
+# What load_state_dict and the RNG setters raise for state of the wrong shape or kind.
+_UNFIT_STATE_ERRORS = (ArithmeticError, AttributeError, LookupError, RuntimeError, TypeError,
+                       ValueError)
 
 
 class CheckpointError(ElasticctlError):
@@ -199,7 +202,7 @@ def _load_error(exc: BaseException) -> str:
     gist = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n\n|$)", text, re.DOTALL)
     lines = text.strip().splitlines()
     reason = gist[1] if gist else (lines[0] if lines else type(exc).__name__)
-    return " ".join(reason.split()).rstrip(".")
+    return " ".join(reason.split()).rstrip(":. ")
 
 
 def _write_atomically(directory: Path, name: str, write) -> str:
@@ -487,13 +490,17 @@ class Checkpointer:
                 raise CheckpointError(f"The checkpoint '{payload['path']}' has no '{name}' state.")
             try:
                 _unwrap(obj).load_state_dict(states[name])
-            except (RuntimeError, KeyError, ValueError) as exc:
-                reason = str(exc).strip().splitlines()[0].rstrip(":. \t")
+            except _UNFIT_STATE_ERRORS as exc:
                 raise CheckpointError(
                     f"The '{name}' state in the checkpoint '{payload['path']}' does not fit this run "
-                    f"(other model or flags?): {reason}."
+                    f"(other model or flags?): {_load_error(exc)}."
                 ) from exc
-        _set_rng_state(payload["rng"], self.device, self.rank)
+        try:
+            _set_rng_state(payload["rng"], self.device, self.rank)
+        except _UNFIT_STATE_ERRORS as exc:
+            raise CheckpointError(
+                f"The random number generator state in the checkpoint '{payload['path']}' "
+                f"cannot be restored: {_load_error(exc)}.") from exc
         self.last_step = payload["step"]
         return Restored(step=payload["step"], epoch=payload["epoch"], path=Path(payload["path"]),
                         world_size=payload["world_size"], extra=payload["extra"])
@@ -653,8 +660,10 @@ def _verify_sharded(directory: Path, digests: Mapping[str, str] | None = None) -
     metadata = _load_dcp_metadata(directory / _DCP_METADATA)
     shards = set(files) - {_DCP_METADATA, _EXTRA}
     for info in metadata.storage_data.values():
-        where = getattr(info, "relative_path", info)
-        if where not in shards:
+        # Only getattr and isinstance: the objects' own methods may fail on the __dict__ a
+        # pickle gave them.
+        where = getattr(info, "relative_path", None)
+        if not isinstance(where, str) or where not in shards:
             raise CheckpointError(f"The DCP metadata '{directory / _DCP_METADATA}' refers to data "
                                   f"outside the files its manifest lists: {where!r}.")
     try:
@@ -832,7 +841,11 @@ class ShardedCheckpointer:
             cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
             raise CheckpointError(f"Loading the sharded checkpoint '{path}' failed on rank {rank}: "
                                   f"{_load_error(cause)}.") from exc
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        try:
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        except _UNFIT_STATE_ERRORS as exc:
+            raise CheckpointError(f"The state in the sharded checkpoint '{path}' does not fit this "
+                                  f"run (other model or flags?): {_load_error(exc)}.") from exc
         self.last_step = int(extra["step"])
         return extra
