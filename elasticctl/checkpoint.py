@@ -50,6 +50,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -743,6 +744,9 @@ class ShardedCheckpointer:
         model_state, optim_state = get_state_dict(model, optimizer)
         name = f"step-{step:08d}"
         tmp = self.directory / f"{_TMP_PREFIX}{name}"
+        if self.rank == 0:  # files a save killed before its rename left would enter the manifest
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         # dcp.save returns on every rank once the metadata is written. Every failure below is
         # shared with all ranks instead of raised alone, which would leave the others waiting.
@@ -797,8 +801,6 @@ class ShardedCheckpointer:
         self._prune()
 
     def _prune(self) -> None:
-        import shutil
-
         candidates = self._candidates()
         listed = {path for _, path in candidates}
         self._verified = {p: v for p, v in self._verified.items() if p in listed}

@@ -352,3 +352,16 @@ def test_non_tensor_values_in_shards_load_weights_only(tmp_path, process_group):
                        match=r"'optim.param_groups.0.lr' .* weights_only=True: .*io\.open"):
         ShardedCheckpointer(directory).restore(*sharded_state(1))
     assert not marker.exists()
+
+
+def test_a_sharded_save_killed_before_its_rename_leaves_nothing_the_next_save_keeps(
+        tmp_path, process_group):
+    leftover = tmp_path / ".tmp-step-00000002"
+    leftover.mkdir()
+    for name in ("manifest.json", ".tmp-manifest.json.123", "__9_0.distcp"):
+        (leftover / name).write_text("from a killed save")
+    ckpt = ShardedCheckpointer(tmp_path)
+    ckpt.save(2, *sharded_state(0))
+    assert ckpt.checkpoints() == [(2, tmp_path / "step-00000002")]
+    assert sorted(p.name for p in (tmp_path / "step-00000002").iterdir()) == [
+        ".metadata", "__0_0.distcp", "extra.json", "manifest.json"]
