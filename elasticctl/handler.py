@@ -141,7 +141,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             raise
 
     def _next_rendezvous(self) -> RendezvousInfo:
-        if self._round is not None:
+        if self._round is not None and not self._changed:
+            # Workers failed (the agent did not stop them for a change): did any finish first?
             started, done = self._worker_marks()
             if done:
                 self._end_after_finish(started, done)

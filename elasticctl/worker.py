@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from elasticctl import envvars
+from elasticctl import envvars, worker_entry
 from elasticctl.errors import ConfigError, ElasticctlError
 
 CHECKPOINT_DIR_ENV = "ELASTICCTL_CHECKPOINT_DIR"
@@ -131,6 +131,7 @@ class GracefulStop:
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        worker_entry.note_stop_request()
 
     def agreed(self, device: torch.device | None = None) -> bool:
         """True on every rank once any rank was signalled (a collective: call it on all ranks)."""

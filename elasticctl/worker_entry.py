@@ -8,8 +8,9 @@ script in this process (like ``python SCRIPT``) and records, in the directory th
 rendezvous handler names in ``ELASTICCTL_WORKER_MARKS``:
 
 * ``started-<LOCAL_RANK>`` before the script runs;
-* ``done-<LOCAL_RANK>`` once the script ended with status 0 and every ``atexit``
-  callback ran: the last thing Python does before its teardown.
+* ``done-<LOCAL_RANK>`` once the script ended with status 0, on its own (not stopped by
+  SIGTERM, see :func:`note_stop_request`), and every ``atexit`` callback ran: the last
+  thing Python does before its teardown.
 
     python -m elasticctl.worker_entry [--module] [--local-rank-flag] SCRIPT [ARGS...]
 
@@ -26,6 +27,17 @@ import sys
 from elasticctl.envvars import WORKER_MARKS as MARKS_ENV
 
 _completed = False
+_stop_requested = False
+
+
+def note_stop_request() -> None:
+    """The script was asked to stop (SIGTERM): exiting 0 then is a clean stop, not a finish.
+
+    Called by :class:`elasticctl.worker.GracefulStop`; a script that handles SIGTERM on
+    its own should call it too, or a restart of its group could be taken for the end.
+    """
+    global _stop_requested
+    _stop_requested = True
 
 
 def _mark(kind: str) -> None:
@@ -37,7 +49,7 @@ def _mark(kind: str) -> None:
 
 def _mark_done() -> None:
     # Registered before the script runs, so it runs after the script's own atexit callbacks.
-    if _completed:
+    if _completed and not _stop_requested:
         _mark("done")
 
 
