@@ -239,6 +239,36 @@ def check_directory(directory: str | os.PathLike, writable: bool) -> Path:
     return path
 
 
+class _VerificationMemo:
+    """Which checkpoints verified, remembered per path while their files keep the same
+    signature (names, sizes, mtimes); each failure is warned about once."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.results: dict[Path, tuple[tuple, bool]] = {}
+        self._warned: set[tuple[Path, tuple]] = set()
+
+    def check(self, path: Path, signature: tuple, verify) -> bool:
+        """``verify()`` raises CheckpointError for a checkpoint that must not count."""
+        cached = self.results.get(path)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        try:
+            verify()
+            valid = True
+        except CheckpointError as exc:
+            valid = False
+            if (path, signature) not in self._warned:
+                self._warned.add((path, signature))
+                log.warning("Ignoring %s (not counted towards keep=%d, left in place): %s",
+                            path, self.keep, exc)
+        self.results[path] = (signature, valid)
+        return valid
+
+    def forget(self, keep_only) -> None:
+        self.results = {p: v for p, v in self.results.items() if p in keep_only}
+
+
 class Checkpointer:
     """Save and restore replicated training state in ``directory``.
 
@@ -265,8 +295,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         # path -> (signature, loadable). Only the writer's commit path touches these, and at most
         # one commit runs at a time, so they need no lock.
-        self._verified: dict[Path, tuple[tuple, bool]] = {}
-        self._warned: set[tuple[Path, tuple]] = set()
+        self._memo = _VerificationMemo(keep)
         if self.is_writer:
             self._remove_stale_temp_files()
 
@@ -350,28 +379,19 @@ class Checkpointer:
             signature = _signature(path, path.with_name(path.name + _DIGEST_SUFFIX))
         except OSError:
             return False
-        cached = self._verified.get(path)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-        try:
+
+        def verify() -> None:
             if written_digest is None:
                 self._read(path, "cpu")
             else:
                 self._read(path, "meta", digest=written_digest)
-            loadable = True
-        except CheckpointError as exc:
-            loadable = False
-            if (path, signature) not in self._warned:
-                self._warned.add((path, signature))
-                log.warning("Ignoring %s (not counted towards keep=%d, left in place): %s",
-                            path, self.keep, exc)
-        self._verified[path] = (signature, loadable)
-        return loadable
+
+        return self._memo.check(path, signature, verify)
 
     def _prune(self) -> None:
         complete = self.checkpoints()
         listed = {path for _, path in complete}
-        self._verified = {p: v for p, v in self._verified.items() if p in listed}
+        self._memo.forget(listed)
         # Only checkpoints that verify count: files that merely look like newer checkpoints must
         # not push real ones out. The newest valid one is always among the first ``keep``.
         valid = [(step, path) for step, path in complete if self._loadable(path)]
@@ -380,7 +400,7 @@ class Checkpointer:
             for victim in (path.with_name(path.name + _DIGEST_SUFFIX), path):
                 with contextlib.suppress(OSError):
                     victim.unlink()
-            self._verified.pop(path, None)
+            self._memo.results.pop(path, None)
         # Data files whose digest never landed (killed mid-commit) and are older than what we keep.
         for path in self.directory.glob("step-*.pt"):
             match = _NAME_RE.match(path.name)
@@ -697,8 +717,7 @@ class ShardedCheckpointer:
         self.directory = check_directory(directory, writable=self.rank == 0)
         self.keep = keep
         self.last_step: int | None = None
-        self._verified: dict[Path, tuple[tuple, bool]] = {}  # as in Checkpointer
-        self._warned: set[tuple[Path, tuple]] = set()
+        self._memo = _VerificationMemo(keep)
 
     def _candidates(self) -> list[tuple[int, Path]]:
         """Directories named like checkpoints that have a manifest, newest first."""
@@ -721,20 +740,7 @@ class ShardedCheckpointer:
             signature = _signature(*sorted(path.iterdir()))
         except OSError:
             return False
-        cached = self._verified.get(path)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-        try:
-            _verify_sharded(path, digests)
-            valid = True
-        except CheckpointError as exc:
-            valid = False
-            if (path, signature) not in self._warned:
-                self._warned.add((path, signature))
-                log.warning("Ignoring %s (not counted towards keep=%d, left in place): %s",
-                            path, self.keep, exc)
-        self._verified[path] = (signature, valid)
-        return valid
+        return self._memo.check(path, signature, lambda: _verify_sharded(path, digests))
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict | None = None) -> None:
@@ -803,11 +809,11 @@ class ShardedCheckpointer:
     def _prune(self) -> None:
         candidates = self._candidates()
         listed = {path for _, path in candidates}
-        self._verified = {p: v for p, v in self._verified.items() if p in listed}
+        self._memo.forget(listed)
         # As in Checkpointer: only verified checkpoints count towards keep.
         for _, old in [(s, p) for s, p in candidates if self._valid(p)][self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
-            self._verified.pop(old, None)
+            self._memo.results.pop(old, None)
 
     def _newest_verified(self) -> tuple[str, dict] | None:
         """Rank 0's pick: the newest checkpoint that verifies now (not from memory), and extras."""

@@ -23,6 +23,7 @@ import hmac
 import json
 from collections.abc import Iterable, Mapping
 
+from elasticctl.registry import json_object
 from elasticctl.spec import validate_name
 
 
@@ -42,7 +43,7 @@ class Declaration:
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
         """The declaration in ``raw``, or None if it is malformed or, with a secret, not signed."""
-        data = _verified(_object(raw), key, secret)
+        data = _verified(json_object(raw), key, secret)
         try:
             declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
                               wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)), revision=revision)
@@ -74,7 +75,7 @@ class Round:
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Round | None:
         """The round in ``raw``, or None if it is malformed or, with a secret, not signed."""
-        data = _verified(_object(raw), key, secret)
+        data = _verified(json_object(raw), key, secret)
         try:
             members = tuple(validate_name(m, "node id") for m in data["members"])
             addrs = tuple(_text(a) for a in data.get("addrs", ()))
@@ -187,14 +188,6 @@ def _verified(data: dict, key: str, secret: bytes | None) -> dict:
     if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(fields, key, secret)):
         return {}
     return fields
-
-
-def _object(raw: bytes) -> dict:
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _whole(value: object) -> int:

@@ -43,7 +43,8 @@ def _json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _load(raw: bytes) -> dict:
+def json_object(raw: bytes) -> dict:
+    """The JSON object in ``raw`` (untrusted), or {} for anything else."""
     try:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -65,7 +66,7 @@ PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": 
 def typed_record(raw: bytes, fields: dict[str, type | tuple[type, ...]]) -> dict:
     """The fields of the JSON object in ``raw`` that have their documented type (finite numbers)."""
     record = {}
-    for key, value in _load(raw).items():
+    for key, value in json_object(raw).items():
         kind = fields.get(key)
         if kind is None or isinstance(value, bool) or not isinstance(value, kind):
             continue
@@ -168,7 +169,7 @@ class Registry:
 
     def read_spec(self) -> JobSpec | None:
         kv = self.client.get(f"{self.prefix}/spec")
-        return None if kv is None else JobSpec.from_dict(_load(kv.value))
+        return None if kv is None else JobSpec.from_dict(json_object(kv.value))
 
     def publish_spec(self, spec: JobSpec) -> bool:
         """Publish ``spec``; True if it was new, False if an identical one was there.
@@ -181,7 +182,7 @@ class Registry:
             ok, current, _ = self.client.compare_and_swap(key, _json(spec.to_dict()), 0)
             if ok:
                 return True
-            existing = JobSpec.from_dict(_load(current.value)) if current else None
+            existing = JobSpec.from_dict(json_object(current.value)) if current else None
             finished = self._rendezvous_closed()
             if existing == spec and not finished:
                 return False
@@ -283,7 +284,7 @@ class Registry:
         if self.client.count_prefix(self.prefix + "/") != 1:
             return False
         kv = self.client.get(key)
-        if kv is None or JobSpec.from_dict(_load(kv.value)) != spec:
+        if kv is None or JobSpec.from_dict(json_object(kv.value)) != spec:
             return False
         return bool(self.client.delete(key))
 

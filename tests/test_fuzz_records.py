@@ -23,7 +23,7 @@ from elasticctl.registry import (
     NODE_FIELDS,
     PROGRESS_FIELDS,
     JobView,
-    _load,
+    json_object,
     typed_record,
 )
 from elasticctl.spec import JobSpec
@@ -112,7 +112,7 @@ SPEC_KEYS = st.sampled_from([
 @FUZZ
 @given(raw=st.binary(max_size=512))
 def test_random_bytes_as_records(raw):
-    record = _load(raw)
+    record = json_object(raw)
     assert isinstance(record, dict)
 
 
