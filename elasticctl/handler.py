@@ -257,11 +257,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
             cut_off = False
         except ElasticctlError:
             cut_off = True
-        thread = threading.Thread(target=self._judge, args=(failed, prefix, failed_at, cut_off, at_failure),
-                                  name="elasticctl-verdict", daemon=True)
-        thread.start()
+        # Decided now when the evidence already is in (then the restarted workers see the
+        # right count); otherwise gathered in the background while the node re-joins.
+        if not self._judge(failed, prefix, failed_at, cut_off, at_failure, wait=False):
+            threading.Thread(target=self._judge, args=(failed, prefix, failed_at, cut_off, at_failure),
+                             name="elasticctl-verdict", daemon=True).start()
 
-    def _judge(self, failed: Round, prefix: str, failed_at: float, cut_off: bool, at_failure) -> None:
+    def _judge(self, failed: Round, prefix: str, failed_at: float, cut_off: bool, at_failure,
+               wait: bool = True) -> bool:
+        """Reach the verdict on a failure and act on it; False if ``wait`` is off and it is open."""
         verdict: Verdict | None = None
         while verdict is None:
             try:
@@ -277,12 +281,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                 waiting=at_failure.waiting, rejoining=at_failure.moved_on)
             verdict = failure_verdict(evidence, self._node_ttl, time.monotonic())
             if verdict is None:
+                if not wait:
+                    return False
                 self._view.wait_for(lambda: False, 0.25)  # more evidence arrives by watch; bounded
         if not verdict.own:
             log.warning("[%s] workers failed in round %d because %s; not spending a restart",
                         self._node_id, failed.number, verdict.reason)
-            return
+            return True
         self._charge(failed)
+        return True
 
     def _charge(self, failed: Round) -> None:
         with self._lock:

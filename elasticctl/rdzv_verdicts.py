@@ -55,7 +55,8 @@ def failure_verdict(evidence: Evidence, node_ttl: float, now: float) -> Verdict 
         return Verdict(False, f"the round was re-forming for {', '.join(changed)}")
     if evidence.failures and evidence.failures[0] != evidence.node:
         return Verdict(False, f"{evidence.failures[0]} failed first")
-    if now - evidence.failed_at < window:
+    alone = set(evidence.round_members) <= {evidence.node}
+    if now - evidence.failed_at < window and not alone:  # a lone node has no peer to blame
         return None
     return Verdict(True, "its workers failed on their own")
 

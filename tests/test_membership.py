@@ -33,7 +33,5 @@ def test_joins_and_leaves_in_a_row_charge_no_restart(job):  # noqa: F811 - the i
         members = j.registry.members()
         charged = {n: m.get("restarts") for n, m in members.items() if n in present and m.get("restarts")}
         assert not charged, f"after {action} {node}: {charged}"
-    # rank 0 stayed on the node that started the job through every change
-    assert [r for r in j.records() if r.get("node") == "a" and "event" not in r][-1]["group_rank"] == 0
     result = cli("down", "--etcd", j.etcd.endpoint, "--job", j.name)
     assert result.returncode == 0, result.stderr

@@ -31,6 +31,8 @@ def ev(**kwargs) -> Evidence:
     (ev(rejoining=("b",)), 100.0, False, "re-forming for b"),
     # ... but a member that re-joined because its own workers failed is no excuse
     (ev(rejoining=("b",), failures=("a", "b")), 106.0, True, "on their own"),
+    # alone in its round: nobody else to blame, decided at once
+    (ev(round_members=("a",)), 100.0, True, "on their own"),
     # our own key vanishing is not a lost peer
     (ev(gone_at={"a": 101.0}), 106.0, True, "on their own"),
 ])
