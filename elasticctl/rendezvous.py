@@ -1,23 +1,24 @@
-"""The ``etcd3`` rendezvous for torchrun: torch's dynamic rendezvous on the etcd v3 API.
+"""The ``etcd3`` rendezvous for torchrun, and torch's dynamic rendezvous on the etcd v3 API.
 
 torch ships ``etcd`` and ``etcd-v2`` backends that speak etcd's v2 API, which etcd
-3.5 hides and 3.6 removed. This module provides the pieces torch's
-``DynamicRendezvousHandler`` needs, on v3:
+3.5 hides and 3.6 removed. This module provides, on v3:
 
-* :class:`EtcdRendezvousBackend`: the rendezvous state under one key, with the
-  fencing token mapped onto the key's ``mod_revision`` (compare-and-swap in one
-  transaction);
-* :class:`EtcdStore`: a c10d ``Store`` for the agents' bookkeeping;
-* :func:`handler_factory`: the ``torchrun.handlers`` entry point.
+* :func:`create_rdzv_handler`: the ``etcd3`` handler torchrun builds through the
+  ``torchrun.handlers`` entry point (:mod:`elasticctl.rdzv_plugin`): elasticctl's own
+  etcd-native protocol, see :mod:`elasticctl.handler`;
+* :class:`EtcdStore`: a c10d ``Store`` over etcd, for the agents' bookkeeping in a round;
+* :class:`EtcdRendezvousBackend` and :func:`create_backend`: for code that wants torch's
+  own ``DynamicRendezvousHandler`` on etcd — the state under one key, the fencing
+  token mapped onto the key's ``mod_revision`` (compare-and-swap in one transaction).
 
 Keys live under ``<key_prefix>/<run_id>/`` and are bound to a lease, so an
 abandoned run's keys disappear after ``ttl`` seconds instead of piling up.
 
 torch unpickles the state it reads, so whoever can write to etcd could run code
-on every agent. Every state is checked by :mod:`elasticctl.rdzv_state` (seal,
-allow-listed classes, shape, sequence) before torch sees its bytes; a node that
-meets a refused or replayed state keeps the newest good state it has seen and
-writes it back over the bad one.
+on every agent of torch's handler. Every state is checked by
+:mod:`elasticctl.rdzv_state` (seal, allow-listed classes, shape, sequence) before
+torch sees its bytes; a node that meets a refused or replayed state keeps the newest
+good state it has seen and writes it back over the bad one.
 """
 
 from __future__ import annotations
