@@ -21,7 +21,7 @@ import time
 import click
 import yaml
 
-from elasticctl import __version__
+from elasticctl import __version__, envvars
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import Endpoint, EtcdSettings, connect
 from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
@@ -116,7 +116,7 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 def etcd_options(func):
     """--etcd and the TLS/auth options; the password only from ELASTICCTL_ETCD_PASSWORD."""
     options = [
-        click.option("--etcd", "etcd_endpoints", envvar="ELASTICCTL_ETCD", default=None, metavar="HOST:PORT[,...]",
+        click.option("--etcd", "etcd_endpoints", envvar=envvars.ETCD, default=None, metavar="HOST:PORT[,...]",
                      help="etcd endpoints (default: the embedded etcd `elasticctl up` runs on this host)."),
         click.option("--etcd-cacert", default=None, help="CA bundle that signed etcd's certificate (enables TLS)."),
         click.option("--etcd-cert", default=None, help="Client certificate for etcd."),
@@ -135,7 +135,7 @@ def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
     endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
     if not endpoints:
         raise ConfigError("No --etcd was given and no embedded etcd runs on this host; pass --etcd HOST:PORT.")
-    password = os.environ.get("ELASTICCTL_ETCD_PASSWORD") if params["etcd_user"] else None
+    password = os.environ.get(envvars.ETCD_PASSWORD) if params["etcd_user"] else None
     return EtcdSettings.from_string(
         endpoints, protocol="https" if params["etcd_cacert"] else None, cacert=params["etcd_cacert"],
         cert=params["etcd_cert"], key=params["etcd_key"], user=params["etcd_user"], password=password,

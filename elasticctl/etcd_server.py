@@ -22,13 +22,13 @@ from pathlib import Path
 
 import psutil
 
-from elasticctl import processes
+from elasticctl import envvars, processes
 from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, wait_until_healthy
 
 log = logging.getLogger(__name__)
 
-BINARY_ENV = "ELASTICCTL_ETCD_BINARY"
+BINARY_ENV = envvars.ETCD_BINARY
 
 
 def find_etcd_binary() -> str:
@@ -301,7 +301,7 @@ class EmbeddedEtcd:
 
 # -- "the embedded etcd this host started": the default --etcd of every command ------------
 
-STATE_DIR_ENV = "ELASTICCTL_STATE_DIR"
+STATE_DIR_ENV = envvars.STATE_DIR
 
 
 def _embedded_state_file() -> Path:

@@ -43,19 +43,19 @@ def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: 
     """What torchrun and the workers get on top of this process's environment."""
     env = {
         **dict(spec.env),
-        "ELASTICCTL_JOB": spec.name,
+        envvars.JOB: spec.name,
         envvars.NODE: node_id,
-        "ELASTICCTL_ETCD": settings.urls(),
-        "ELASTICCTL_KEY_PREFIX": key_prefix,
+        envvars.ETCD: settings.urls(),
+        envvars.KEY_PREFIX: key_prefix,
     }
     for name in ("cacert", "cert", "key", "user"):
         value = getattr(settings, name)
         if value:
-            env[f"ELASTICCTL_ETCD_{name.upper()}"] = value
+            env[envvars.etcd_tls(name)] = value
     if settings.password:
-        env["ELASTICCTL_ETCD_PASSWORD"] = settings.password
+        env[envvars.ETCD_PASSWORD] = settings.password
     if spec.checkpoint_dir:
-        env["ELASTICCTL_CHECKPOINT_DIR"] = os.path.abspath(spec.checkpoint_dir)
+        env[envvars.CHECKPOINT_DIR] = os.path.abspath(spec.checkpoint_dir)
     return env
 
 

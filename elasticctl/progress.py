@@ -16,6 +16,8 @@ import os
 import threading
 import time
 
+from elasticctl import envvars
+
 log = logging.getLogger(__name__)
 
 DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
@@ -42,20 +44,20 @@ class ProgressPublisher:
     @classmethod
     def from_env(cls, rank: int, interval: float = 1.0) -> ProgressPublisher | None:
         """A publisher for global rank 0 under elasticctl; None anywhere else."""
-        endpoints, job = os.environ.get("ELASTICCTL_ETCD"), os.environ.get("ELASTICCTL_JOB")
+        endpoints, job = os.environ.get(envvars.ETCD), os.environ.get(envvars.JOB)
         if rank != 0 or not endpoints or not job:
             return None
         from elasticctl.etcd import EtcdClient, EtcdSettings  # grpc only when it is used
 
         env = os.environ.get
         settings = EtcdSettings.from_string(
-            endpoints, cacert=env("ELASTICCTL_ETCD_CACERT"), cert=env("ELASTICCTL_ETCD_CERT"),
-            key=env("ELASTICCTL_ETCD_KEY"), user=env("ELASTICCTL_ETCD_USER"),
-            password=env("ELASTICCTL_ETCD_PASSWORD"),
+            endpoints, cacert=env(envvars.etcd_tls("cacert")), cert=env(envvars.etcd_tls("cert")),
+            key=env(envvars.etcd_tls("key")), user=env(envvars.etcd_tls("user")),
+            password=env(envvars.ETCD_PASSWORD),
             # Give up on one update quickly: a newer one will follow.
             retry_timeout=max(interval * 3, 2.0),
         )
-        key = progress_key(job, env("ELASTICCTL_KEY_PREFIX") or DEFAULT_KEY_PREFIX)
+        key = progress_key(job, env(envvars.KEY_PREFIX) or DEFAULT_KEY_PREFIX)
         return cls(EtcdClient(settings), key, rank=rank, interval=interval)
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,

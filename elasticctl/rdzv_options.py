@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 
+from elasticctl import envvars
 from elasticctl.errors import ConfigError
 
 DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
@@ -21,8 +22,8 @@ MAX_NODE_TTL = 3600
 DEFAULT_RUN_TTL = 7200
 MAX_SECONDS = 30 * 24 * 3600
 
-SECRET_ENV = "ELASTICCTL_RDZV_SECRET"
-PASSWORD_ENV = "ELASTICCTL_ETCD_PASSWORD"
+SECRET_ENV = envvars.RDZV_SECRET
+PASSWORD_ENV = envvars.ETCD_PASSWORD
 
 # Keys torchrun adds on its own (the launcher's overall timeout, a static node rank):
 # accepted and ignored, as torch's dynamic handler ignores them.

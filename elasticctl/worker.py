@@ -31,7 +31,7 @@ import torch.distributed as dist
 from elasticctl import envvars, worker_entry
 from elasticctl.errors import ConfigError, ElasticctlError
 
-CHECKPOINT_DIR_ENV = "ELASTICCTL_CHECKPOINT_DIR"
+CHECKPOINT_DIR_ENV = envvars.CHECKPOINT_DIR
 LR_POLICIES = ("linear", "constant-batch")
 
 
