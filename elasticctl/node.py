@@ -19,6 +19,7 @@ import threading
 import time
 
 from elasticctl import envvars, launcher, processes
+from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, EtcdSettings
 from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now
@@ -123,6 +124,9 @@ class NodeSession:
             "host": socket.gethostname(), "addr": self.local_addr, "pid": os.getpid(), "nproc": nproc,
             "gpus": launcher.visible_gpu_count(), "joined_at": now(), "state": "running",
         }
+        torch = installed_torch_version()
+        if torch:  # what `doctor` on the other nodes compares with (absent: unknown)
+            self.record["torch"] = torch
         self._lease = KeptLease(self.client, self.spec.node_ttl, self._rewrite_record, name="node")
         try:
             self.node_id = self.registry.register_node(self.record, self._lease.id, self.wanted_id)

@@ -10,6 +10,8 @@ Everything is JSON (never pickle), under one prefix per job::
     <prefix>/<job>/control/<node>    "leave" requests; control/_job = "down"
     <prefix>/<job>/progress          what the trainer's rank 0 publishes
     <prefix>/<job>/finished          written when a node's workers all succeeded
+    <prefix>/<job>/checkpoint-marker the token of the marker file the first node put in the
+                                     checkpoint directory (doctor: the same directory everywhere)
     <prefix>/<job>/rdzv, store/...   the rendezvous (see rendezvous.py)
 """
 
@@ -56,7 +58,7 @@ _NUMBER = (int, float)
 # The fields of each record kind and their JSON types; anything else read from etcd is
 # dropped, so that a malformed or planted record can confuse no reader.
 NODE_FIELDS = {"id": str, "host": str, "addr": str, "pid": int, "nproc": int, "gpus": int,
-               "joined_at": _NUMBER, "state": str}
+               "joined_at": _NUMBER, "state": str, "torch": str}
 MEMBER_FIELDS = {"node": str, "addr": str, "pid": int, "state": str, "round": int, "rank": int,
                  "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str}
 PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": _NUMBER, "world_size": int,
@@ -258,6 +260,24 @@ class Registry:
 
     def delete_job(self) -> int:
         return self.client.delete_prefix(self.prefix + "/")
+
+    # -- checkpoint marker ---------------------------------------------------------------
+
+    def claim_checkpoint_marker(self, token: str) -> tuple[bool, str | None]:
+        """Store ``token`` as the job's checkpoint marker unless one is there.
+
+        Returns (True, token) when this call stored it, else (False, the marker in etcd).
+        """
+        ok, current, _ = self.client.compare_and_swap(f"{self.prefix}/checkpoint-marker", token, 0)
+        if ok:
+            return True, token
+        return False, None if current is None else current.value.decode(errors="replace")
+
+    def release_checkpoint_marker(self, token: str) -> None:
+        """Take back the marker ``token`` this process claimed (for an `up` that did not run)."""
+        kv = self.client.get(f"{self.prefix}/checkpoint-marker")
+        if kv is not None and kv.value == token.encode():
+            self.client.delete(f"{self.prefix}/checkpoint-marker")
 
     # -- progress ----------------------------------------------------------------------
 
