@@ -463,6 +463,68 @@ def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> 
     sys.exit(outcome.code)
 
 
+# -- doctor ----------------------------------------------------------------------------------
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job to compare this host with (default: the only job in etcd).")
+@click.option("--checkpoint-dir", default=None, help="The checkpoint directory to check (default: the job's).")
+@click.option("--local-addr", default=None,
+              help="This node's address as other nodes see it (default: what up/join would use).")
+@click.option("--deep", is_flag=True, help="Also import torch for its CUDA and NCCL versions (takes seconds).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of the checks.")
+def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> None:
+    """Can this host run a node? One line per check; exit status 1 when one fails.
+
+    Checks versions (and that they agree with the job's nodes), GPUs, the network
+    interface gloo would use, etcd latency, the clock against etcd's, a free port,
+    /dev/shm, and that the checkpoint directory is writable and shared with the other nodes.
+    """
+    from elasticctl import doctor as checks
+    from elasticctl import launcher
+    from elasticctl.etcd_server import embedded_endpoint
+    from elasticctl.registry import list_jobs
+
+    settings = client = etcd_error = registry = None
+    found: list = []
+    endpoints = etcd_params["etcd_endpoints"] or embedded_endpoint()
+    if endpoints:
+        # A doctor answers quickly: a dead etcd is a failed check, not a 30 s wait.
+        settings = dataclasses.replace(_settings(etcd_params, endpoints), retry_timeout=2.0)
+        try:
+            client = connect(settings, timeout=2.0)
+        except ElasticctlError as exc:
+            etcd_error = str(exc)[:1].lower() + str(exc)[1:].rstrip(".")
+    try:
+        if client is not None:
+            job_check, job = checks.decide_job(job, list_jobs(client, etcd_params["key_prefix"]))
+            found.append(job_check)
+            if job is not None:
+                registry = Registry(client, job, etcd_params["key_prefix"])
+                spec = registry.read_spec()
+                if checkpoint_dir is None and spec is not None:
+                    checkpoint_dir = spec.checkpoint_dir
+        if local_addr is None:
+            local_addr = (launcher.local_address_for(settings.endpoints[0].host) if settings
+                          else launcher.primary_address())
+        report = checks.run_checks(settings=settings, client=client, etcd_error=etcd_error, registry=registry,
+                                   checkpoint_dir=checkpoint_dir, local_addr=local_addr, quick=False, deep=deep,
+                                   key_prefix=etcd_params["key_prefix"])
+    finally:
+        if client is not None:
+            client.close()
+    results = [*found, *report.checks]
+    if as_json:
+        click.echo(json.dumps([c.to_dict() for c in results], indent=2))
+    else:
+        for check in results:
+            for line in check.lines():
+                click.echo(line)
+    if any(c.status is checks.Status.FAIL for c in results):
+        sys.exit(1)
+
+
 # -- status / jobs / leave / down -------------------------------------------------------------
 
 @cli.command(context_settings=_FLAT_ENV)

@@ -390,8 +390,11 @@ def gather_torch_build(gpus: int) -> Check:
     cuda = torch.version.cuda
     usable = bool(cuda) and torch.cuda.is_available()
     nccl = None
-    if usable and dist.is_nccl_available():
-        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    if cuda and dist.is_nccl_available():
+        try:  # the library's version: readable without a GPU
+            nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (RuntimeError, AttributeError, OSError):
+            nccl = None
     return decide_torch_build(torch.__version__, cuda, usable, nccl, dist.is_gloo_available(), gpus)
 
 
