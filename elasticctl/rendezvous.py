@@ -427,6 +427,19 @@ def _default_node_id(local_addr: str) -> str:
     return f"{host}-{os.getpid()}-{next(_handlers_made)}"
 
 
+def _log_with_times() -> None:
+    """Show the handler's INFO lines, timestamped, in the agent's log: a node's log is the
+    timeline of its rounds (torchrun configures only torch's own loggers)."""
+    logger = logging.getLogger("elasticctl")
+    if logger.handlers or logging.getLogger().handlers:
+        return  # the embedding program configured logging itself
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s elasticctl %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd3`` handler: elasticctl's etcd-native rendezvous (see handler.py).
 
@@ -441,6 +454,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     from elasticctl.handler import NODE_ENV, EtcdRendezvousHandler
     from elasticctl.rdzv_rounds import Settings
 
+    _log_with_times()
     options = parse_rdzv_options(params.config)
     validate_name(params.run_id, "run id")
     if params.min_nodes < 1 or params.max_nodes < params.min_nodes:

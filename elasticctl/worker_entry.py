@@ -20,6 +20,7 @@ rendezvous handler names in ``ELASTICCTL_WORKER_MARKS``:
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import runpy
 import sys
@@ -67,6 +68,10 @@ def main(argv: list[str]) -> None:
     if local_rank_flag:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     _mark("started")
+    # Runs last (atexit is LIFO): with every object frozen, the interpreter's teardown skips
+    # collecting torch's module graph, which took 0.7 of 1.0 s here. A worker stopped for a
+    # new round exits that much sooner; the callbacks registered later still run first.
+    atexit.register(gc.freeze)
     atexit.register(_mark_done)
     sys.argv = [script, *args]
     try:

@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 
+import psutil
 import torch
 from torch import nn
 
@@ -122,6 +123,7 @@ def inject_failure(mode: str, stop: GracefulStop) -> None:
 def train(args: argparse.Namespace) -> None:
     directory = checkpoint_dir(args.checkpoint_dir)
     ctx = init(timeout=args.pg_timeout)
+    initialized = time.time()
     rank, world, device = ctx.rank, ctx.world_size, ctx.device
     stop = GracefulStop()
     record = open(args.record, "a", buffering=1) if args.record else None  # noqa: SIM115 - open for the run
@@ -141,6 +143,8 @@ def train(args: argparse.Namespace) -> None:
     checkpointer = (Checkpointer(directory, keep=args.keep, async_save=args.async_checkpoint, device=device)
                     if directory else None)
 
+    # Where a restarted worker's seconds go: process start -> torch imported, process group up.
+    write({"event": "start", "process_started": psutil.Process().create_time(), "initialized": initialized})
     step, samples_seen, global_batch = 0, 0, args.global_batch
     restored = checkpointer.restore(model=model, optimizer=optimizer, sampler=sampler) if checkpointer else None
     if restored:
