@@ -281,9 +281,11 @@ class EtcdClient:
         return self._call("write a key", lambda c: c.put(key, value, lease=lease).header.revision)
 
     def compare_and_swap(
-        self, key: bytes | str, value: bytes | str, mod_revision: int, lease: int | None = None
+        self, key: bytes | str, value: bytes | str, mod_revision: int, lease: int | None = None,
+        also_delete: bytes | str | None = None,
     ) -> tuple[bool, KeyValue | None, int]:
-        """Write ``key`` only if its mod revision is ``mod_revision`` (0: only if absent).
+        """Write ``key`` only if its mod revision is ``mod_revision`` (0: only if absent), and
+        then delete ``also_delete`` if given.
 
         One transaction: on failure it returns the current value read atomically.
         Returns (succeeded, current or new key/value, revision of the answer).
@@ -292,9 +294,10 @@ class EtcdClient:
 
         def txn(c: pyetcd.MultiEndpointEtcd3Client):
             compare = tx.version(key) == 0 if mod_revision == 0 else tx.mod(key) == mod_revision
-            return c.transaction(
-                compare=[compare], success=[tx.put(key, value, lease=lease)], failure=[tx.get(key)]
-            )
+            success = [tx.put(key, value, lease=lease)]
+            if also_delete is not None:
+                success.append(tx.delete(also_delete))
+            return c.transaction(compare=[compare], success=success, failure=[tx.get(key)])
 
         succeeded, responses = self._call("compare-and-swap a key", txn)
         if succeeded:

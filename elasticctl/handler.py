@@ -53,15 +53,14 @@ from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Round, Settings
 from elasticctl.rdzv_verdicts import Evidence, Verdict, failure_verdict, quarantine_due
 from elasticctl.rdzv_view import RoundView
-from elasticctl.registry import Registry, now
+from elasticctl.registry import Registry, now, request_for
+from elasticctl.watched import WatchedKeys
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
 RESTARTS_ENV = envvars.RESTARTS
 NODE_ENV = envvars.NODE
-# leave/down requests are read at most this often (one etcd read; everything else is watched).
-REQUEST_CHECK_INTERVAL = 0.5
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -97,11 +96,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._left = False
         self._crashed = False
         self._finished = False
-        self._last_request_check = 0.0
         # Workers mark here which of them finished their script (see worker_entry.py).
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
         os.environ[RESTARTS_ENV] = "0"
+        # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
+        self._requested = threading.Event()
+        self._requests = WatchedKeys(client, registry.control_prefix, self._on_requests).start()
 
     # -- torch's contract ----------------------------------------------------------------
 
@@ -162,7 +163,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         sealed = self._member.join()
         rank = sealed.rank_of(self._node_id)
         store = self._store_factory(sealed.number)
-        bootstrap = RendezvousStoreInfo.build(rank, store, self._local_addr)
+        if sealed.master_port and sealed.addrs:
+            bootstrap = RendezvousStoreInfo(master_addr=sealed.addrs[0], master_port=sealed.master_port)
+        else:  # a round sealed without them (an older elasticctl): agree in the store, as torch does
+            bootstrap = RendezvousStoreInfo.build(rank, store, self._local_addr)
         self._round = sealed
         self._write_member(state="training", round=sealed.number, rank=rank, world_size=sealed.world_size)
         # The agent starts the workers right after this, with this process's environment.
@@ -181,7 +185,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._stop_reason or self._quarantine:
                 self._changed = True  # our own verdict, not a new failure
                 return 1
-        self._check_requests()
         change = self._member.change()
         if not change.count:
             return 0
@@ -197,6 +200,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return change.count
 
     def shutdown(self) -> bool:
+        self._requests.stop()
         self._view.stop()
         shutil.rmtree(self._marks_root, ignore_errors=True)
         if self._left:
@@ -347,14 +351,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     # -- requests ------------------------------------------------------------------------
 
-    def _check_requests(self) -> None:
-        if time.monotonic() - self._last_request_check < REQUEST_CHECK_INTERVAL:
+    def _on_requests(self, controls: dict[str, bytes]) -> None:
+        """On the watch thread, at once: also while the node is joining a round."""
+        request = request_for(controls, self._node_id)
+        if request is None or self._requested.is_set() or self._left:
             return
-        self._last_request_check = time.monotonic()
-        request = self._ignore_errors(lambda: self._registry.requested(self._node_id))
-        if request is None:
-            return
-        log.warning("[%s] %s requested: leaving round %s", self._node_id, request, self._round.number)
+        self._requested.set()
+        where = f"round {self._round.number}" if self._round is not None else "the rendezvous"
+        log.warning("[%s] %s requested: leaving %s", self._node_id, request, where)
         self._left = True
         if request == "down":
             self._ignore_errors(self.set_closed)

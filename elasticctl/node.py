@@ -22,14 +22,14 @@ from elasticctl import envvars, launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now
+from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
 from elasticctl.spec import JobSpec
+from elasticctl.watched import WatchedKeys
 
 log = logging.getLogger(__name__)
 
 # How long torchrun may take to stop its workers (final checkpoint) after a request.
 STOP_GRACE = 60.0
-REQUEST_POLL = 1.0
 
 
 @dataclasses.dataclass
@@ -160,22 +160,21 @@ class NodeSession:
                 processes.terminate(child, timeout=10)
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        requests = self._watch_requests()
         try:
-            next_poll = 0.0
             while True:
                 try:
                     code = child.wait(timeout=0.2)
                     break
                 except subprocess.TimeoutExpired:
                     pass
-                if time.monotonic() >= next_poll:
-                    next_poll = time.monotonic() + REQUEST_POLL
-                    self._poll_request()
                 if self._request and time.monotonic() - self._request_at > STOP_GRACE:
                     log.warning("torchrun did not stop within %.0f s of the %s request; terminating it",
                                 STOP_GRACE, self._request)
                     processes.terminate(child, timeout=10)
         finally:
+            if requests is not None:
+                requests.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             processes.terminate(child, timeout=10)
@@ -189,6 +188,20 @@ class NodeSession:
         self._ignore_errors(lambda: self.registry.request_leave(self.node_id))
         self.record = {**self.record, "state": "leaving"}
         self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
+
+    def _watch_requests(self) -> WatchedKeys | None:
+        """leave/down requests for this node, followed by a watch (None if etcd is unreachable now:
+        the handler in torchrun follows them too, and the last read after torchrun exits)."""
+        def on_change(controls: dict[str, bytes]) -> None:
+            request = request_for(controls, self.node_id)
+            if request:
+                self._note_request(request)
+
+        try:
+            return WatchedKeys(self.client, self.registry.control_prefix, on_change).start()
+        except ElasticctlError as exc:
+            log.warning("cannot follow requests for node %s: %s", self.node_id, exc)
+            return None
 
     def _poll_request(self, retry_timeout: float | None = None) -> None:
         registry = self.registry

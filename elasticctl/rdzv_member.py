@@ -1,10 +1,10 @@
 """One node's part in the etcd-native rendezvous: its lease, its declarations, sealing, waiting.
 
 :meth:`RoundMember.join` declares for the next round (one put) and waits, on the
-watched view, until a round with this node in it is sealed; the first node that
-wants a round seals it (one compare-and-swap) as soon as :func:`seal_due` says so.
-Nothing polls: every wait is on the view's condition, with a timeout only where a
-deadline (last call, the sealer's grace, the join timeout) can fire.
+watched view, until a round with this node in it is sealed; the node holding the
+claim to seal it (a lease-bound key, won by one compare-and-swap) seals it as soon
+as :func:`seal_due` says so. Nothing polls: every wait is on the view's condition,
+with a timeout only where a deadline (last call, the join timeout) can fire.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import threading
 import time
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticctl.errors import ElasticctlError, EtcdRequestError
 from elasticctl.etcd import EtcdClient
 from elasticctl.rdzv_rounds import (
     Change,
+    Claim,
     Declaration,
     Round,
     Settings,
@@ -26,16 +28,12 @@ from elasticctl.rdzv_rounds import (
     next_members,
     next_number,
     seal_due,
-    sealer,
     wanting,
 )
 from elasticctl.rdzv_view import RoundView
 from elasticctl.registry import KeptLease
 
 log = logging.getLogger(__name__)
-
-# How long the others give the first node that wants a round to seal it (it may have died).
-SEALER_GRACE = 1.0
 
 
 class RoundMember:
@@ -101,8 +99,9 @@ class RoundMember:
             if closed:
                 raise RendezvousClosedError()
             target = next_number(current)
-            declaration = Declaration(self.node, self.addr, target, self.pid)
+            declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port())
             self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
+            log.info("[%s] wants round %d", self.node, target)
             self._lease_lost.clear()  # the declaration is on the lease in use now
             sealed = self._await_round(target, deadline)
             if sealed is not None:
@@ -111,55 +110,66 @@ class RoundMember:
             # Sealed without this node (the round was full): want the one after it.
 
     def _await_round(self, target: int, deadline: float) -> Round | None:
+        """Wait until round ``target`` is sealed; seal it if this node holds the claim to.
+
+        Every node follows only the ctl/ keys while it waits. When nobody holds a live
+        claim to seal ``target``, each waiting node tries once to take it (a compare-and-
+        swap: one wins); the holder follows the declarations and seals when
+        :func:`seal_due` says so. A holder that dies loses the claim with its lease, and
+        the others try again.
+        """
         view, settings = self.view, self.settings
         quorum_since: float | None = None
-        due_since: float | None = None
-
-        def progress() -> tuple:
-            """What this node waits on, from the view's counts: O(1), under the view's lock."""
-            sealed = view.round
-            wanting_count = view.want_counts[target]
-            return (view.closed, sealed is not None and sealed.number >= target,
-                    wanting_count >= settings.min_nodes, wanting_count >= settings.max_nodes,
-                    sealed is not None and wanting_count == len(view.declarations))
-
         while True:
             # Read what we wait on before deciding, so that no change slips in between.
-            seen = view.evaluate(lambda *_: progress())
+            seen = view.evaluate(lambda *_: view.progress(target))
             now = time.monotonic()
             current, declarations, closed = view.snapshot()
+            claim, claim_revision = view.claim, view.claim_revision
             if closed:
                 raise RendezvousClosedError()
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
-            live = list(declarations.values())
-            enough = len(wanting(current, live)) >= settings.min_nodes
-            quorum_since = (quorum_since or now) if enough else None
-            if seal_due(current, live, settings, quorum_since, now):
-                due_since = due_since or now
-                if sealer(current, live) == self.node or now - due_since >= SEALER_GRACE:
-                    self._seal(current, live, target)
-            else:
-                due_since = None
             if now >= deadline:
                 raise RendezvousTimeoutError(
                     f"The rendezvous round {target} did not complete within {self.join_timeout:g} s "
-                    f"({len(wanting(current, live))} of at least {settings.min_nodes} nodes joined)."
-                )
+                    f"(sealed by {claim.node if claim and claim.round == target else 'nobody yet'}).")
             wake_at = [deadline]
-            if quorum_since is not None:
-                wake_at.append(quorum_since + settings.last_call)
-            if due_since is not None:
-                wake_at.append(due_since + SEALER_GRACE)
-            view.wait_until(lambda seen=seen: progress() != seen,
+            if claim is None or claim.round != target:
+                if not self._claim(target, claim_revision):
+                    wake_at.append(now + 0.5)  # etcd refused or was unreachable: try again soon
+            elif claim.node == self.node:
+                view.follow_nodes()
+                live = list(declarations.values()) if view.nodes_followed else []
+                enough = len(wanting(current, live)) >= settings.min_nodes
+                quorum_since = (quorum_since or now) if enough else None
+                if seal_due(current, live, settings, quorum_since, now):
+                    self._seal(current, live, target)
+                elif quorum_since is not None:
+                    wake_at.append(quorum_since + settings.last_call)
+            view.wait_until(lambda seen=seen: view.progress(target) != seen,
                             max(0.0, min(wake_at) - time.monotonic()) + 0.01)
+
+    def _claim(self, target: int, expected_revision: int) -> bool:
+        """Try to take the claim to seal ``target``; False if etcd could not be asked (the
+        watch shows who won otherwise)."""
+        try:
+            if self.bound_to_lease(lambda lease: self.view.claim_sealing(
+                    Claim(self.node, target), expected_revision, lease)):
+                log.info("[%s] seals round %d", self.node, target)
+            return True
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot claim the sealing of round %d: %s", self.node, target, exc)
+            return False
 
     def _seal(self, current: Round | None, live: list[Declaration], target: int) -> None:
         token = self.view.seal_token()
         candidates = wanting(current, live)
         members = next_members(current, candidates, self.settings.max_nodes)
-        addrs = {d.node: d.addr for d in candidates}
-        sealed = Round(number=target, members=members, addrs=tuple(addrs[m] for m in members))
+        by_node = {d.node: d for d in candidates}
+        # Rank 0's address and port travel in the round: nobody waits in the store for them.
+        sealed = Round(number=target, members=members, addrs=tuple(by_node[m].addr for m in members),
+                       master_port=by_node[members[0]].port)
         run_lease = self._run_lease.id() if self._run_lease is not None else None
         try:
             if self.view.seal(sealed, token, run_lease):
@@ -175,6 +185,11 @@ class RoundMember:
             return Change()
         if self._lease_lost.is_set():
             return Change(superseded=True)
+        if not self.view.nodes_followed:
+            # A member restarts its workers on a lost, re-joining or waiting node: it follows
+            # the declarations from its first look on (loaded while its workers start).
+            self.view.follow_nodes(background=True)
+            return Change()
         return self.view.evaluate(lambda current, declarations, _closed: change_for(
             self.node, self.round.number, current, declarations, self.settings.max_nodes))
 

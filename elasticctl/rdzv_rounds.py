@@ -5,10 +5,13 @@ Protocol (keys under ``<prefix>/<run>/rdzv/``; I/O lives in :mod:`elasticctl.rdz
 * ``nodes/<node>`` — a :class:`Declaration`: "this node wants to be in round ``wants``",
   one put bound to the node's own lease. Liveness is the lease (keep-alives only);
   leaving is deleting the key. A node declares once per round: O(n) writes.
-* ``round`` — the sealed :class:`Round`: its number and members in rank order,
-  written by one compare-and-swap on the previous round's revision. Every node
-  learns it from a watch.
-* ``closed`` — the job is done; no round is sealed after it.
+* ``ctl/sealer`` — a :class:`Claim`: the node that seals the next round, bound to its
+  lease. Taken by one compare-and-swap when nobody holds it; only the holder needs
+  to follow every declaration.
+* ``ctl/round`` — the sealed :class:`Round`: its number and members in rank order,
+  written (and the claim released) by one transaction on the previous round's
+  revision. Every node learns it from a watch.
+* ``ctl/closed`` — the job is done; no round is sealed after it.
 
 A round is sealed when enough nodes want it and there is nobody left worth waiting
 for (:func:`seal_due`); its members are chosen by :func:`next_members`. Every
@@ -35,10 +38,12 @@ class Declaration:
     addr: str
     wants: int
     pid: int = 0
+    port: int = 0  # a free port on this node for the workers' store, should it be rank 0
     revision: int = 0  # etcd's mod_revision of the key: the order of declarations
 
     def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid}, key, secret)
+        return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
+                        "port": self.port}, key, secret)
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
@@ -46,7 +51,8 @@ class Declaration:
         data = _verified(json_object(raw), key, secret)
         try:
             declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
-                              wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)), revision=revision)
+                              wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)),
+                              port=_port(data.get("port", 0)), revision=revision)
         except (KeyError, TypeError, ValueError):
             return None
         return declaration
@@ -59,6 +65,7 @@ class Round:
     number: int
     members: tuple[str, ...]
     addrs: tuple[str, ...] = ()
+    master_port: int = 0  # rank 0's free port for the workers' store (0: agree on one in the store)
     revision: int = 0  # etcd's mod_revision: the fencing token for sealing the next one
 
     @property
@@ -69,8 +76,8 @@ class Round:
         return self.members.index(node) if node in self.members else None
 
     def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"round": self.number, "members": list(self.members), "addrs": list(self.addrs)},
-                       key, secret)
+        return _signed({"round": self.number, "members": list(self.members), "addrs": list(self.addrs),
+                        "master_port": self.master_port}, key, secret)
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Round | None:
@@ -81,7 +88,28 @@ class Round:
             addrs = tuple(_text(a) for a in data.get("addrs", ()))
             if len(set(members)) != len(members) or (addrs and len(addrs) != len(members)):
                 return None
-            return cls(number=_whole(data["round"]), members=members, addrs=addrs, revision=revision)
+            return cls(number=_whole(data["round"]), members=members, addrs=addrs,
+                       master_port=_port(data.get("master_port", 0)), revision=revision)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """The node that seals round ``round`` (``ctl/sealer``, bound to that node's lease)."""
+
+    node: str
+    round: int
+
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"node": self.node, "round": self.round}, key, secret)
+
+    @classmethod
+    def from_json(cls, raw: bytes, key: str = "", secret: bytes | None = None) -> Claim | None:
+        """The claim in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(json_object(raw), key, secret)
+        try:
+            return cls(node=validate_name(data["node"], "node id"), round=_whole(data["round"]))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -117,12 +145,19 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     """Whether the next round should be sealed now.
 
     ``quorum_since``: when this node first saw ``min_nodes`` nodes want the next round.
-    Sealed at once when the round is full, or, once a round has run, when every live
-    node wants the next one (nobody is left to wait for: the usual re-forming after a
-    failure or a join); otherwise after ``last_call`` seconds of quorum, so that nodes
-    still starting up make the first round.
+    Never while only newcomers want it and members of the running round are alive:
+    those members re-form with the newcomers as soon as they see them waiting (a round
+    of newcomers alone would supersede a training job). Otherwise sealed at once when
+    the round is full, or, once a round has run, when every live node wants the next
+    one (nobody is left to wait for: the usual re-forming after a failure or a join);
+    otherwise after ``last_call`` seconds of quorum, so that nodes still starting up
+    make the first round.
     """
     candidates = wanting(current, live)
+    if current is not None and not any(d.node in current.members for d in candidates):
+        live_names = {d.node for d in live}
+        if any(member in live_names for member in current.members):
+            return False
     if len(candidates) < settings.min_nodes:
         return False
     if len(candidates) >= settings.max_nodes:
@@ -130,13 +165,6 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     if current is not None and len(candidates) == len(live):
         return True
     return quorum_since is not None and now - quorum_since >= settings.last_call
-
-
-def sealer(current: Round | None, live: list[Declaration]) -> str | None:
-    """The node that seals the next round: the first to want it. The others seal only
-    if it has not within a grace period (it may have died)."""
-    candidates = wanting(current, live)
-    return candidates[0].node if candidates else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +220,12 @@ def _verified(data: dict, key: str, secret: bytes | None) -> dict:
 
 def _whole(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(value)
+    return value
+
+
+def _port(value: object) -> int:
+    if _whole(value) > 65535:
         raise ValueError(value)
     return value
 

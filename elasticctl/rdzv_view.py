@@ -1,35 +1,64 @@
 """A watched local copy of one run's rendezvous keys, and the few writes of the protocol.
 
-The view is read once, then kept current by a watch from the revision it was read
-at: nodes learn of declarations, sealed rounds and lost leases without polling, and
-answer questions such as "is anybody waiting?" with no etcd request. When the watch
-breaks (an etcd member restarts, a leader changes, history was compacted) the view
-re-reads everything and watches again from the new revision.
+Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl.watched`):
 
-Writes per node per round: one declaration (a put bound to the node's lease); per
-round: one compare-and-swap of the sealed round. See :mod:`elasticctl.rdzv_rounds`.
+* ``ctl/`` — the sealed ``round``, ``closed``, and the ``sealer`` claim. Every node
+  follows it: O(1) events per round, so a thousand joiners cost etcd a thousand
+  small notifications, not a million.
+* ``nodes/`` — every node's declaration. Followed only by the node that seals (it
+  must count who wants the round) and by members of a sealed round (a lost lease, a
+  member re-joining, a newcomer waiting are what restarts their workers). Members
+  load it in the background, after their round is sealed.
+
+Nodes answer questions such as "is anybody waiting?" from the view, with no etcd
+request. Writes per node per round: one declaration (a put bound to the node's
+lease), at most one claim to seal; per round: one transaction that seals the round
+and releases the claim. See :mod:`elasticctl.rdzv_rounds`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient
-from elasticctl.rdzv_rounds import Declaration, Round
+from elasticctl.etcd import EtcdClient, KeyValue
+from elasticctl.rdzv_rounds import Claim, Declaration, Round
+from elasticctl.watched import PrefixWatch
 
 log = logging.getLogger(__name__)
 
-_RETRY_DELAY = 0.2
+
+class _Feed(PrefixWatch):
+    """One watched prefix whose full reads and watch responses go to the view."""
+
+    def __init__(self, client: EtcdClient, prefix: str, load, apply) -> None:
+        super().__init__(client, prefix)
+        self._on_load, self._on_apply = load, apply
+
+    def _load(self, kvs: list[KeyValue], revision: int) -> None:
+        self._on_load(kvs, revision)
+
+    def _apply(self, response) -> None:
+        self._on_apply(response)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a joining node waits on, as one comparable value (see :meth:`RoundView.progress`)."""
+
+    closed: bool
+    round: int
+    claim: tuple
+    wanting: int
+    live: int
 
 
 class RoundView:
-    """The rendezvous keys under ``prefix`` (``<key_prefix>/<run>/rdzv/``), kept current by a watch.
+    """The rendezvous keys under ``prefix`` (``<key_prefix>/<run>/rdzv/``), kept current by watches.
 
     Attributes change under the view's lock; read them through :meth:`snapshot` (a copy),
     :meth:`evaluate`, or in an interest of :meth:`wait_until`. Counts of declarations per
@@ -39,40 +68,61 @@ class RoundView:
 
     def __init__(self, client: EtcdClient, prefix: str, secret: bytes | None = None) -> None:
         self._client = client
-        self._secret = secret or None  # with a job secret, records are signed and unsigned ones ignored
         self.prefix = prefix.rstrip("/") + "/"
+        self._secret = secret or None  # with a job secret, records are signed and unsigned ones ignored
         self._nodes_prefix = self.prefix + "nodes/"
-        self._round_key = self.prefix + "round"
-        self._closed_key = self.prefix + "closed"
+        self._ctl_prefix = self.prefix + "ctl/"
+        self._round_key = self._ctl_prefix + "round"
+        self._closed_key = self._ctl_prefix + "closed"
+        self._claim_key = self._ctl_prefix + "sealer"
         self._changed = threading.Condition()
+        self._interests: list[tuple[Callable[[], object], threading.Event]] = []
         self.declarations: dict[str, Declaration] = {}
         self.want_counts: collections.Counter[int] = collections.Counter()
-        self._interests: list[tuple[Callable[[], object], threading.Event]] = []
         self.round: Round | None = None
         self.round_revision = 0  # of the round key as it is in etcd, readable or not: the seal's token
         self.closed = False
-        self.revision = 0
+        self.claim: Claim | None = None  # who seals the next round, if anybody claimed it
+        self.claim_revision = 0  # of the claim key as it is in etcd, readable or not
         self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
-        self._stopped = threading.Event()
-        self._cancel: Callable[[], None] | None = None
-        self._thread: threading.Thread | None = None
+        self._ctl = _Feed(client, self._ctl_prefix, self._load_ctl, self._apply_ctl)
+        self._nodes = _Feed(client, self._nodes_prefix, self._load_nodes, self._apply_nodes)
+        self._nodes_state = "off"  # off -> loading -> on
+        self._nodes_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> RoundView:
-        self._reload()
-        self._thread = threading.Thread(target=self._watch_forever, name="elasticctl-rdzv-watch", daemon=True)
-        self._thread.start()
+        self._ctl.start()
         return self
 
+    def follow_nodes(self, background: bool = False) -> None:
+        """Start following the declarations (idempotent); ``background``: return at once."""
+        with self._nodes_lock:
+            if self._nodes_state != "off":
+                return
+            self._nodes_state = "loading"
+        if background:
+            threading.Thread(target=self._start_nodes, name="elasticctl-rdzv-nodes", daemon=True).start()
+        else:
+            self._start_nodes()
+
+    def _start_nodes(self) -> None:
+        try:
+            self._nodes.start()
+        except Exception:
+            with self._nodes_lock:
+                self._nodes_state = "off"  # the next follow_nodes() tries again
+            raise
+
+    @property
+    def nodes_followed(self) -> bool:
+        """Whether :attr:`declarations` is a current copy (else it is empty or partial)."""
+        return self._nodes_state == "on"
+
     def stop(self) -> None:
-        self._stopped.set()
-        cancel = self._cancel
-        if cancel is not None:
-            with contextlib.suppress(Exception):
-                cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._ctl.stop()
+        self._nodes.stop()
 
     # -- reading ---------------------------------------------------------------------
 
@@ -106,6 +156,12 @@ class RoundView:
         with self._changed:
             return self.round, dict(self.declarations), self.closed
 
+    def progress(self, target: int) -> Progress:
+        """What a node joining round ``target`` waits on; O(1). Call under the lock (in an interest)."""
+        claim = (self.claim.node, self.claim.round, self.claim_revision) if self.claim else (None, 0, self.claim_revision)
+        return Progress(self.closed, self.round.number if self.round else 0, claim,
+                        self.want_counts[target], len(self.declarations))
+
     def _notify(self) -> None:
         """Wake the threads waiting on the view; called with the lock held."""
         self._changed.notify_all()
@@ -117,28 +173,35 @@ class RoundView:
         with self._changed:
             return self.round_revision
 
-    # -- the watch -------------------------------------------------------------------
+    # -- the ctl/ feed ---------------------------------------------------------------
 
-    def _reload(self) -> None:
-        kvs, revision = self._client.get_prefix_at(self.prefix)
-        declarations: dict[str, Declaration] = {}
-        sealed, round_revision, closed = self.round, 0, False
-        for kv in kvs:
-            kind, value = self._decode(kv.key, kv.value, kv.mod_revision)
-            if kind == "node" and value is not None:
-                declarations[value.node] = value
-            elif kind == "round":
-                sealed, round_revision = self._newer_round(value, kv.mod_revision), kv.mod_revision
-            elif kind == "closed":
-                closed = True
+    def _load_ctl(self, kvs: list[KeyValue], revision: int) -> None:
         with self._changed:
-            now = time.monotonic()
-            for node in self.declarations.keys() - declarations.keys():
-                self.gone_at[node] = now
-            self.declarations, self.round, self.closed, self.revision = declarations, sealed, closed, revision
-            self.want_counts = collections.Counter(d.wants for d in declarations.values())
-            self.round_revision = round_revision
+            self.round_revision, self.claim, self.claim_revision, self.closed = 0, None, 0, False
+            for kv in kvs:
+                self._ctl_key(kv.key, kv.value, kv.mod_revision, kv.lease, deleted=False)
             self._notify()
+
+    def _apply_ctl(self, response) -> None:
+        with self._changed:
+            for event in response.events:
+                deleted = type(event).__name__ == "DeleteEvent"
+                self._ctl_key(event.key, b"" if deleted else event.value, event.mod_revision,
+                              0 if deleted else event.lease, deleted)
+            self._notify()
+
+    def _ctl_key(self, key: bytes, value: bytes, revision: int, lease: int, deleted: bool) -> None:
+        name = key.decode(errors="replace")
+        if name == self._round_key:
+            if not deleted:
+                self.round = self._newer_round(Round.from_json(value, revision, name, self._secret), revision)
+            self.round_revision = 0 if deleted else revision
+        elif name == self._closed_key:
+            self.closed = not deleted
+        elif name == self._claim_key:
+            # A claim must be bound to a lease: one that could never expire would block sealing.
+            claim = None if deleted or not lease else Claim.from_json(value, name, self._secret)
+            self.claim, self.claim_revision = claim, 0 if deleted else revision
 
     def _newer_round(self, candidate: Round | None, revision: int) -> Round | None:
         """The round to believe: ``candidate`` unless it is unreadable or older than one seen.
@@ -149,69 +212,52 @@ class RoundView:
         if candidate is not None and (self.round is None or candidate.number >= self.round.number):
             return candidate
         if self.round is None or self.round.revision != revision:
-            log.warning("Ignoring the round record at %sround (revision %d): %s", self.prefix, revision,
+            log.warning("Ignoring the round record at %s (revision %d): %s", self._round_key, revision,
                         "unreadable" if candidate is None else
                         f"round {candidate.number} is older than round {self.round.number}")
         return self.round
 
-    def _decode(self, key: bytes, value: bytes, revision: int):
-        name = key.decode(errors="replace")
-        if name.startswith(self._nodes_prefix):
-            declaration = Declaration.from_json(value, revision, name, self._secret)
-            # A record under another node's name is not that node's declaration.
-            valid = declaration is not None and declaration.node == name[len(self._nodes_prefix):]
-            return "node", declaration if valid else None
-        if name == self._round_key:
-            return "round", Round.from_json(value, revision, name, self._secret)
-        if name == self._closed_key:
-            return "closed", True
-        return "other", None
+    # -- the nodes/ feed -------------------------------------------------------------
 
-    def _apply(self, response) -> None:
+    def _declaration(self, key: bytes, value: bytes, revision: int) -> tuple[str, Declaration | None]:
+        name = key.decode(errors="replace")
+        node = name[len(self._nodes_prefix):]
+        declaration = Declaration.from_json(value, revision, name, self._secret)
+        # A record under another node's name is not that node's declaration.
+        return node, declaration if declaration is not None and declaration.node == node else None
+
+    def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
+        declarations: dict[str, Declaration] = {}
+        for kv in kvs:
+            node, declaration = self._declaration(kv.key, kv.value, kv.mod_revision)
+            if declaration is not None:
+                declarations[node] = declaration
+        with self._changed:
+            now = time.monotonic()
+            for node in self.declarations.keys() - declarations.keys():
+                self.gone_at[node] = now
+            self.declarations = declarations
+            self.want_counts = collections.Counter(d.wants for d in declarations.values())
+            self._nodes_state = "on"
+            self._notify()
+
+    def _apply_nodes(self, response) -> None:
         with self._changed:
             now = time.monotonic()
             for event in response.events:
                 deleted = type(event).__name__ == "DeleteEvent"
-                kind, value = self._decode(event.key, b"" if deleted else event.value, event.mod_revision)
-                if kind == "node":
-                    node = event.key.decode(errors="replace")[len(self._nodes_prefix):]
-                    previous = self.declarations.pop(node, None)
+                node, value = self._declaration(event.key, b"" if deleted else event.value, event.mod_revision)
+                previous = self.declarations.pop(node, None)
+                if previous is not None:
+                    self.want_counts[previous.wants] -= 1
+                if deleted or value is None:
                     if previous is not None:
-                        self.want_counts[previous.wants] -= 1
-                    if deleted or value is None:
-                        if previous is not None:
-                            self.gone_at[node] = now
-                    else:
-                        self.declarations[node] = value
-                        self.want_counts[value.wants] += 1
-                        self.gone_at.pop(node, None)
-                elif kind == "round":
-                    if not deleted:
-                        self.round = self._newer_round(value, event.mod_revision)
-                    self.round_revision = 0 if deleted else event.mod_revision
-                elif kind == "closed":
-                    self.closed = not deleted
-            self.revision = max(self.revision, response.header.revision)
+                        self.gone_at[node] = now
+                else:
+                    self.declarations[node] = value
+                    self.want_counts[value.wants] += 1
+                    self.gone_at.pop(node, None)
             self._notify()
-
-    def _watch_forever(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                responses, self._cancel = self._client.watch_prefix(self.prefix, self.revision + 1)
-                for response in responses:
-                    if self._stopped.is_set():
-                        return
-                    self._apply(response)
-            except Exception as exc:  # noqa: BLE001 - any broken stream: re-read, then watch again
-                if self._stopped.is_set():
-                    return
-                log.info("rendezvous watch on %s broke (%s); re-reading", self.prefix, exc)
-            if self._stopped.wait(_RETRY_DELAY):
-                return
-            try:
-                self._reload()
-            except ElasticctlError as exc:
-                log.warning("cannot re-read the rendezvous at %s: %s", self.prefix, exc)
 
     # -- the protocol's writes -------------------------------------------------------
 
@@ -223,13 +269,22 @@ class RoundView:
     def withdraw(self, node: str) -> None:
         self._client.delete(self._nodes_prefix + node)
 
+    def claim_sealing(self, claim: Claim, expected_revision: int, lease: int) -> bool:
+        """Claim the sealing of ``claim.round`` for ``claim.node`` if the claim key is still at
+        ``expected_revision`` (0: absent); bound to the node's lease, so it ends with the node."""
+        ok, _, _ = self._client.compare_and_swap(
+            self._claim_key, claim.to_json(self._claim_key, self._secret), expected_revision, lease)
+        return ok
+
     def seal(self, sealed: Round, expected_revision: int, lease: int | None = None) -> bool:
-        """Seal ``sealed`` if the round key is still at ``expected_revision`` (one compare-and-swap).
+        """Seal ``sealed`` if the round key is still at ``expected_revision``, and release the
+        claim, in one transaction.
 
         ``lease``: the run's lease, so that an abandoned run's round expires with it.
         """
         ok, _, _ = self._client.compare_and_swap(
-            self._round_key, sealed.to_json(self._round_key, self._secret), expected_revision, lease)
+            self._round_key, sealed.to_json(self._round_key, self._secret), expected_revision, lease,
+            also_delete=self._claim_key)
         return ok
 
     def close(self, lease: int | None = None) -> None:

@@ -246,14 +246,15 @@ class Registry:
     def request_down(self) -> None:
         self.client.put(f"{self.prefix}/control/{JOB_CONTROL}", "down")
 
+    @property
+    def control_prefix(self) -> str:
+        return f"{self.prefix}/control/"
+
     def requested(self, node: str) -> str | None:
         """'down' for the whole job, 'leave' for this node, else None."""
-        start = f"{self.prefix}/control/"
-        controls = {kv.key.decode(errors="replace")[len(start):]: kv.value.decode(errors="replace")
-                    for kv in self.client.get_prefix(start)}
-        if controls.get(JOB_CONTROL) == "down":
-            return "down"
-        return "leave" if controls.get(node) == "leave" else None
+        start = self.control_prefix
+        return request_for({kv.key.decode(errors="replace")[len(start):]: kv.value
+                            for kv in self.client.get_prefix(start)}, node)
 
     def clear_request(self, node: str) -> None:
         self.client.delete(f"{self.prefix}/control/{node}")
@@ -307,6 +308,13 @@ class Registry:
         if kv is None or JobSpec.from_dict(json_object(kv.value)) != spec:
             return False
         return bool(self.client.delete(key))
+
+
+def request_for(controls: dict[str, bytes], node: str) -> str | None:
+    """What the keys under ``control/`` (by name) ask of ``node``: 'down', 'leave' or None."""
+    if controls.get(JOB_CONTROL) == b"down":
+        return "down"
+    return "leave" if controls.get(node) == b"leave" else None
 
 
 def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:

@@ -56,7 +56,8 @@ def test_pickles_planted_in_a_running_job_never_run(default_etcd, run_id, nodes,
     prefix = f"{DEFAULT_KEY_PREFIX}/{run_id}"
     bomb = pickle.dumps(_WritesAFile(marker))
     with EtcdClient(default_etcd.client_settings()) as client:
-        for key in ("rdzv/round", "rdzv/nodes/x", "members/x", "progress", "rdzv/closed-not", "store/1/x"):
+        for key in ("rdzv/ctl/round", "rdzv/ctl/sealer", "rdzv/nodes/x", "members/x", "progress",
+                    "rdzv/ctl/closed-not", "store/1/x"):
             client.put(f"{prefix}/{key}", bomb)
         planted_at = time.time()
     _both_train_at_world_2(record, planted_at)
@@ -68,7 +69,7 @@ def test_pickles_planted_in_a_running_job_never_run(default_etcd, run_id, nodes,
 
 def test_a_replayed_old_round_splits_nothing(default_etcd, run_id, nodes, tmp_path):
     record = tmp_path / "record.jsonl"
-    key = f"{DEFAULT_KEY_PREFIX}/{run_id}/rdzv/round"
+    key = f"{DEFAULT_KEY_PREFIX}/{run_id}/rdzv/ctl/round"
     args = [*TRAIN, "--record", str(record)]
     a = nodes("a", torchrun_command(default_etcd.endpoint, run_id, "1:2", args))
     with EtcdClient(default_etcd.client_settings()) as client:

@@ -186,7 +186,7 @@ def test_a_planted_or_replayed_round_is_ignored_then_overwritten(run, tmp_path, 
     r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
     a, b = r.member("a"), r.member("b")
     r.join_all([a, b])
-    round_key = r.prefix + "round"
+    round_key = r.prefix + "ctl/round"
     old = a._client.get(round_key).value
     again = r.join_all([a, b])  # round 2
     assert again["a"].number == 2
@@ -218,7 +218,7 @@ def test_with_a_secret_unsigned_or_foreign_records_are_ignored(default_etcd, run
     try:
         # Someone without the secret declares a node and plants a round.
         client.put(prefix + "nodes/intruder", '{"node": "intruder", "addr": "x", "wants": 1}')
-        client.put(prefix + "round", '{"round": 7, "members": ["intruder"], "addrs": ["x"]}')
+        client.put(prefix + "ctl/round", '{"round": 7, "members": ["intruder"], "addrs": ["x"]}')
         member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
         sealed = member.join()
         assert sealed.members == ("a",) and sealed.number == 1
@@ -230,3 +230,46 @@ def test_with_a_secret_unsigned_or_foreign_records_are_ignored(default_etcd, run
     finally:
         view.stop()
         client.close()
+
+
+def test_a_claim_that_cannot_expire_or_is_unsigned_blocks_nothing(default_etcd, run_id):
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=0.5)
+    client = EtcdClient(default_etcd.client_settings())
+    prefix = f"/elasticctl/jobs/{run_id}/rdzv/"
+    # No lease: it would hold the sealing forever. Signed by nobody: foreign with a secret.
+    client.put(prefix + "ctl/sealer", '{"node": "ghost", "round": 1}')
+    view = RoundView(client, prefix, secret=b"s3cret").start()
+    try:
+        member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
+        assert member.join().members == ("a",)
+    finally:
+        view.stop()
+        client.close()
+
+
+def test_a_claim_holder_that_dies_is_replaced_when_its_lease_ends(run):
+    r = run(Settings(min_nodes=1, max_nodes=3, last_call=0.5), join_timeout=30)
+    b = r.member("b")
+    # "a" claimed round 1 and died before sealing it: its lease is no longer kept alive.
+    lease = b._client.grant_lease(2)
+    b._client.put(r.prefix + "ctl/sealer", '{"node": "a", "round": 1}', lease=lease)
+    assert b.view.wait_for(lambda: b.view.claim is not None, 5)
+    sealed = b.join()
+    assert sealed.members == ("b",) and sealed.number == 1
+
+
+def test_only_the_claim_holder_follows_declarations_while_a_round_forms(run):
+    r = run(Settings(min_nodes=4, max_nodes=4, last_call=30))
+    members = [r.member(n) for n in "abcd"]
+    followed_before_seal = set()
+    for m in members:
+        original = m.view.follow_nodes
+
+        def spy(background=False, m=m, original=original):
+            if m.view.round is None:
+                followed_before_seal.add(m.node)
+            original(background)
+        m.view.follow_nodes = spy
+    results = r.join_all(members)
+    assert {res.number for res in results.values()} == {1}
+    assert len(followed_before_seal) == 1, followed_before_seal

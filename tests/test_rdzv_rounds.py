@@ -13,7 +13,6 @@ from elasticctl.rdzv_rounds import (
     change_for,
     next_members,
     seal_due,
-    sealer,
     wanting,
 )
 
@@ -41,6 +40,15 @@ S = Settings(min_nodes=2, max_nodes=4, last_call=1.0)
     (R1, [d("a", 2, 11), d("b", 2, 12), d("c", 1, 5)], 0.0, 1.0, True),
     # full at max_nodes: at once
     (R1, [d("a", 2, 11), d("b", 2, 12), d("c", 2, 13), d("x", 2, 14), d("y", 1, 3)], None, 0.0, True),
+    # only newcomers want round 2 while members of round 1 train: wait for the members,
+    # who re-form as soon as they see them (never supersede a training job)
+    (R1, [d("x", 2, 11), d("a", 1, 1), d("b", 1, 2), d("c", 1, 3)], 0.0, 99.0, False),
+    (R1, [d("x", 2, 11), d("y", 2, 12), d("z", 2, 13), d("w", 2, 14), d("a", 1, 1)], 0.0, 99.0, False),
+    # ... but once one member wants it too, the usual rules
+    (R1, [d("x", 2, 11), d("a", 2, 12), d("b", 1, 2), d("c", 1, 3)], 0.0, 0.5, False),
+    (R1, [d("x", 2, 11), d("a", 2, 12), d("b", 1, 2), d("c", 1, 3)], 0.0, 1.0, True),
+    # ... and with no member of round 1 alive, newcomers form round 2 after last call
+    (R1, [d("x", 2, 11), d("y", 2, 12)], 0.0, 1.0, True),
     # declarations for an older round do not count
     (R1, [d("a", 1, 1), d("b", 1, 2)], 0.0, 99.0, False),
 ])
@@ -55,11 +63,6 @@ def test_seal_due(current, live, quorum_since, now, due):
 ])
 def test_next_members_keep_ranks_then_arrival(current, candidates, max_nodes, members):
     assert next_members(current, candidates, max_nodes) == members
-
-
-def test_the_first_to_want_the_round_seals_it():
-    assert sealer(R1, [d("c", 2, 15), d("b", 2, 12), d("a", 1, 3)]) == "b"
-    assert sealer(R1, [d("a", 1, 3)]) is None
 
 
 @pytest.mark.parametrize(("live", "max_nodes", "expected"), [
