@@ -350,14 +350,19 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
             click.echo(f"published job {job} ({spec.nnodes} nodes, script {spec.script})", err=True)
         else:
             click.echo(f"job {job} already runs with this spec: joining it", err=True)
+        marker = None
         try:
+            marker = _quick_doctor(client, registry, spec, local_addr)
             _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None)
         except SystemExit:
             raise  # the node ran: its outcome, and the spec stays like that of any run
         except BaseException:
-            # Failed before the node could run (registration, lease, a bad setting, Ctrl-C):
-            # take back the spec this `up` published, unless a node or a round uses it.
+            # Failed before the node could run (a doctor check, registration, lease, a bad
+            # setting, Ctrl-C): take back the spec this `up` published, unless a node or a
+            # round uses it.
             if published:
+                if marker is not None:
+                    _ignore_etcd_errors(lambda: registry.release_checkpoint_marker(marker))
                 _withdraw_spec(registry, spec)
             raise
     finally:
@@ -418,7 +423,35 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
         launcher.check_script(spec)
         click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
         return
+    _quick_doctor(client, registry, spec, local_addr)
     _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False)
+
+
+def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str) -> str | None:
+    """The doctor's quick checks before this node registers: warnings are printed, a failure
+    refuses the node. Returns the checkpoint marker this node claimed as the job's first, if any."""
+    from elasticctl import doctor
+
+    report = doctor.run_checks(settings=client.settings, client=client, etcd_error=None, registry=registry,
+                               checkpoint_dir=spec.checkpoint_dir, local_addr=local_addr, quick=True)
+    for check in report.checks:
+        if check.status is doctor.Status.WARN:
+            click.echo(f"elasticctl: warning: doctor {check.name}: {check.detail}; fix: {check.fix}", err=True)
+    for check in report.failed[1:]:
+        click.echo(f"elasticctl: doctor FAIL {check.name}: {check.detail}; fix: {check.fix}", err=True)
+    reason = doctor.refusal(report, spec.name)
+    if reason is not None:
+        if report.claimed_marker is not None:
+            _ignore_etcd_errors(lambda: registry.release_checkpoint_marker(report.claimed_marker))
+        raise ConfigError(reason)
+    return report.claimed_marker
+
+
+def _ignore_etcd_errors(action) -> None:
+    try:
+        action()
+    except ElasticctlError as exc:
+        log.warning("%s", exc)
 
 
 def _withdraw_spec(registry: Registry, spec: JobSpec) -> None:

@@ -427,17 +427,17 @@ def _interfaces_named(value: str, names: Sequence[str], exact: bool) -> tuple[st
     return tuple(n for n in names if any(n == p if exact else n.startswith(p) for p in wanted))
 
 
-def gather_interface(local_addr: str, nodes: Mapping[str, dict], environ: Mapping[str, str] = os.environ,
-                     hostname: str | None = None) -> InterfaceFacts:
+def gather_interface(local_addr: str, nodes: Mapping[str, dict],
+                     environ: Mapping[str, str] = os.environ) -> InterfaceFacts:
     addrs = psutil.net_if_addrs()
     names = tuple(sorted(addrs))
-    hostname = hostname or socket.gethostname()
     mine = {a.address.split("%")[0] for entries in addrs.values() for a in entries}
+    # The addresses are the evidence (the host name only labels them): a node on another host
+    # published an address that is neither loopback nor this host's. No address: unknown.
     remote = tuple(
-        RemoteNode(node, str(r.get("host", "?")), str(r.get("addr", "?")))
+        RemoteNode(node, str(r.get("host", "?")), r["addr"])
         for node, r in sorted(nodes.items())
-        if r.get("host", hostname) != hostname
-        or (r.get("addr") and not launcher.is_loopback(r["addr"]) and r["addr"] not in mine)
+        if r.get("addr") and not launcher.is_loopback(r["addr"]) and r["addr"] not in mine
     )
     nccl = environ.get("NCCL_SOCKET_IFNAME")
     nccl_matches = _interfaces_named(nccl, names, exact=False) if nccl is not None else ()
@@ -630,7 +630,7 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     checks.append(decide_interface(gather_interface(local_addr, nodes)))
     described = settings.describe() if settings else "(none)"
     if client is not None and settings is not None:
-        probe = f"{registry.prefix}/spec" if registry else f"{key_prefix.rstrip('/')}/doctor-probe"
+        probe = registry.keys.spec if registry else f"{key_prefix.rstrip('/')}/doctor-probe"
         checks.append(decide_etcd(described, gather_etcd_latency(client, probe, 3 if quick else 7), None))
         checks.append(gather_clock(settings, 1 if quick else 6))
     else:

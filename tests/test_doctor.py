@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -383,7 +384,8 @@ def test_clock_offset_against_a_real_etcd(default_etcd, monkeypatch, skew, statu
     assert result.exit_code == (1 if status == "fail" else 0)
     if skew:
         direction = "ahead of" if skew > 0 else "behind"
-        assert f"{abs(skew):.0f}." in clock["detail"] and f"{direction} etcd's" in clock["detail"], clock
+        seconds, error = (float(v) for v in re.findall(r"([0-9.]+) s", clock["detail"])[:2])
+        assert abs(seconds - abs(skew)) <= error + 0.05 and f"{direction} etcd's" in clock["detail"], clock
 
 
 def test_checkpoint_marker_tells_a_different_directory_apart(default_etcd, job, tmp_path):
@@ -433,3 +435,64 @@ def test_bad_input_is_one_sentence(args, needle):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("elasticctl: error: ") and needle in lines[0], result.stderr
+
+
+# -- up and join refuse a host that fails a check -----------------------------------------------------
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*ELASTICCTL, *args], capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, **(env or {})})
+
+
+def one_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("elasticctl: error: ")]
+    assert len(errors) == 1 and result.stderr.strip().splitlines()[-1] == errors[0], result.stderr
+    assert all(needle in errors[0] for needle in needles), result.stderr
+    return errors[0]
+
+
+def job_keys(client: EtcdClient, job: str) -> list[str]:
+    return [kv.key.decode() for kv in client.get_prefix(f"{DEFAULT_KEY_PREFIX}/{job}/")]
+
+
+def test_up_refuses_an_unwritable_checkpoint_dir_and_publishes_nothing(default_etcd, client, run_id, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_cli("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                     "--checkpoint-dir", str(blocker / "ckpt"), MLP, "--steps", "1")
+    one_error(result, f"This host cannot join job '{run_id}'", f"'{blocker / 'ckpt'}' is not writable")
+    assert job_keys(client, run_id) == []
+
+
+def test_up_that_fails_after_claiming_the_marker_takes_it_back(default_etcd, client, run_id, tmp_path):
+    # The checks pass (the marker is claimed), then the node is refused: one GPU, two processes.
+    result = run_cli("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                     "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), MLP,
+                     env={"CUDA_VISIBLE_DEVICES": "0"})
+    one_error(result, "processes per node (2) exceed the 1 GPUs")
+    assert job_keys(client, run_id) == []
+
+
+def test_join_refuses_a_loopback_node_in_a_multi_host_job(default_etcd, job, lease):
+    add_node(job, lease, "far", host="other-host", addr="10.9.9.9")
+    result = run_cli("join", "--etcd", default_etcd.endpoint, "--job", job.job, "--local-addr", "127.0.0.1")
+    one_error(result, f"This host cannot join job '{job.job}'", "loopback interface lo",
+              "far on other-host (10.9.9.9)", "--local-addr")
+    assert sorted(job.live_nodes()) == ["far"]  # refused before registering
+
+
+def test_join_refuses_a_different_checkpoint_directory(default_etcd, client, run_id, tmp_path, lease):
+    registry = Registry(client, run_id)
+    shared = tmp_path / "shared"
+    registry.publish_spec(JobSpec(name=run_id, script=MLP, checkpoint_dir=str(shared)))
+    try:
+        add_node(registry, lease, "first")
+        registry.claim_checkpoint_marker("token-of-the-first-node")
+        shared.mkdir()
+        (shared / f".elasticctl-{run_id}.marker").write_text("token-on-another-host\n")
+        result = run_cli("join", "--etcd", default_etcd.endpoint, "--job", run_id, "--local-addr", "127.0.0.1")
+        one_error(result, f"'{shared}' holds a different marker for job {run_id}")
+        assert sorted(registry.live_nodes()) == ["first"]
+    finally:
+        registry.delete_job()
