@@ -553,11 +553,12 @@ def gather_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerO
     return MarkerOutcome(decide_checkpoint_marker(checkpoint_dir, registry.job, in_etcd, in_file, False), None)
 
 
-def gather_etcd_latency(client: EtcdClient, probe_key: str, reads: int) -> list[float]:
+def gather_etcd_latency(read: Callable[[], object], reads: int) -> list[float]:
+    """Milliseconds each of ``reads`` calls of ``read`` (one etcd read) took."""
     latencies = []
     for _ in range(reads):
         start = time.perf_counter()
-        client.get(probe_key)
+        read()
         latencies.append((time.perf_counter() - start) * 1000)
     return latencies
 
@@ -630,8 +631,9 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     checks.append(decide_interface(gather_interface(local_addr, nodes)))
     described = settings.describe() if settings else "(none)"
     if client is not None and settings is not None:
-        probe = registry.keys.spec if registry else f"{key_prefix.rstrip('/')}/doctor-probe"
-        checks.append(decide_etcd(described, gather_etcd_latency(client, probe, 3 if quick else 7), None))
+        probe_key = f"{key_prefix.rstrip('/')}/doctor-probe"  # absent: a read of nothing
+        read = registry.read_spec if registry else (lambda: client.get(probe_key))
+        checks.append(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
         checks.append(gather_clock(settings, 1 if quick else 6))
     else:
         checks.append(decide_etcd(described, [], etcd_error))
