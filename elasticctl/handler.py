@@ -28,7 +28,6 @@ compare-and-swap, everyone learns it by watch. On top of the protocol:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -49,8 +48,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from elasticctl import envvars
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
+from elasticctl.job.records import MemberState, Round, record_json
 from elasticctl.rdzv_member import RoundMember
-from elasticctl.rdzv_rounds import Round, Settings
+from elasticctl.rdzv_rounds import Settings
 from elasticctl.rdzv_verdicts import Evidence, Verdict, failure_verdict, quarantine_due
 from elasticctl.rdzv_view import RoundView
 from elasticctl.registry import Registry, now, request_for
@@ -82,7 +82,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._quarantine_window = quarantine_window
         self._quarantine_seconds = quarantine_seconds
         self._store_factory = store_factory
-        self._view = RoundView(client, f"{registry.prefix}/rdzv/", secret).start()
+        self._keys = registry.keys
+        self._view = RoundView(client, self._keys, secret).start()
         self._member = RoundMember(client, self._view, node_id, local_addr, settings, node_ttl, join_timeout,
                                    run_lease, os.getpid())
         self._lock = threading.Lock()
@@ -102,7 +103,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         os.environ[RESTARTS_ENV] = "0"
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
         self._requested = threading.Event()
-        self._requests = WatchedKeys(client, registry.control_prefix, self._on_requests).start()
+        self._requests = WatchedKeys(client, registry.keys.control, self._on_requests).start()
 
     # -- torch's contract ----------------------------------------------------------------
 
@@ -155,7 +156,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._quarantine = False
         if stop_reason:
             self._left = True  # so that torchrun's shutdown does not close the job for the others
-            self._leave("failed")
+            self._leave(MemberState.FAILED)
             raise RendezvousError(stop_reason)
         if quarantine:
             self._sit_out_quarantine()
@@ -168,14 +169,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         else:  # a round sealed without them (an older elasticctl): agree in the store, as torch does
             bootstrap = RendezvousStoreInfo.build(rank, store, self._local_addr)
         self._round = sealed
-        self._write_member(state="training", round=sealed.number, rank=rank, world_size=sealed.world_size)
+        self._write_member(state=MemberState.TRAINING, round=sealed.number, rank=rank, world_size=sealed.world_size)
         # The agent starts the workers right after this, with this process's environment.
         self._marks = os.path.join(self._marks_root, f"round-{sealed.number}")
         os.makedirs(self._marks, exist_ok=True)
         os.environ[envvars.WORKER_MARKS] = self._marks
         log.info("[%s] round %d: rank %d of %d", self._node_id, sealed.number, rank, sealed.world_size)
         if rank == 0 and sealed.number > 2:
-            self._ignore_errors(lambda: self._client.delete_prefix(f"{self._registry.prefix}/store/{sealed.number - 2}/"))
+            self._ignore_errors(lambda: self._client.delete_prefix(self._keys.store(sealed.number - 2)))
         return RendezvousInfo(store, rank, sealed.world_size, bootstrap)
 
     def num_nodes_waiting(self) -> int:
@@ -210,11 +211,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         crashed = self._crashed or (sys.exc_info()[0] is not None and not self._finished)
         try:
             if crashed:
-                self._write_member(state="failed", reason="agent crashed", lease=self._run_lease.id())
+                self._write_member(state=MemberState.FAILED, reason="agent crashed", lease=self._run_lease.id())
             else:
-                self._write_member(state="done", lease=self._run_lease.id())
-                self._client.put(f"{self._registry.prefix}/finished",
-                                 json.dumps({"node": self._node_id, "time": now()}), lease=self._run_lease.id())
+                self._write_member(state=MemberState.DONE, lease=self._run_lease.id())
+                self._client.put(self._keys.finished,
+                                 record_json({"node": self._node_id, "time": now()}), lease=self._run_lease.id())
                 self.set_closed()
         except ElasticctlError as exc:
             log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
@@ -247,17 +248,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
         reason = (f"local worker(s) {', '.join(failed)} failed after local worker(s) "
                   f"{', '.join(sorted(done))} had finished; the group is not started again")
         self._left = True  # the others are not told the job is over: on this node it is not
-        self._leave("failed", reason=reason)
+        self._leave(MemberState.FAILED, reason=reason)
         raise RendezvousError(f"The node '{self._node_id}' stops: {reason}.")
 
     def _workers_failed(self, failed: Round) -> None:
         """Record the failure and re-join at once; the verdict follows from the evidence."""
         failed_at = time.monotonic()
         at_failure = self._member.change()  # what the view showed as the workers failed
-        prefix = f"{self._registry.prefix}/failures/{failed.number}/"
+        prefix = self._keys.failures(failed.number)
         try:
             self._member.bound_to_lease(lambda lease: self._client.put(
-                prefix + self._node_id, json.dumps({"time": now()}), lease=lease))
+                self._keys.failure(failed.number, self._node_id), record_json({"time": now()}), lease=lease))
             cut_off = False
         except ElasticctlError:
             cut_off = True
@@ -316,7 +317,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         until = time.time() + self._quarantine_seconds
         log.warning("[%s] failed %d times within %.0f s: quarantined for %.0f s", self._node_id,
                     self._quarantine_after, self._quarantine_window, self._quarantine_seconds)
-        self._leave("quarantined", until=round(until, 3))
+        self._leave(MemberState.QUARANTINED, until=round(until, 3))
         time.sleep(self._quarantine_seconds)  # the cooldown itself, not a synchronisation
 
     # -- membership ----------------------------------------------------------------------
@@ -324,13 +325,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _write_member(self, lease: int | None = None, **fields) -> None:
         self._record = {**self._record, **fields, "node": self._node_id, "addr": self._local_addr,
                         "pid": os.getpid(), "restarts": self._spent, "since": now()}
-        key, value = f"{self._registry.prefix}/members/{self._node_id}", json.dumps(self._record)
+        key, value = self._keys.member(self._node_id), record_json(self._record)
         if lease is not None:
             self._client.put(key, value, lease=lease)
         else:
             self._member.bound_to_lease(lambda member_lease: self._client.put(key, value, lease=member_lease))
 
-    def _leave(self, state: str, **fields) -> None:
+    def _leave(self, state: MemberState, **fields) -> None:
         """Leave the round now: the others see it at once, not after node_ttl."""
         self._ignore_errors(lambda: self._write_member(state=state, lease=self._run_lease.id(), **fields))
         self._ignore_errors(self._member.leave)
@@ -338,7 +339,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _departed(self, nodes) -> frozenset[str]:
         """Those of ``nodes`` that left gracefully (their member record says so)."""
         members = self._ignore_errors(self._registry.members) or {}
-        return frozenset(n for n in nodes if members.get(n, {}).get("state") == "left")
+        return frozenset(n for n in nodes if members.get(n, {}).get("state") == MemberState.LEFT)
 
     def _kill_workers(self) -> None:
         """SIGKILL this agent's workers: they wait in a collective on a peer that is gone, so
@@ -362,7 +363,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._left = True
         if request == "down":
             self._ignore_errors(self.set_closed)
-        self._leave("left")
+        self._leave(MemberState.LEFT)
         # The agent turns SIGTERM into a clean stop of its workers (SIGTERM first, so
         # trainers checkpoint) and exits without closing the rendezvous.
         os.kill(os.getpid(), signal.SIGTERM)

@@ -22,6 +22,7 @@ from elasticctl import envvars, launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, EtcdSettings
+from elasticctl.job.records import MemberState
 from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
 from elasticctl.spec import JobSpec
 from elasticctl.watched import WatchedKeys
@@ -198,7 +199,7 @@ class NodeSession:
                 self._note_request(request)
 
         try:
-            return WatchedKeys(self.client, self.registry.control_prefix, on_change).start()
+            return WatchedKeys(self.client, self.registry.keys.control, on_change).start()
         except ElasticctlError as exc:
             log.warning("cannot follow requests for node %s: %s", self.node_id, exc)
             return None
@@ -232,12 +233,12 @@ class NodeSession:
         if code == 0:
             return Outcome(0, f"node {self.node_id}: training finished")
         member = self._ignore_errors(lambda: self.registry.members().get(self.node_id)) or {}
-        if member.get("state") == "failed" and member.get("reason") == "agent crashed":
+        if member.get("state") == MemberState.FAILED and member.get("reason") == "agent crashed":
             return Outcome(code, f"node {self.node_id}: its torchrun agent crashed (exit code {code}); "
                                  "its log above says why")
-        if member.get("state") == "failed" and member.get("reason"):
+        if member.get("state") == MemberState.FAILED and member.get("reason"):
             return Outcome(code, f"node {self.node_id} stopped: {member['reason']}")
-        if member.get("state") == "failed":
+        if member.get("state") == MemberState.FAILED:
             return Outcome(code, f"node {self.node_id} stopped: its workers failed {member.get('restarts')} times, "
                                  f"more than --max-restarts {self.spec.max_restarts}")
         return Outcome(code, f"node {self.node_id}: torchrun exited with code {code}")

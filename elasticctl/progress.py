@@ -17,14 +17,10 @@ import threading
 import time
 
 from elasticctl import envvars
+from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JobKeys
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
-
-
-def progress_key(job: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    return f"{prefix.rstrip('/')}/{job}/progress"
 
 
 class ProgressPublisher:
@@ -57,7 +53,7 @@ class ProgressPublisher:
             # Give up on one update quickly: a newer one will follow.
             retry_timeout=max(interval * 3, 2.0),
         )
-        key = progress_key(job, env(envvars.KEY_PREFIX) or DEFAULT_KEY_PREFIX)
+        key = JobKeys(job, env(envvars.KEY_PREFIX) or DEFAULT_KEY_PREFIX).progress
         return cls(EtcdClient(settings), key, rank=rank, interval=interval)
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,

@@ -18,11 +18,9 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticctl.errors import ElasticctlError, EtcdRequestError
 from elasticctl.etcd import EtcdClient
+from elasticctl.job.records import Claim, Declaration, Round
 from elasticctl.rdzv_rounds import (
     Change,
-    Claim,
-    Declaration,
-    Round,
     Settings,
     change_for,
     next_members,

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 
 from elasticctl import envvars
 from elasticctl.errors import ConfigError
+from elasticctl.job.keys import DEFAULT_KEY_PREFIX
 
-DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
 DEFAULT_NODE_TTL = 5
 # Longer than this, a lost node would hold a job for an hour; etcd's own bound is 9e9 s.
 MAX_NODE_TTL = 3600

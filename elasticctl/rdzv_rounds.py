@@ -1,6 +1,7 @@
-"""The etcd-native rendezvous, decided: records of a round and pure functions over them.
+"""The etcd-native rendezvous, decided: pure functions over its records.
 
-Protocol (keys under ``<prefix>/<run>/rdzv/``; I/O lives in :mod:`elasticctl.rdzv_view`):
+Protocol (keys under :attr:`JobKeys.rdzv <elasticctl.job.keys.JobKeys.rdzv>`, records in
+:mod:`elasticctl.job.records`, I/O in :mod:`elasticctl.rdzv_view`):
 
 * ``nodes/<node>`` — a :class:`Declaration`: "this node wants to be in round ``wants``",
   one put bound to the node's own lease. Liveness is the lease (keep-alives only);
@@ -21,97 +22,9 @@ function here is pure: the view and the clock come in as arguments.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import json
 from collections.abc import Iterable, Mapping
 
-from elasticctl.registry import json_object
-from elasticctl.spec import validate_name
-
-
-@dataclasses.dataclass(frozen=True)
-class Declaration:
-    """A live node and the round it wants to join (``nodes/<node>``)."""
-
-    node: str
-    addr: str
-    wants: int
-    pid: int = 0
-    port: int = 0  # a free port on this node for the workers' store, should it be rank 0
-    revision: int = 0  # etcd's mod_revision of the key: the order of declarations
-
-    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
-                        "port": self.port}, key, secret)
-
-    @classmethod
-    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
-        """The declaration in ``raw``, or None if it is malformed or, with a secret, not signed."""
-        data = _verified(json_object(raw), key, secret)
-        try:
-            declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
-                              wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)),
-                              port=_port(data.get("port", 0)), revision=revision)
-        except (KeyError, TypeError, ValueError):
-            return None
-        return declaration
-
-
-@dataclasses.dataclass(frozen=True)
-class Round:
-    """A sealed round: its number and its members, rank = position (``round``)."""
-
-    number: int
-    members: tuple[str, ...]
-    addrs: tuple[str, ...] = ()
-    master_port: int = 0  # rank 0's free port for the workers' store (0: agree on one in the store)
-    revision: int = 0  # etcd's mod_revision: the fencing token for sealing the next one
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    def rank_of(self, node: str) -> int | None:
-        return self.members.index(node) if node in self.members else None
-
-    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"round": self.number, "members": list(self.members), "addrs": list(self.addrs),
-                        "master_port": self.master_port}, key, secret)
-
-    @classmethod
-    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Round | None:
-        """The round in ``raw``, or None if it is malformed or, with a secret, not signed."""
-        data = _verified(json_object(raw), key, secret)
-        try:
-            members = tuple(validate_name(m, "node id") for m in data["members"])
-            addrs = tuple(_text(a) for a in data.get("addrs", ()))
-            if len(set(members)) != len(members) or (addrs and len(addrs) != len(members)):
-                return None
-            return cls(number=_whole(data["round"]), members=members, addrs=addrs,
-                       master_port=_port(data.get("master_port", 0)), revision=revision)
-        except (KeyError, TypeError, ValueError):
-            return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """The node that seals round ``round`` (``ctl/sealer``, bound to that node's lease)."""
-
-    node: str
-    round: int
-
-    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"node": self.node, "round": self.round}, key, secret)
-
-    @classmethod
-    def from_json(cls, raw: bytes, key: str = "", secret: bytes | None = None) -> Claim | None:
-        """The claim in ``raw``, or None if it is malformed or, with a secret, not signed."""
-        data = _verified(json_object(raw), key, secret)
-        try:
-            return cls(node=validate_name(data["node"], "node id"), round=_whole(data["round"]))
-        except (KeyError, TypeError, ValueError):
-            return None
+from elasticctl.job.records import Declaration, Round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,45 +105,3 @@ def change_for(node: str, my_round: int, current: Round | None, live: Mapping[st
     waiting = tuple(d.node for d in sorted(live.values(), key=lambda d: d.revision)
                     if d.node not in current.members and d.wants > my_round)[:max(0, room)]
     return Change(lost=lost, moved_on=moved_on, waiting=waiting)
-
-
-def _signature(fields: dict, key: str, secret: bytes) -> str:
-    # Bound to the key, so that a signed record cannot be moved to another node, round or run.
-    message = key.encode() + b"\n" + json.dumps(fields, sort_keys=True).encode()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
-
-def _signed(fields: dict, key: str, secret: bytes | None) -> str:
-    """A record as JSON, with an HMAC of the job secret over key and fields when there is one."""
-    if secret:
-        fields = {**fields, "sig": _signature(fields, key, secret)}
-    return json.dumps(fields, sort_keys=True)
-
-
-def _verified(data: dict, key: str, secret: bytes | None) -> dict:
-    """``data`` without its signature if the signature holds (or no secret is set), else {}."""
-    if not secret:
-        return data
-    fields = {k: v for k, v in data.items() if k != "sig"}
-    signature = data.get("sig")
-    if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(fields, key, secret)):
-        return {}
-    return fields
-
-
-def _whole(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise ValueError(value)
-    return value
-
-
-def _port(value: object) -> int:
-    if _whole(value) > 65535:
-        raise ValueError(value)
-    return value
-
-
-def _text(value: object) -> str:
-    if not isinstance(value, str) or not value or len(value) > 255 or "\n" in value:
-        raise ValueError(value)
-    return value

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable
 
 from elasticctl.etcd import EtcdClient, KeyValue
-from elasticctl.rdzv_rounds import Claim, Declaration, Round
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Claim, Declaration, Round
 from elasticctl.watched import PrefixWatch
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class Progress:
 
 
 class RoundView:
-    """The rendezvous keys under ``prefix`` (``<key_prefix>/<run>/rdzv/``), kept current by watches.
+    """The rendezvous keys of one run (``keys.rdzv``), kept current by watches.
 
     Attributes change under the view's lock; read them through :meth:`snapshot` (a copy),
     :meth:`evaluate`, or in an interest of :meth:`wait_until`. Counts of declarations per
@@ -66,15 +67,15 @@ class RoundView:
     only when something it waits for changed, not by each of a thousand declarations.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, secret: bytes | None = None) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys, secret: bytes | None = None) -> None:
         self._client = client
-        self.prefix = prefix.rstrip("/") + "/"
+        self.keys = keys
         self._secret = secret or None  # with a job secret, records are signed and unsigned ones ignored
-        self._nodes_prefix = self.prefix + "nodes/"
-        self._ctl_prefix = self.prefix + "ctl/"
-        self._round_key = self._ctl_prefix + "round"
-        self._closed_key = self._ctl_prefix + "closed"
-        self._claim_key = self._ctl_prefix + "sealer"
+        self._nodes_prefix = keys.rdzv_nodes
+        self._ctl_prefix = keys.rdzv_ctl
+        self._round_key = keys.rdzv_round
+        self._closed_key = keys.rdzv_closed
+        self._claim_key = keys.rdzv_sealer
         self._changed = threading.Condition()
         self._interests: list[tuple[Callable[[], object], threading.Event]] = []
         self.declarations: dict[str, Declaration] = {}
@@ -263,11 +264,11 @@ class RoundView:
 
     def declare(self, declaration: Declaration, lease: int) -> int:
         """Put this node's declaration, bound to its lease; returns the new revision."""
-        key = self._nodes_prefix + declaration.node
+        key = self.keys.rdzv_node(declaration.node)
         return self._client.put(key, declaration.to_json(key, self._secret), lease=lease)
 
     def withdraw(self, node: str) -> None:
-        self._client.delete(self._nodes_prefix + node)
+        self._client.delete(self.keys.rdzv_node(node))
 
     def claim_sealing(self, claim: Claim, expected_revision: int, lease: int) -> bool:
         """Claim the sealing of ``claim.round`` for ``claim.node`` if the claim key is still at

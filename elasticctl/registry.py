@@ -1,26 +1,12 @@
 """What etcd knows about a job: its spec, its nodes, their rounds, requests and progress.
 
-Everything is JSON (never pickle), under one prefix per job::
-
-    <prefix>/<job>/spec              the JobSpec every node launches (no lease)
-    <prefix>/<job>/nodes/<node>      one record per elasticctl process, bound to its lease
-    <prefix>/<job>/members/<node>    the rendezvous round the node's torchrun is in, bound to
-                                     the torchrun agent's lease: gone = that node is lost
-    <prefix>/<job>/failures/<round>/<node>  worker-group failures, ordered by revision
-    <prefix>/<job>/control/<node>    "leave" requests; control/_job = "down"
-    <prefix>/<job>/progress          what the trainer's rank 0 publishes
-    <prefix>/<job>/finished          written when a node's workers all succeeded
-    <prefix>/<job>/checkpoint-marker the token of the marker file the first node put in the
-                                     checkpoint directory (doctor: the same directory everywhere)
-    <prefix>/<job>/rdzv, store/...   the rendezvous (see rendezvous.py)
+Everything is JSON (never pickle), at the keys :mod:`elasticctl.job.keys` lays out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import re
 import socket
 import threading
@@ -29,54 +15,20 @@ from collections.abc import Callable
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd import EtcdClient
-from elasticctl.rdzv_options import DEFAULT_KEY_PREFIX, DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JOB_CONTROL, JobKeys, jobs_root
+from elasticctl.job.records import (
+    MEMBER_FIELDS,
+    NODE_FIELDS,
+    PROGRESS_FIELDS,
+    MemberState,
+    json_object,
+    record_json,
+    typed_record,
+)
+from elasticctl.rdzv_options import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
 from elasticctl.spec import JobSpec, validate_name
 
 log = logging.getLogger(__name__)
-
-JOB_CONTROL = "_job"
-
-
-def job_prefix(key_prefix: str, job: str) -> str:
-    return f"{key_prefix.rstrip('/')}/{job}"
-
-
-def _json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def json_object(raw: bytes) -> dict:
-    """The JSON object in ``raw`` (untrusted), or {} for anything else."""
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-_NUMBER = (int, float)
-# The fields of each record kind and their JSON types; anything else read from etcd is
-# dropped, so that a malformed or planted record can confuse no reader.
-NODE_FIELDS = {"id": str, "host": str, "addr": str, "pid": int, "nproc": int, "gpus": int,
-               "joined_at": _NUMBER, "state": str, "torch": str}
-MEMBER_FIELDS = {"node": str, "addr": str, "pid": int, "state": str, "round": int, "rank": int,
-                 "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str}
-PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": _NUMBER, "world_size": int,
-                   "last_checkpoint_step": int, "time": _NUMBER, "rank": int}
-
-
-def typed_record(raw: bytes, fields: dict[str, type | tuple[type, ...]]) -> dict:
-    """The fields of the JSON object in ``raw`` that have their documented type (finite numbers)."""
-    record = {}
-    for key, value in json_object(raw).items():
-        kind = fields.get(key)
-        if kind is None or isinstance(value, bool) or not isinstance(value, kind):
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            continue
-        record[key] = value
-    return record
-
 
 class KeptLease:
     """An etcd lease renewed by a daemon thread every ``ttl / 3`` seconds.
@@ -133,13 +85,13 @@ class JobView:
 
     @property
     def round(self) -> int | None:
-        rounds = [m.get("round") for m in self.members.values() if m.get("state") == "training"]
+        rounds = [m.get("round") for m in self.members.values() if m.get("state") == MemberState.TRAINING]
         return max(rounds) if rounds else None
 
     @property
     def world_size(self) -> int:
         current = self.round
-        return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == "training"])
+        return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == MemberState.TRAINING])
 
     def to_dict(self) -> dict:
         return {
@@ -165,12 +117,12 @@ class Registry:
         self.client = client
         self.job = job
         self.key_prefix = key_prefix
-        self.prefix = job_prefix(key_prefix, job)
+        self.keys = JobKeys(job, key_prefix)
 
     # -- spec --------------------------------------------------------------------------
 
     def read_spec(self) -> JobSpec | None:
-        kv = self.client.get(f"{self.prefix}/spec")
+        kv = self.client.get(self.keys.spec)
         return None if kv is None else JobSpec.from_dict(json_object(kv.value))
 
     def publish_spec(self, spec: JobSpec) -> bool:
@@ -179,9 +131,9 @@ class Registry:
         A different spec of a job that still has live nodes is an error; one whose
         nodes are all gone belongs to a finished run, whose keys are cleared first.
         """
-        key = f"{self.prefix}/spec"
+        key = self.keys.spec
         for _ in range(3):
-            ok, current, _ = self.client.compare_and_swap(key, _json(spec.to_dict()), 0)
+            ok, current, _ = self.client.compare_and_swap(key, record_json(spec.to_dict()), 0)
             if ok:
                 return True
             existing = JobSpec.from_dict(json_object(current.value)) if current else None
@@ -200,12 +152,12 @@ class Registry:
                     f"use another --job, or stop it first with 'elasticctl down --job {spec.name}'."
                 )
             log.info("clearing the finished run of job %s", spec.name)
-            self.client.delete_prefix(self.prefix + "/")
+            self.client.delete_prefix(self.keys.everything)
         raise ElasticctlError(f"Could not publish the spec of job '{spec.name}': it kept changing under us.")
 
     def _rendezvous_closed(self) -> bool:
         # torch closes the rendezvous when a job finishes; a new run needs a fresh one.
-        return self.client.get(f"{self.prefix}/finished") is not None
+        return self.client.get(self.keys.finished) is not None
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -215,7 +167,7 @@ class Registry:
         for attempt in range(1, 1000):
             node = base if attempt == 1 else f"{base}-{attempt}"
             ok, _, _ = self.client.compare_and_swap(
-                f"{self.prefix}/nodes/{node}", _json({**record, "id": node}), 0, lease=lease
+                self.keys.node(node), record_json({**record, "id": node}), 0, lease=lease
             )
             if ok:
                 return node
@@ -224,16 +176,15 @@ class Registry:
         raise ElasticctlError(f"No free node id for '{base}' in job '{self.job}'.")
 
     def update_node(self, node: str, record: dict, lease: int) -> None:
-        self.client.put(f"{self.prefix}/nodes/{node}", _json({**record, "id": node}), lease=lease)
+        self.client.put(self.keys.node(node), record_json({**record, "id": node}), lease=lease)
 
     def live_nodes(self) -> dict[str, dict]:
-        return self._records("nodes", NODE_FIELDS)
+        return self._records(self.keys.nodes, NODE_FIELDS)
 
     def members(self) -> dict[str, dict]:
-        return self._records("members", MEMBER_FIELDS)
+        return self._records(self.keys.members, MEMBER_FIELDS)
 
-    def _records(self, kind: str, fields: dict) -> dict[str, dict]:
-        start = f"{self.prefix}/{kind}/"
+    def _records(self, start: str, fields: dict) -> dict[str, dict]:
         return {kv.key.decode(errors="replace")[len(start):]: typed_record(kv.value, fields)
                 for kv in self.client.get_prefix(start)}
 
@@ -241,26 +192,22 @@ class Registry:
 
     def request_leave(self, node: str) -> None:
         validate_name(node, "node id")
-        self.client.put(f"{self.prefix}/control/{node}", "leave")
+        self.client.put(self.keys.control_for(node), "leave")
 
     def request_down(self) -> None:
-        self.client.put(f"{self.prefix}/control/{JOB_CONTROL}", "down")
-
-    @property
-    def control_prefix(self) -> str:
-        return f"{self.prefix}/control/"
+        self.client.put(self.keys.control_for(JOB_CONTROL), "down")
 
     def requested(self, node: str) -> str | None:
         """'down' for the whole job, 'leave' for this node, else None."""
-        start = self.control_prefix
+        start = self.keys.control
         return request_for({kv.key.decode(errors="replace")[len(start):]: kv.value
                             for kv in self.client.get_prefix(start)}, node)
 
     def clear_request(self, node: str) -> None:
-        self.client.delete(f"{self.prefix}/control/{node}")
+        self.client.delete(self.keys.control_for(node))
 
     def delete_job(self) -> int:
-        return self.client.delete_prefix(self.prefix + "/")
+        return self.client.delete_prefix(self.keys.everything)
 
     # -- checkpoint marker ---------------------------------------------------------------
 
@@ -269,21 +216,21 @@ class Registry:
 
         Returns (True, token) when this call stored it, else (False, the marker in etcd).
         """
-        ok, current, _ = self.client.compare_and_swap(f"{self.prefix}/checkpoint-marker", token, 0)
+        ok, current, _ = self.client.compare_and_swap(self.keys.checkpoint_marker, token, 0)
         if ok:
             return True, token
         return False, None if current is None else current.value.decode(errors="replace")
 
     def release_checkpoint_marker(self, token: str) -> None:
         """Take back the marker ``token`` this process claimed (for an `up` that did not run)."""
-        kv = self.client.get(f"{self.prefix}/checkpoint-marker")
+        kv = self.client.get(self.keys.checkpoint_marker)
         if kv is not None and kv.value == token.encode():
-            self.client.delete(f"{self.prefix}/checkpoint-marker")
+            self.client.delete(self.keys.checkpoint_marker)
 
     # -- progress ----------------------------------------------------------------------
 
     def progress(self) -> dict | None:
-        kv = self.client.get(f"{self.prefix}/progress")
+        kv = self.client.get(self.keys.progress)
         return None if kv is None else typed_record(kv.value, PROGRESS_FIELDS)
 
     def view(self) -> JobView:
@@ -301,8 +248,8 @@ class Registry:
         that registers between the check and the delete loses the spec it has already
         read: a window of one etcd round trip, and only after a failed `up`.
         """
-        key = f"{self.prefix}/spec"
-        if self.client.count_prefix(self.prefix + "/") != 1:
+        key = self.keys.spec
+        if self.client.count_prefix(self.keys.everything) != 1:
             return False
         kv = self.client.get(key)
         if kv is None or JobSpec.from_dict(json_object(kv.value)) != spec:
@@ -319,7 +266,7 @@ def request_for(controls: dict[str, bytes], node: str) -> str | None:
 
 def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:
     """Jobs with a published spec, and how many live nodes each has."""
-    root = key_prefix.rstrip("/") + "/"
+    root = jobs_root(key_prefix)
     specs: set[str] = set()
     nodes: dict[str, int] = {}
     for kv in client.get_prefix(root):

@@ -46,6 +46,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, connect
+from elasticctl.job.keys import JobKeys
 from elasticctl.rdzv_options import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_RUN_TTL,
@@ -55,7 +56,7 @@ from elasticctl.rdzv_options import (
     parse_rdzv_options,
 )
 from elasticctl.rdzv_state import open_state, seal_state
-from elasticctl.registry import Registry, job_prefix
+from elasticctl.registry import Registry
 from elasticctl.spec import validate_name
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     ) -> None:
         validate_name(run_id, "run id")
         self._client = client
-        self._key = job_prefix(key_prefix, run_id) + "/rdzv"
+        self._key = JobKeys(run_id, key_prefix).torch_state
         self._lease = lease or RunLease(client, DEFAULT_TTL)
         self._secret = secret or None
         self._lock = threading.Lock()
@@ -412,9 +413,8 @@ def create_backend(
     secret = (options.secret or os.environ.get(SECRET_ENV) or "").encode() or None
     client = _connect(params, options)
     lease = RunLease(client, options.ttl)
-    prefix = job_prefix(options.key_prefix, params.run_id)
     backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, lease, secret)
-    store = EtcdStore(client, prefix + "/store", lease)
+    store = EtcdStore(client, JobKeys(params.run_id, options.key_prefix).store(), lease)
     return backend, store
 
 
@@ -478,7 +478,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         join_timeout=float(options.join_timeout or 600), max_restarts=options.max_restarts,
         quarantine_after=options.quarantine_after, quarantine_window=options.quarantine_window,
         quarantine_seconds=options.quarantine_seconds,
-        store_factory=lambda number: EtcdStore(client, f"{registry.prefix}/store/{number}", lease),
+        store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
         secret=(options.secret or os.environ.get(SECRET_ENV) or "").encode() or None,
     )
 

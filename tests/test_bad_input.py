@@ -137,7 +137,7 @@ def test_leave_with_a_bad_node_id_writes_nothing(default_etcd, client, published
     lease = KeptLease(client, 5)
     try:
         # A node record 'a/b', as an elasticctl that did not check ids yet wrote it.
-        client.put(f"{published.prefix}/nodes/a/b", json.dumps({"host": "elsewhere", "id": "a/b"}),
+        client.put(published.keys.node("a/b"), json.dumps({"host": "elsewhere", "id": "a/b"}),
                    lease=lease.id)
         result = run_bounded("leave", "--etcd", default_etcd.endpoint, "--job", run_id,
                              "--node", "a/b", "--no-wait")
@@ -343,7 +343,7 @@ def test_up_that_fails_keeps_a_spec_it_did_not_publish(default_etcd, client, run
                              timeout=120, env={"CUDA_VISIBLE_DEVICES": "0"})
         one_error(result, "processes per node (2) exceed the 1 GPUs")
         assert "already runs with this spec" in result.stderr
-        assert JobSpec.from_dict(json.loads(client.get(registry.prefix + "/spec").value)) == spec
+        assert JobSpec.from_dict(json.loads(client.get(registry.keys.spec).value)) == spec
         assert set(registry.live_nodes()) == {"other"}
     finally:
         lease.stop()

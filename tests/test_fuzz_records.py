@@ -16,16 +16,19 @@ from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous import RendezvousStateError, dynamic_rendezvous
 
 from elasticctl.errors import ConfigError
-from elasticctl.rdzv_options import KNOWN_OPTIONS, parse_rdzv_options
-from elasticctl.rdzv_state import open_state, seal_state
-from elasticctl.registry import (
+from elasticctl.job.records import (
     MEMBER_FIELDS,
     NODE_FIELDS,
     PROGRESS_FIELDS,
-    JobView,
+    Claim,
+    Declaration,
+    Round,
     json_object,
     typed_record,
 )
+from elasticctl.rdzv_options import KNOWN_OPTIONS, parse_rdzv_options
+from elasticctl.rdzv_state import open_state, seal_state
+from elasticctl.registry import JobView
 from elasticctl.spec import JobSpec
 from elasticctl.status import render
 
@@ -153,3 +156,36 @@ def test_random_rendezvous_options(conf):
         parse_rdzv_options(conf)
     except ConfigError:
         pass
+
+
+PROTOCOL_KEYS = st.sampled_from(["node", "addr", "wants", "pid", "port", "round", "members", "addrs",
+                                 "master_port", "sig"]) | st.text(max_size=8)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=512) | st.dictionaries(PROTOCOL_KEYS, JSON, max_size=9).map(
+    lambda d: json.dumps(d).encode()), secret=SECRETS, revision=st.integers(0, 2**40))
+def test_random_rendezvous_records(raw, secret, revision):
+    """Declarations, rounds and sealing claims from etcd: a record or None, never a crash; with a
+    secret, nothing unsigned gets through."""
+    for kind in (Declaration, Round, Claim):
+        record = (kind.from_json(raw, "k", secret) if kind is Claim
+                  else kind.from_json(raw, revision, "k", secret))
+        assert record is None or isinstance(record, kind)
+        if secret and record is not None:
+            assert b'"sig"' in raw
+        if isinstance(record, Round):
+            assert len(set(record.members)) == len(record.members) and 0 <= record.master_port <= 65535
+        if isinstance(record, Declaration):
+            assert 0 <= record.port <= 65535 and record.wants >= 0
+
+
+@FUZZ
+@given(node=st.from_regex(r"[a-z][a-z0-9-]{0,10}", fullmatch=True), wants=st.integers(0, 2**40),
+       port=st.integers(0, 65535), secret=SECRETS)
+def test_rendezvous_records_round_trip_and_are_bound_to_their_key(node, wants, port, secret):
+    declaration = Declaration(node, "10.0.0.1", wants, port=port)
+    raw = declaration.to_json("nodes/" + node, secret).encode()
+    assert Declaration.from_json(raw, 0, "nodes/" + node, secret) == declaration
+    if secret:  # a signed record moved to another key is not that key's record
+        assert Declaration.from_json(raw, 0, "nodes/other", secret) is None

@@ -36,9 +36,9 @@ def test_a_crashed_agent_is_recorded_as_failed_not_done(default_etcd, run_id, no
     assert "did not complete within 2 s" in node.log()
     with EtcdClient(default_etcd.client_settings()) as client:
         registry = Registry(client, run_id)
-        member = json.loads(client.get(f"{registry.prefix}/members/crasher").value)
+        member = json.loads(client.get(registry.keys.member("crasher")).value)
         assert member["state"] == "failed", member
-        assert client.get(f"{registry.prefix}/finished") is None
+        assert client.get(registry.keys.finished) is None
 
 
 def test_importing_the_rendezvous_module_first_registers_etcd3(default_etcd, run_id):
@@ -103,4 +103,4 @@ def test_bad_rdzv_conf_is_refused_before_anything_is_published_or_launched(defau
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert conf.split("=")[0] in lines[0]
     with EtcdClient(default_etcd.client_settings()) as client:
-        assert client.get_prefix(Registry(client, run_id).prefix + "/") == []
+        assert client.get_prefix(Registry(client, run_id).keys.everything) == []

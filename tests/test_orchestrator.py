@@ -122,7 +122,7 @@ def test_up_join_status_leave_join_down(job):
     assert result.returncode == 0, result.stderr
     for node in (a, b, d):
         assert node.wait(60) == 0, node.log()
-    assert j.client.get_prefix(j.registry.prefix + "/") == []
+    assert j.client.get_prefix(j.registry.keys.everything) == []
     listed = cli("jobs", "--etcd", j.etcd.endpoint, "--json")
     assert j.name not in {entry["job"] for entry in json.loads(listed.stdout)}
 
@@ -199,7 +199,7 @@ def test_spec_conflict_and_missing_script_on_join(default_etcd, run_id, tmp_path
         assert real.returncode != 0
         assert f"The job '{run_id}' is already running with a different spec" in real.stderr
         assert "max_nodes 2 != 4" in real.stderr
-        assert JobSpec.from_dict(json.loads(client.get(registry.prefix + "/spec").value)) == spec
+        assert JobSpec.from_dict(json.loads(client.get(registry.keys.spec).value)) == spec
 
         script.unlink()
         gone = cli("join", "--etcd", default_etcd.endpoint, "--job", run_id)

@@ -11,6 +11,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 
 from elasticctl.etcd import EtcdClient
 from elasticctl.etcd_server import EmbeddedEtcd
+from elasticctl.job.keys import JobKeys
 from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Settings
 from elasticctl.rdzv_view import RoundView
@@ -20,7 +21,7 @@ class Run:
     """Members of one run, each with its own client and view, as separate agents would have."""
 
     def __init__(self, etcd, run_id: str, settings: Settings, node_ttl: int = 2, join_timeout: float = 30) -> None:
-        self.etcd, self.prefix = etcd, f"/elasticctl/jobs/{run_id}/rdzv/"
+        self.etcd, self.keys = etcd, JobKeys(run_id)
         self.settings, self.node_ttl, self.join_timeout = settings, node_ttl, join_timeout
         self.members: list[RoundMember] = []
         self.clients: list[EtcdClient] = []
@@ -28,7 +29,7 @@ class Run:
     def member(self, node: str) -> RoundMember:
         client = EtcdClient(self.etcd.client_settings())
         self.clients.append(client)
-        view = RoundView(client, self.prefix).start()
+        view = RoundView(client, self.keys).start()
         member = RoundMember(client, view, node, f"addr-{node}", self.settings, self.node_ttl, self.join_timeout)
         self.members.append(member)
         return member
@@ -131,7 +132,8 @@ def test_nodes_beyond_max_wait_and_are_counted_only_when_there_is_room(run):
     c_joined = {}
     t = threading.Thread(target=lambda: c_joined.update(c=c.join()))
     t.start()
-    assert a.view.wait_for(lambda: "c" in a.view.declarations, 5)
+    a.change()  # a member's first look: from then on it follows the declarations
+    assert a.view.wait_for(lambda: a.view.nodes_followed and "c" in a.view.declarations, 5)
     assert a.change().count == 0  # full round: c waits without disturbing it
     b.leave()
     assert a.view.wait_for(lambda: a.change().count >= 1, 5)  # b gone: room for c
@@ -186,7 +188,7 @@ def test_a_planted_or_replayed_round_is_ignored_then_overwritten(run, tmp_path, 
     r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
     a, b = r.member("a"), r.member("b")
     r.join_all([a, b])
-    round_key = r.prefix + "ctl/round"
+    round_key = r.keys.rdzv_round
     old = a._client.get(round_key).value
     again = r.join_all([a, b])  # round 2
     assert again["a"].number == 2
@@ -205,26 +207,26 @@ def test_a_planted_or_replayed_round_is_ignored_then_overwritten(run, tmp_path, 
 def test_a_planted_declaration_under_another_name_is_ignored(run):
     r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))
     a = r.member("a")
-    a._client.put(r.prefix + "nodes/ghost", '{"node": "a", "addr": "x", "wants": 1}')
-    a._client.put(r.prefix + "nodes/junk", b"\x80\x04not json")
+    a._client.put(r.keys.rdzv_node("ghost"), '{"node": "a", "addr": "x", "wants": 1}')
+    a._client.put(r.keys.rdzv_node("junk"), b"\x80\x04not json")
     assert a.join().members == ("a",)
 
 
 def test_with_a_secret_unsigned_or_foreign_records_are_ignored(default_etcd, run_id):
     settings = Settings(min_nodes=1, max_nodes=3, last_call=0.5)
     client = EtcdClient(default_etcd.client_settings())
-    prefix = f"/elasticctl/jobs/{run_id}/rdzv/"
-    view = RoundView(client, prefix, secret=b"s3cret").start()
+    keys = JobKeys(run_id)
+    view = RoundView(client, keys, secret=b"s3cret").start()
     try:
         # Someone without the secret declares a node and plants a round.
-        client.put(prefix + "nodes/intruder", '{"node": "intruder", "addr": "x", "wants": 1}')
-        client.put(prefix + "ctl/round", '{"round": 7, "members": ["intruder"], "addrs": ["x"]}')
+        client.put(keys.rdzv_node("intruder"), '{"node": "intruder", "addr": "x", "wants": 1}')
+        client.put(keys.rdzv_round, '{"round": 7, "members": ["intruder"], "addrs": ["x"]}')
         member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
         sealed = member.join()
         assert sealed.members == ("a",) and sealed.number == 1
-        assert "intruder" not in view.declarations
+        assert view.nodes_followed and "intruder" not in view.declarations
         # A node with another secret cannot read the signed round either.
-        other = RoundView(client, prefix, secret=b"other").start()
+        other = RoundView(client, keys, secret=b"other").start()
         assert other.round is None
         other.stop()
     finally:
@@ -235,10 +237,10 @@ def test_with_a_secret_unsigned_or_foreign_records_are_ignored(default_etcd, run
 def test_a_claim_that_cannot_expire_or_is_unsigned_blocks_nothing(default_etcd, run_id):
     settings = Settings(min_nodes=1, max_nodes=3, last_call=0.5)
     client = EtcdClient(default_etcd.client_settings())
-    prefix = f"/elasticctl/jobs/{run_id}/rdzv/"
+    keys = JobKeys(run_id)
     # No lease: it would hold the sealing forever. Signed by nobody: foreign with a secret.
-    client.put(prefix + "ctl/sealer", '{"node": "ghost", "round": 1}')
-    view = RoundView(client, prefix, secret=b"s3cret").start()
+    client.put(keys.rdzv_sealer, '{"node": "ghost", "round": 1}')
+    view = RoundView(client, keys, secret=b"s3cret").start()
     try:
         member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
         assert member.join().members == ("a",)
@@ -252,7 +254,7 @@ def test_a_claim_holder_that_dies_is_replaced_when_its_lease_ends(run):
     b = r.member("b")
     # "a" claimed round 1 and died before sealing it: its lease is no longer kept alive.
     lease = b._client.grant_lease(2)
-    b._client.put(r.prefix + "ctl/sealer", '{"node": "a", "round": 1}', lease=lease)
+    b._client.put(r.keys.rdzv_sealer, '{"node": "a", "round": 1}', lease=lease)
     assert b.view.wait_for(lambda: b.view.claim is not None, 5)
     sealed = b.join()
     assert sealed.members == ("b",) and sealed.number == 1

@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elasticctl.job.records import Declaration, Round
 from elasticctl.rdzv_rounds import (
-    Declaration,
-    Round,
     Settings,
     change_for,
     next_members,

@@ -1,0 +1,131 @@
+"""The key layout of a job in etcd: every path, built here and nowhere else.
+
+Under ``<key_prefix>/<job>/``::
+
+    spec                      the JobSpec every node launches (no lease)
+    nodes/<node>              one record per elasticctl process, bound to its lease
+    members/<node>            the round the node's torchrun agent is in (state, rank,
+                              restarts), bound to the agent's rendezvous lease
+    failures/<round>/<node>   worker-group failures of a round, ordered by revision
+    control/<node>            "leave" requests; control/_job = "down"
+    progress                  what the trainer's rank 0 publishes
+    finished                  written when a node's workers all succeeded
+    checkpoint-marker         the token of the marker file in the checkpoint directory
+    rdzv/nodes/<node>         rendezvous declarations, bound to each node's lease
+    rdzv/ctl/round            the sealed round
+    rdzv/ctl/closed           the job is done: no round after it
+    rdzv/ctl/sealer           the claim to seal the next round, bound to its holder's lease
+    store/<round>/...         the agents' c10d store of a round
+    rdzv                      torch's own rendezvous state (``EtcdRendezvousBackend`` only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_KEY_PREFIX = "/elasticctl/jobs"
+JOB_CONTROL = "_job"  # the name under control/ that speaks to every node
+
+
+@dataclasses.dataclass(frozen=True)
+class JobKeys:
+    """Every key of job ``job`` under ``key_prefix``; prefixes end with ``/``."""
+
+    job: str
+    key_prefix: str = DEFAULT_KEY_PREFIX
+
+    @property
+    def root(self) -> str:
+        """The job's prefix, without the trailing ``/`` (every key below starts with it)."""
+        return f"{self.key_prefix.rstrip('/')}/{self.job}"
+
+    @property
+    def everything(self) -> str:
+        return self.root + "/"
+
+    # -- the job and its nodes ---------------------------------------------------------
+
+    @property
+    def spec(self) -> str:
+        return f"{self.root}/spec"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.root}/nodes/"
+
+    def node(self, node: str) -> str:
+        return self.nodes + node
+
+    @property
+    def members(self) -> str:
+        return f"{self.root}/members/"
+
+    def member(self, node: str) -> str:
+        return self.members + node
+
+    def failures(self, round_number: int) -> str:
+        return f"{self.root}/failures/{round_number}/"
+
+    def failure(self, round_number: int, node: str) -> str:
+        return self.failures(round_number) + node
+
+    @property
+    def control(self) -> str:
+        return f"{self.root}/control/"
+
+    def control_for(self, node: str) -> str:
+        return self.control + node
+
+    @property
+    def progress(self) -> str:
+        return f"{self.root}/progress"
+
+    @property
+    def finished(self) -> str:
+        return f"{self.root}/finished"
+
+    @property
+    def checkpoint_marker(self) -> str:
+        return f"{self.root}/checkpoint-marker"
+
+    # -- the rendezvous ----------------------------------------------------------------
+
+    @property
+    def rdzv(self) -> str:
+        return f"{self.root}/rdzv/"
+
+    @property
+    def rdzv_nodes(self) -> str:
+        return self.rdzv + "nodes/"
+
+    def rdzv_node(self, node: str) -> str:
+        return self.rdzv_nodes + node
+
+    @property
+    def rdzv_ctl(self) -> str:
+        return self.rdzv + "ctl/"
+
+    @property
+    def rdzv_round(self) -> str:
+        return self.rdzv_ctl + "round"
+
+    @property
+    def rdzv_closed(self) -> str:
+        return self.rdzv_ctl + "closed"
+
+    @property
+    def rdzv_sealer(self) -> str:
+        return self.rdzv_ctl + "sealer"
+
+    def store(self, round_number: int | None = None) -> str:
+        """The agents' store of a round (of every round without one)."""
+        return f"{self.root}/store/" + ("" if round_number is None else f"{round_number}/")
+
+    @property
+    def torch_state(self) -> str:
+        return f"{self.root}/rdzv"
+
+
+def jobs_root(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The prefix under which every job has its keys."""
+    return key_prefix.rstrip("/") + "/"

@@ -1,0 +1,192 @@
+"""The records a job keeps in etcd: JSON (never pickle), typed, validated when read.
+
+Another process or person can write any of these keys, so every reader treats the
+bytes as untrusted: a record that does not parse, has a field of the wrong type, or
+(with the job secret) is not signed for its own key reads as absent, never as a
+crash. Keys: :mod:`elasticctl.job.keys`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import json
+import math
+
+from elasticctl.spec import validate_name
+
+
+class MemberState(str, enum.Enum):
+    """Where a node's torchrun agent is (``members/<node>``)."""
+
+    TRAINING = "training"
+    FAILED = "failed"            # over its restart budget, or its agent crashed
+    DONE = "done"                # its workers finished the script
+    LEFT = "left"                # left gracefully (leave, down, SIGTERM)
+    QUARANTINED = "quarantined"  # sitting out a cooldown after repeated own failures
+
+
+def record_json(value: object) -> str:
+    """A record as compact JSON, keys sorted (the same record, the same bytes)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def json_object(raw: bytes) -> dict:
+    """The JSON object in ``raw`` (untrusted), or {} for anything else."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+_NUMBER = (int, float)
+# The fields of each record kind and their JSON types; anything else read from etcd is
+# dropped, so that a malformed or planted record can confuse no reader.
+NODE_FIELDS = {"id": str, "host": str, "addr": str, "pid": int, "nproc": int, "gpus": int,
+               "joined_at": _NUMBER, "state": str, "torch": str}
+MEMBER_FIELDS = {"node": str, "addr": str, "pid": int, "state": str, "round": int, "rank": int,
+                 "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str}
+PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": _NUMBER, "world_size": int,
+                   "last_checkpoint_step": int, "time": _NUMBER, "rank": int}
+
+
+def typed_record(raw: bytes, fields: dict[str, type | tuple[type, ...]]) -> dict:
+    """The fields of the JSON object in ``raw`` that have their documented type (finite numbers)."""
+    record = {}
+    for key, value in json_object(raw).items():
+        kind = fields.get(key)
+        if kind is None or isinstance(value, bool) or not isinstance(value, kind):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            continue
+        record[key] = value
+    return record
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+    """A live node and the round it wants to join (``nodes/<node>``)."""
+
+    node: str
+    addr: str
+    wants: int
+    pid: int = 0
+    port: int = 0  # a free port on this node for the workers' store, should it be rank 0
+    revision: int = 0  # etcd's mod_revision of the key: the order of declarations
+
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
+                        "port": self.port}, key, secret)
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
+        """The declaration in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(json_object(raw), key, secret)
+        try:
+            declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
+                              wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)),
+                              port=_port(data.get("port", 0)), revision=revision)
+        except (KeyError, TypeError, ValueError):
+            return None
+        return declaration
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """A sealed round: its number and its members, rank = position (``round``)."""
+
+    number: int
+    members: tuple[str, ...]
+    addrs: tuple[str, ...] = ()
+    master_port: int = 0  # rank 0's free port for the workers' store (0: agree on one in the store)
+    revision: int = 0  # etcd's mod_revision: the fencing token for sealing the next one
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, node: str) -> int | None:
+        return self.members.index(node) if node in self.members else None
+
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"round": self.number, "members": list(self.members), "addrs": list(self.addrs),
+                        "master_port": self.master_port}, key, secret)
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Round | None:
+        """The round in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(json_object(raw), key, secret)
+        try:
+            members = tuple(validate_name(m, "node id") for m in data["members"])
+            addrs = tuple(_text(a) for a in data.get("addrs", ()))
+            if len(set(members)) != len(members) or (addrs and len(addrs) != len(members)):
+                return None
+            return cls(number=_whole(data["round"]), members=members, addrs=addrs,
+                       master_port=_port(data.get("master_port", 0)), revision=revision)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """The node that seals round ``round`` (``ctl/sealer``, bound to that node's lease)."""
+
+    node: str
+    round: int
+
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"node": self.node, "round": self.round}, key, secret)
+
+    @classmethod
+    def from_json(cls, raw: bytes, key: str = "", secret: bytes | None = None) -> Claim | None:
+        """The claim in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(json_object(raw), key, secret)
+        try:
+            return cls(node=validate_name(data["node"], "node id"), round=_whole(data["round"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def _signature(fields: dict, key: str, secret: bytes) -> str:
+    # Bound to the key, so that a signed record cannot be moved to another node, round or run.
+    message = key.encode() + b"\n" + json.dumps(fields, sort_keys=True).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _signed(fields: dict, key: str, secret: bytes | None) -> str:
+    """A record as JSON, with an HMAC of the job secret over key and fields when there is one."""
+    if secret:
+        fields = {**fields, "sig": _signature(fields, key, secret)}
+    return json.dumps(fields, sort_keys=True)
+
+
+def _verified(data: dict, key: str, secret: bytes | None) -> dict:
+    """``data`` without its signature if the signature holds (or no secret is set), else {}."""
+    if not secret:
+        return data
+    fields = {k: v for k, v in data.items() if k != "sig"}
+    signature = data.get("sig")
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(fields, key, secret)):
+        return {}
+    return fields
+
+
+def _whole(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ValueError(value)
+    return value
+
+
+def _port(value: object) -> int:
+    if _whole(value) > 65535:
+        raise ValueError(value)
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str) or not value or len(value) > 255 or "\n" in value:
+        raise ValueError(value)
+    return value
