@@ -21,9 +21,10 @@ import time
 import click
 import yaml
 
-from elasticctl import __version__, envvars
+from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import Endpoint, EtcdSettings, connect
+from elasticctl.job import envvars
 from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
 from elasticctl.spec import (
     MAX_NODE_TTL,

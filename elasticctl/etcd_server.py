@@ -22,9 +22,10 @@ from pathlib import Path
 
 import psutil
 
-from elasticctl import envvars, processes
+from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, wait_until_healthy
+from elasticctl.job import envvars
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from elasticctl import envvars
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
+from elasticctl.job import envvars
 from elasticctl.job.records import MemberState, Round, record_json
 from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Settings

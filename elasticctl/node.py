@@ -18,10 +18,11 @@ import subprocess
 import threading
 import time
 
-from elasticctl import envvars, launcher, processes
+from elasticctl import launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, EtcdSettings
+from elasticctl.job import envvars
 from elasticctl.job.records import MemberState
 from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
 from elasticctl.spec import JobSpec

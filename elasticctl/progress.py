@@ -16,7 +16,7 @@ import os
 import threading
 import time
 
-from elasticctl import envvars
+from elasticctl.job import envvars
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JobKeys
 
 log = logging.getLogger(__name__)

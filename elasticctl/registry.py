@@ -25,7 +25,7 @@ from elasticctl.job.records import (
     record_json,
     typed_record,
 )
-from elasticctl.rdzv_options import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
 from elasticctl.spec import JobSpec, validate_name
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, connect
 from elasticctl.job.keys import JobKeys
-from elasticctl.rdzv_options import (
+from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_RUN_TTL,
     PASSWORD_ENV,
@@ -406,7 +406,7 @@ def create_backend(
 ) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """Create the backend and store for ``params``, after checking etcd answers.
 
-    The ``--rdzv-conf`` options are those of :class:`elasticctl.rdzv_options.RdzvOptions`.
+    The ``--rdzv-conf`` options are those of :class:`elasticctl.job.settings.RdzvOptions`.
     """
     options = options or parse_rdzv_options(params.config)
     validate_name(params.run_id, "run id")

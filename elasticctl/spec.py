@@ -6,7 +6,7 @@ import dataclasses
 import re
 
 from elasticctl.errors import ConfigError
-from elasticctl.rdzv_options import MAX_NODE_TTL, parse_rdzv_options
+from elasticctl.job.settings import MAX_NODE_TTL, parse_rdzv_options
 
 # The one rule for every name that becomes part of an etcd key (job, run id, node id):
 # matched with fullmatch, so that no trailing newline slips through as it does with '$'.

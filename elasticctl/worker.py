@@ -28,8 +28,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from elasticctl import envvars, worker_entry
+from elasticctl import worker_entry
 from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.job import envvars
 
 CHECKPOINT_DIR_ENV = envvars.CHECKPOINT_DIR
 LR_POLICIES = ("linear", "constant-batch")

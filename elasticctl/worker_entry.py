@@ -25,7 +25,7 @@ import os
 import runpy
 import sys
 
-from elasticctl.envvars import WORKER_MARKS as MARKS_ENV
+from elasticctl.job.envvars import WORKER_MARKS as MARKS_ENV
 
 _completed = False
 _stop_requested = False

@@ -26,7 +26,7 @@ from elasticctl.job.records import (
     json_object,
     typed_record,
 )
-from elasticctl.rdzv_options import KNOWN_OPTIONS, parse_rdzv_options
+from elasticctl.job.settings import KNOWN_OPTIONS, parse_rdzv_options
 from elasticctl.rdzv_state import open_state, seal_state
 from elasticctl.registry import JobView
 from elasticctl.spec import JobSpec

@@ -14,7 +14,7 @@ import pytest
 from helpers import read_records, torchrun_command, wait_for
 
 from elasticctl.etcd import EtcdClient
-from elasticctl.rdzv_options import DEFAULT_KEY_PREFIX
+from elasticctl.job.settings import DEFAULT_KEY_PREFIX
 
 pytestmark = pytest.mark.slow
 

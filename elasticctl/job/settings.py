@@ -12,8 +12,8 @@ import math
 import re
 from collections.abc import Callable, Mapping
 
-from elasticctl import envvars
 from elasticctl.errors import ConfigError
+from elasticctl.job import envvars
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
 
 DEFAULT_NODE_TTL = 5
