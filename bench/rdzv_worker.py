@@ -6,6 +6,10 @@ that anything a library prints there is ignored. stdin: the spec, then ``go``, t
 stdout: ``{"ready", "setup_s", "rss", "base_rss"}`` once every handler exists, then one
 ``{"index", "rank", "world_size", "t"}`` or ``{"index", "error"}`` per handler,
 then ``{"shutdown", "stuck"}``.
+
+Backends: any name torchrun's registry knows (``etcd3``: elasticctl's handler, ``c10d``:
+torch's), and ``etcd3-dynamic``: torch's DynamicRendezvousHandler on elasticctl's
+EtcdRendezvousBackend, the previous main's design, built with torch's public API.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import psutil
 
 PREFIX = "@rdzv "
 NODE_ENV = "ELASTICCTL_NODE"  # the etcd3 handler's node id; elasticctl's node launcher sets it
+# torch's DynamicRendezvousHandler on elasticctl's EtcdRendezvousBackend: the etcd3 design of the
+# main before elasticctl's own handler (one pickled state every agent compare-and-swaps).
+DYNAMIC = "etcd3-dynamic"
 # Seconds for all shutdown() calls: a handler stuck in a round that never formed may not return.
 SHUTDOWN_WAIT = 10.0
 
@@ -45,13 +52,40 @@ def build(spec: dict) -> tuple[list, int]:
         # process would share the etcd3 handler's default one (address and pid).
         os.environ[NODE_ENV] = f"agent{index}"
         extra = {"is_host": index == 0} if spec["backend"] == "c10d" else {}
+        name = "etcd3" if spec["backend"] == DYNAMIC else spec["backend"]
         params = RendezvousParameters(
-            spec["backend"], spec["endpoint"], spec["run_id"], min_nodes=spec["agents"],
+            name, spec["endpoint"], spec["run_id"], min_nodes=spec["agents"],
             max_nodes=spec["agents"], local_addr="127.0.0.1", **spec["conf"], **extra,
         )
-        handlers.append((index, get_rendezvous_handler(params)))
+        make = dynamic_on_etcd if spec["backend"] == DYNAMIC else get_rendezvous_handler
+        handlers.append((index, make(params)))
     os.environ.pop(NODE_ENV, None)
     return handlers, base_rss
+
+
+def dynamic_on_etcd(params):
+    """torch's DynamicRendezvousHandler on elasticctl's EtcdRendezvousBackend and EtcdStore,
+    with torch's public API only, as the previous main built it for each agent (its own etcd
+    client and run lease; the join and last-call timeouts from --rdzv-conf; torch's
+    heartbeat defaults). The previous main's liveness layer around it is not included."""
+    import datetime
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
+
+    from elasticctl.rendezvous import create_backend
+
+    # As the previous main: the agents' store is the etcd store, not a TCPStore in rank 0.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    backend, store = create_backend(params)
+    seconds = {key: int(params.get(key)) for key in ("join_timeout", "last_call_timeout")}
+    timeout = RendezvousTimeout(join=datetime.timedelta(seconds=seconds["join_timeout"]),
+                                last_call=datetime.timedelta(seconds=seconds["last_call_timeout"]))
+    return DynamicRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        timeout)
 
 
 def join(index: int, handler, go: threading.Event) -> None:

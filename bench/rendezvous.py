@@ -9,7 +9,12 @@ after), CPU seconds of the agents' processes and of etcd, and a check that every
 got world size N and the ranks are exactly 0..N-1. A round that does not form within the
 timeout is a result ("k/N in 120 s"), not a crash.
 
-Run: python -m bench.rendezvous --agents 8 64 256 1000 --backends etcd3 c10d --repeat 1
+Backends: ``etcd3`` (elasticctl's etcd-native handler), ``etcd3-dynamic`` (torch's
+DynamicRendezvousHandler on elasticctl's EtcdRendezvousBackend: the previous main's etcd3,
+one pickled state every agent compare-and-swaps) and ``c10d`` (torch's, a TCPStore in agent 0).
+
+Run: python -m bench.rendezvous --agents 8 64 256 1000 --backends etcd3 etcd3-dynamic c10d \
+         --max-agents etcd3-dynamic=64 c10d=128 --repeat 1
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from elasticctl import processes as procs
 from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
+BACKENDS = (ETCD3, DYNAMIC, C10D)
 PREFIX = "@rdzv "  # bench.rdzv_worker's protocol lines
 AGENTS_PER_PROCESS = 64
 MAX_PROCESSES = 16
@@ -50,6 +57,23 @@ COUNTERS = {
     "etcd_mvcc_range_total": "ranges",
     "process_cpu_seconds_total": "cpu",  # etcd's CPU when there is no pid to ask (external etcd)
 }
+
+
+def parse_max_agents(items: list[str]) -> dict[str, int]:
+    """["c10d=128", "etcd3-dynamic=64"] -> {"c10d": 128, "etcd3-dynamic": 64}."""
+    limits = {}
+    for item in items:
+        backend, sep, value = item.partition("=")
+        if not sep or not value.isdigit():
+            raise ValueError(f"--max-agents wants BACKEND=N, not {item!r}")
+        limits[backend] = int(value)
+    return limits
+
+
+def planned(agents: int, backends: list[str] | tuple[str, ...],
+            max_agents: dict[str, int]) -> list[str]:
+    """The backends that run at ``agents``: those whose limit (if any) is not below it."""
+    return [b for b in backends if max_agents.get(b) is None or agents <= max_agents[b]]
 
 
 def default_processes(agents: int) -> int:
@@ -338,30 +362,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, nargs="+", default=[8, 64])
-    parser.add_argument("--backends", nargs="+", default=["etcd3", "c10d"])
+    parser.add_argument("--backends", nargs="+", default=[ETCD3, C10D], help=(
+        f"any of {', '.join(BACKENDS)} (or another name torchrun's registry knows)"))
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--processes", type=int, default=None, help=(
         f"agents' processes (default min({MAX_PROCESSES}, ceil(N/{AGENTS_PER_PROCESS})))"))
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a round may take (default 120)")
+    parser.add_argument("--max-agents", nargs="+", default=[], metavar="BACKEND=N", help=(
+        "run a backend only up to N agents, e.g. c10d=128 etcd3-dynamic=64 (default: every size)"))
     parser.add_argument("--c10d-max-agents", type=int, default=None,
-                        help="run c10d only up to this many agents (default: every size)")
+                        help="the same as --max-agents c10d=N")
     parser.add_argument("--etcd-binary", default=None,
                         help="etcd server to start (default: the one elasticctl finds)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row to this file")
     args = parser.parse_args()
     binary = args.etcd_binary or find_etcd_binary()
     version = etcd_version(binary)
+    try:
+        max_agents = parse_max_agents(args.max_agents)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.c10d_max_agents is not None:
+        max_agents[C10D] = args.c10d_max_agents
     rows = []
     for agents in args.agents:
-        for backend in args.backends:
-            too_many = args.c10d_max_agents is not None and agents > args.c10d_max_agents
-            if backend == "c10d" and too_many:
-                continue
+        for backend in planned(agents, args.backends, max_agents):
             for repeat in range(args.repeat):
                 print(f"# {backend}, {agents} agents, repeat {repeat + 1}", file=sys.stderr,
                       flush=True)
-                if backend == "c10d":
+                if backend == C10D:
                     row = measure_round(backend, None, agents, args.processes, args.timeout)
                 else:
                     # A fresh etcd per round: no lease of the last round expires into its counts.
