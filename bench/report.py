@@ -3,6 +3,10 @@
 Every cell is median (min–max) over the repeats; the ratio is elasticctl's
 median over torchrun's. A run that never recovered within its cap counts as
 "none within N s", and a ratio against it is an upper bound.
+
+The rendezvous scale table reads both results formats: entries with "etcd3" and
+"c10d" lists only (before the etcd3-dynamic backend; its column then says "not run"),
+and entries with a list per backend that ran at that size.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("elasticctl", "torchrun")
+# The rendezvous scale table: elasticctl's handler, the previous main's (torch's dynamic
+# handler on elasticctl's EtcdRendezvousBackend), torch's c10d.
+ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
+# Issue 11's targets for one round on the 2-core machine: (agents, seconds).
+ROUND_TARGETS = ((256, 3.0), (1000, 10.0))
+WRITES_TARGET = 3.0  # etcd writes per round per agent
 
 
 def _stats(values: list[float]) -> dict:
@@ -88,12 +98,107 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
     paired("Steady state, world 3, no events (steps/s)", "steady", ("steps_per_s",), digits=1)
     paired("Cold start: 3 nodes → all training at world 3 (s)", "lifecycle", ("cold_start_s",))
 
-    for entry in scenarios.get("rendezvous", []):
-        cap = entry.get("timeout")  # older results have none
-        out.append((f"Rendezvous: {entry['agents']} agents, one round (s)",
-                    _cell(entry["etcd3"], cap, digits=2), _cell(entry["c10d"], cap, digits=2),
-                    _ratio(entry["etcd3"], entry["c10d"], cap)))
     return out
+
+
+def _rounds(entry: dict, backend: str) -> list[dict]:
+    return [r for r in entry.get("rounds", []) if r.get("backend") == backend]
+
+
+def _rdzv_cell(entry: dict, backend: str) -> str:
+    """Seconds of one round at this size, "not run", or "none within 120 s (1/1; 37/128 joined)"."""
+    if backend not in entry:
+        return "not run"
+    text = _cell(entry[backend], entry.get("timeout"), digits=2)  # older results have no timeout
+    failed = [r for r in _rounds(entry, backend) if not (r.get("completed") and r.get("correct"))]
+    if failed and not any(v is not None for v in entry[backend]):
+        most = max(failed, key=lambda r: r.get("agents_done", 0))
+        if "setup_s" not in most:
+            text += "; setup failed"
+        elif most.get("completed"):
+            text += "; wrong round"
+        else:
+            text += f"; {most.get('agents_done', 0)}/{entry['agents']} returned"
+    return text
+
+
+def _per_agent(entry: dict, backend: str = ETCD3, key: str = "writes_per_agent") -> float | None:
+    """Median over the completed rounds of ``backend`` at this size (writes or proposals)."""
+    values = [r[key] for r in _rounds(entry, backend) if r.get("completed") and r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _writes_per_agent(entry: dict) -> float | None:
+    return _per_agent(entry, ETCD3, "writes_per_agent")
+
+
+def rendezvous_rows(results: dict) -> list[tuple[str, ...]]:
+    """(agents, etcd3 s, writes/agent, proposals/agent etcd3 | previous, previous main s, c10d s,
+    etcd3/previous, etcd3/c10d)."""
+    out = []
+    for entry in results["scenarios"].get("rendezvous", []):
+        cap, ours = entry.get("timeout"), entry.get(ETCD3, [])
+        writes = _writes_per_agent(entry)
+        ratios = [_ratio(ours, entry[b], cap) if b in entry else "—" for b in (DYNAMIC, C10D)]
+        proposals = [_per_agent(entry, b, "proposals_per_agent") for b in (ETCD3, DYNAMIC)]
+        out.append((f"{entry['agents']:,}", _rdzv_cell(entry, ETCD3),
+                    "—" if writes is None else f"{writes:.1f}",
+                    " / ".join("—" if p is None else f"{p:.1f}" for p in proposals),
+                    _rdzv_cell(entry, DYNAMIC), _rdzv_cell(entry, C10D), *ratios))
+    return out
+
+
+def rendezvous_targets(results: dict) -> str:
+    """Issue 11's targets next to what this run measured."""
+    entries = {entry["agents"]: entry for entry in results["scenarios"].get("rendezvous", [])}
+    parts = []
+    for agents, target in ROUND_TARGETS:
+        done = [v for v in entries.get(agents, {}).get(ETCD3, []) if v is not None]
+        if agents not in entries:
+            measured = "not measured in this run"
+        elif not done:
+            measured = "no round (missed)"
+        else:
+            median = statistics.median(done)
+            measured = f"{median:.2f} s ({'met' if median <= target else 'missed'})"
+        parts.append(f"{agents:,} agents in ≤ {target:g} s: {measured}")
+    writes = {agents: w for agents, w in ((a, _writes_per_agent(e)) for a, e in sorted(entries.items()))
+              if w is not None}
+    if not writes:
+        measured = "not measured in this run"
+    else:
+        largest = max(writes)
+        measured = (f"{writes[largest]:.1f} × N at {largest:,} agents "
+                    f"({'met' if writes[largest] <= WRITES_TARGET else 'missed'})")
+        over = [f"{w:.1f} × N at {a:,} agents" for a, w in writes.items() if w > WRITES_TARGET]
+        if over:
+            measured += ("; above it only where a round's few fixed writes weigh most: "
+                         + ", ".join(over))
+    parts.append(f"etcd writes per round ≤ {WRITES_TARGET:g} × N: {measured}")
+    return "Targets (issue 11), elasticctl's etcd3: " + "; ".join(parts) + "."
+
+
+def rendezvous_table(results: dict) -> list[str]:
+    lines = [("| agents | elasticctl etcd3 (s) | etcd writes per agent | raft proposals per agent: "
+              "etcd3 / previous main | previous main: torch's dynamic handler on etcd (s) | "
+              "torch c10d (s) | ratio etcd3/previous main | ratio etcd3/c10d |"),
+             "|---|---|---|---|---|---|---|---|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rendezvous_rows(results)]
+
+
+def _rendezvous_plan(results: dict) -> str:
+    settings = results["settings"]
+    repeats = settings["rendezvous_repeats"]
+    per_size = f"{repeats} repeat{'s' if repeats != 1 else ''} per size"
+    if "rendezvous_max_agents" not in settings:  # results from before the scale series
+        return per_size
+    limits = settings["rendezvous_max_agents"]
+    runs = "; ".join(f"{name} up to {limits[key]:,} agents" for key, name in
+                     ((DYNAMIC, "the previous main"), (C10D, "c10d")) if key in limits)
+    why = ("`--full` runs each up to the largest size it completed in earlier runs on this "
+           "machine (the previous main made no round of 128 agents within 120 s, c10d none of 256)"
+           if results.get("mode") == "full" else "`--quick` stops early to stay within 10 minutes")
+    return f"{per_size} below 256 agents, 1 from 256 on" + (f"; {runs} ({why})" if runs else "")
 
 
 def checkpoint_rows(results: dict) -> list[str]:
@@ -135,6 +240,7 @@ def markdown(results: dict, png: str | None) -> str:
         + ", ".join(f"{k} {v}" for k, v in results["repeats"].items())
         + f", checkpoint {results['settings']['checkpoint_repeats']}, rendezvous "
         f"{results['settings']['rendezvous_repeats']}"
+        + (" (1 from 256 agents)" if "rendezvous_max_agents" in results["settings"] else "")
         + (" (`--quick`: fewer than 3 where needed to stay within 10 minutes)." if results["mode"] == "quick"
            else "."),
         f"Machine: {machine_line(results)}.",
@@ -161,6 +267,7 @@ def markdown(results: dict, png: str | None) -> str:
         if observed else "",
         "",
         *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
+        *(rendezvous_section(results) if results["scenarios"].get("rendezvous") else []),
         "## How each system is run",
         "",
         ("- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
@@ -177,9 +284,7 @@ def markdown(results: dict, png: str | None) -> str:
         "then start node d, then SIGSTOP of node b's tree; each starts from a world of 3 (2 for the "
         "scale-up). The kill of node a runs as a job of its own. Steady state: another job, no "
         "`--step-sleep`, no checkpoints, rank 0's steps/s over a window at world 3."),
-        ("- Rendezvous scale (`bench/rendezvous.py`): N handlers built as torchrun builds them, in "
-        "threads of ceil(N/64) processes (at most 16), complete one round from a common start, "
-        "`last_call_timeout=1`, on one etcd vs a c10d TCPStore."),
+        ("- Rendezvous scale (`bench/rendezvous.py`): see its section above."),
         "",
         "## Reading the numbers",
         "",
@@ -206,9 +311,48 @@ def markdown(results: dict, png: str | None) -> str:
     return "\n".join(parts) + "\n"
 
 
+def rendezvous_section(results: dict) -> list[str]:
+    return [
+        "## Rendezvous at scale: one round of N agents",
+        "",
+        ("`bench/rendezvous.py`: N real rendezvous handlers, built as torchrun builds them "
+         "(min = max = N, `last_call_timeout=1`), in threads of ceil(N/64) processes (at most 16, "
+         "so one interpreter's lock is not what is measured), connected first, then started at "
+         "once; a cell is the seconds from the start to the last agent's `next_rendezvous()` return, "
+         "every agent with world size N and the ranks exactly 0..N-1. Each etcd round has a fresh "
+         "etcd; writes are etcd's puts + deletes during the round (its /metrics), per agent. "
+         "Three backends in the same run:"),
+        "",
+        ("- **elasticctl etcd3**: elasticctl's etcd-native handler — one put per agent bound to its "
+         "lease, the round sealed by one transaction, learned by watch."),
+        ("- **previous main**: torch's `DynamicRendezvousHandler` (public API, `from_backend`) on "
+         "elasticctl's `EtcdRendezvousBackend` and etcd store — the etcd3 of the main before "
+         "elasticctl's own handler, without its liveness layer: the whole round in one pickled "
+         "value that every agent compare-and-swaps; under contention most attempts fail and are "
+         "retried, so its cost shows in raft proposals (failed transactions included), not in writes."),
+        ("- **torch c10d**: torch's dynamic handler on a TCPStore hosted by agent 0 (no etcd), "
+         "what plain torchrun uses."),
+        "",
+        (f"Plan: {_rendezvous_plan(results)}. \"not run\": the backend was not run at that size; "
+         "\"none within 120 s\": it ran and no correct round formed (with how many agents got a "
+         "round), and a ratio against it is an upper bound (\"< x\")."),
+        "",
+        *rendezvous_table(results),
+        "",
+        rendezvous_targets(results),
+        "",
+    ]
+
+
 def text_table(results: dict) -> str:
     lines = [f"{a}\n    elasticctl: {b}\n    torchrun:   {c}\n    ratio:      {d}" for a, b, c, d in rows(results)]
     lines += ["checkpoint: " + row for row in checkpoint_rows(results)]
+    names = ("etcd3", "writes/agent", "proposals/agent etcd3 / previous", "previous main", "c10d",
+             "etcd3/previous", "etcd3/c10d")
+    lines += [f"rendezvous, {row[0]} agents: " + ", ".join(f"{n} {v}" for n, v in zip(names, row[1:]))
+              for row in rendezvous_rows(results)]
+    if results["scenarios"].get("rendezvous"):
+        lines.append(rendezvous_targets(results))
     return "\n".join(lines)
 
 

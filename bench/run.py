@@ -1,7 +1,7 @@
 """elasticctl next to plain torchrun, every scenario, one command.
 
     python -m bench.run --quick    # < 10 min on 2 cores: 1 repeat per scenario and system
-    python -m bench.run --full     # < 45 min: 3 repeats, 32-agent rendezvous, a 4.5 MB checkpoint too
+    python -m bench.run --full     # < 45 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Both systems run in
 the same invocation, interleaved per repeat. Writes bench/results/<date>-<mode>.json
@@ -41,8 +41,9 @@ PNG = RESULTS / "recovery.png"
 class Plan:
     repeats: dict[str, int]  # per scenario: quick repeats the cheap ones more
     caps: Caps
-    rendezvous_agents: tuple[int, ...]
-    rendezvous_repeats: int
+    rendezvous_agents: tuple[int, ...]  # the scale series: etcd3 runs at every size
+    rendezvous_max_agents: dict[str, int]  # the others up to the largest size they complete
+    rendezvous_repeats: int  # at sizes below RENDEZVOUS_ONCE_FROM; one repeat from there on
     checkpoint_hidden: tuple[int, ...]
     checkpoint_steps: int
     checkpoint_repeats: int
@@ -50,15 +51,19 @@ class Plan:
 
 PLANS = {
     "quick": Plan(repeats={"lifecycle": 1, "crash_host": 2, "steady": 2}, caps=Caps(recover=60, freeze=60, steady_window=10),
-                  rendezvous_agents=(2, 8), rendezvous_repeats=3,
+                  rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
+                  rendezvous_repeats=2,
                   checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "steady": 3}, caps=Caps(recover=90, freeze=120, steady_window=20),
-                 rendezvous_agents=(2, 8, 32), rendezvous_repeats=3,
+                 rendezvous_agents=(8, 64, 128, 256, 1000),
+                 rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "steady": scenarios.steady}
 ALL = (*JOB_SCENARIOS, "checkpoint", "rendezvous")
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
+RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)
+RENDEZVOUS_BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
 
 
 def machine() -> dict:
@@ -100,21 +105,28 @@ def run_jobs(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict
     return results
 
 
-def run_rendezvous(plan: Plan, etcd: EmbeddedEtcd) -> list[dict]:
-    from bench.rendezvous import describe, measure_round  # imports torch: only when needed
+def run_rendezvous(plan: Plan) -> list[dict]:
+    """One entry per size: seconds per backend and repeat (None: no correct round), every row.
+
+    Backends beyond their plan.rendezvous_max_agents are not run at that size (no key in the
+    entry). Each etcd round gets a fresh etcd (measure_round with None), so that no lease of an
+    earlier round expires into its write counts.
+    """
+    from bench.rendezvous import describe, measure_round, planned  # imports torch: only when needed
 
     rows = []
     for agents in plan.rendezvous_agents:
-        row: dict = {"agents": agents, "etcd3": [], "c10d": [], "timeout": RENDEZVOUS_TIMEOUT,
-                     "rounds": []}
-        for _ in range(plan.rendezvous_repeats):
-            for backend in ("etcd3", "c10d"):
+        backends = planned(agents, RENDEZVOUS_BACKENDS, plan.rendezvous_max_agents)
+        row: dict = {"agents": agents, **{backend: [] for backend in backends},
+                     "timeout": RENDEZVOUS_TIMEOUT, "rounds": []}
+        repeats = 1 if agents >= RENDEZVOUS_ONCE_FROM else plan.rendezvous_repeats
+        for _ in range(repeats):
+            for backend in backends:
                 try:
-                    result = measure_round(backend, etcd if backend == "etcd3" else None, agents,
-                                           timeout=RENDEZVOUS_TIMEOUT)
+                    result = measure_round(backend, None, agents, timeout=RENDEZVOUS_TIMEOUT)
                 except Exception as exc:  # noqa: BLE001 - one broken round must not cost the run
                     row[backend].append(None)
-                    row.setdefault("errors", []).append(f"{backend}: {exc}")
+                    row.setdefault("errors", []).append(f"{backend}: {type(exc).__name__}: {exc}")
                     continue
                 row["rounds"].append(result)
                 good = result["completed"] and result["correct"]
@@ -123,7 +135,7 @@ def run_rendezvous(plan: Plan, etcd: EmbeddedEtcd) -> list[dict]:
                     row.setdefault("errors", []).append(
                         f"{backend}: {describe(result)} {'; '.join(result['errors'][:2])}")
         rows.append(row)
-        log(f"rendezvous {agents} agents: etcd3 {row['etcd3']} c10d {row['c10d']}")
+        log(f"rendezvous {agents} agents: " + ", ".join(f"{b} {row[b]}" for b in backends))
     return rows
 
 
@@ -200,9 +212,9 @@ def main() -> None:
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
             if "checkpoint" in args.only:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
-            # Last: the etcd3 handlers' lease keepers outlive shutdown() and complain once etcd is gone.
+            # Last: the heaviest on the machine (up to 1,000 agents); each round starts its own etcd.
             if "rendezvous" in args.only:
-                results["scenarios"]["rendezvous"] = run_rendezvous(plan, etcd)
+                results["scenarios"]["rendezvous"] = run_rendezvous(plan)
     except BaseException:  # keep the raw samples gathered so far
         args.output.mkdir(parents=True, exist_ok=True)
         partial = args.output / f"{now:%Y-%m-%d-%H%M}-{args.mode}-partial.json"
