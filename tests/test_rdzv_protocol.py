@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elasticctl.etcd import EtcdClient
 from elasticctl.etcd_server import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Declaration
 from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Settings
 from elasticctl.rdzv_view import RoundView
@@ -275,3 +276,21 @@ def test_only_the_claim_holder_follows_declarations_while_a_round_forms(run):
     results = r.join_all(members)
     assert {res.number for res in results.values()} == {1}
     assert len(followed_before_seal) == 1, followed_before_seal
+
+
+def test_a_node_that_dies_after_declaring_costs_one_round(run):
+    """Dying at each step: after its declaration (here), holding the claim (above), in a sealed
+    round (the lost-lease tests): the others go on within one more round."""
+    r = run(Settings(min_nodes=2, max_nodes=3, last_call=0.5))
+    a, b = r.member("a"), r.member("b")
+    # x declared for round 1, then died: its lease is no longer kept alive.
+    lease = a._client.grant_lease(2)
+    a.view.declare(Declaration("x", "addr-x", 1), lease)
+    first = r.join_all([a, b])
+    # Three want round 1 of at most 3: sealed at once, x with them (its lease still runs) ...
+    assert first["a"] == first["b"] and set(first["a"].members) == {"a", "b", "x"}
+    # ... and lost when it ends: one more round, without x.
+    assert a.view.wait_for(lambda: a.change().lost == ("x",), 10)
+    second = r.join_all([a, b])
+    assert second["a"] == second["b"] and set(second["a"].members) == {"a", "b"}
+    assert second["a"].number == 2
