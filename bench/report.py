@@ -50,8 +50,13 @@ def _ratio(ours: list[float | None], theirs: list[float | None], cap: float | No
     if not ours_done:
         return "—"
     if not theirs_done:  # torchrun never got there: its time is at least the cap
-        return f"< {statistics.median(ours_done) / cap:.2f}" if cap else "—"
-    return f"{statistics.median(ours_done) / statistics.median(theirs_done):.2f}"
+        return f"< {_two_digits(statistics.median(ours_done) / cap)}" if cap else "—"
+    return _two_digits(statistics.median(ours_done) / statistics.median(theirs_done))
+
+
+def _two_digits(ratio: float) -> str:
+    """0.28, 0.012, 0.0026: two significant digits below 1, so a small ratio never reads 0.00."""
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}"
 
 
 def _field(runs: list[dict], *path: str) -> list[float | None]:
@@ -198,7 +203,7 @@ def _rendezvous_plan(results: dict) -> str:
     why = ("`--full` runs each up to the largest size it completed in earlier runs on this "
            "machine (the previous main made no round of 128 agents within 120 s, c10d none of 256)"
            if results.get("mode") == "full" else "`--quick` stops early to stay within 10 minutes")
-    return f"{per_size} below 256 agents, 1 from 256 on" + (f"; {runs} ({why})" if runs else "")
+    return f"{per_size} below 256 agents, 1 from 256 on" + (f"; {runs}: {why}" if runs else "")
 
 
 def checkpoint_rows(results: dict) -> list[str]:
