@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, KeyValue
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Claim, Declaration, Round
@@ -104,17 +105,20 @@ class RoundView:
                 return
             self._nodes_state = "loading"
         if background:
-            threading.Thread(target=self._start_nodes, name="elasticctl-rdzv-nodes", daemon=True).start()
+            threading.Thread(target=self._start_nodes, args=(True,), name="elasticctl-rdzv-nodes",
+                             daemon=True).start()
         else:
-            self._start_nodes()
+            self._start_nodes(False)
 
-    def _start_nodes(self) -> None:
+    def _start_nodes(self, background: bool) -> None:
         try:
             self._nodes.start()
-        except Exception:
+        except ElasticctlError as exc:
             with self._nodes_lock:
                 self._nodes_state = "off"  # the next follow_nodes() tries again
-            raise
+            if not background:
+                raise
+            log.warning("cannot read the rendezvous declarations yet (%s); trying again at the next look", exc)
 
     @property
     def nodes_followed(self) -> bool:
