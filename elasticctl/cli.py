@@ -7,6 +7,7 @@ Every option can also come from an ``ELASTICCTL_<OPTION>`` environment variable.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -587,6 +588,83 @@ def status(job, as_json, watch, interval, **etcd_params) -> None:
         time.sleep(interval)  # the refresh period the user asked for
 
 
+class _Since(click.ParamType):
+    """--since: seconds ago (a number), or an ISO 8601 time (local time unless it names a zone)."""
+
+    name = "SECONDS|ISO-TIME"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = None
+        if seconds is not None:
+            if not math.isfinite(seconds) or seconds < 0:
+                self.fail(f"{quote(value)} is not a number of seconds ago (0 or more).", param, ctx)
+            return time.time() - seconds
+        try:
+            return datetime.datetime.fromisoformat(text).timestamp()
+        except (ValueError, OverflowError, OSError):
+            self.fail(f"{quote(value)} is neither a number of seconds ago nor an ISO 8601 time "
+                      "(such as 2026-01-31T12:00:00).", param, ctx)
+
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd); a job that is down keeps its history for an hour.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they are written, until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per event and line.")
+@click.option("--since", type=_Since(), default=None,
+              help="Only events from this many seconds ago, or from this ISO 8601 time, on.")
+def events(job, follow, as_json, since, **etcd_params) -> None:
+    """The job's event history: rounds, lost and joining nodes, failures and their verdicts, recoveries."""
+    from elasticctl.events import render_line
+    from elasticctl.job.keys import JobKeys
+    from elasticctl.job.records import Event
+    from elasticctl.watched import PrefixWatch
+
+    client = connect(_settings(etcd_params))
+    if job is None:
+        job = resolve_job(client, job, etcd_params["key_prefix"])
+    keys = JobKeys(job, etcd_params["key_prefix"])
+    lock = threading.Lock()
+    seen: set[bytes] = set()
+
+    def show(kvs) -> None:
+        with lock:
+            for key, raw in sorted(kvs):
+                if key in seen:
+                    continue
+                seen.add(key)
+                event = Event.from_json(raw)
+                if event is None or (since is not None and event.time < since):
+                    continue
+                click.echo(json.dumps(event.to_dict(), sort_keys=True) if as_json else render_line(event))
+
+    if not follow:
+        show((kv.key, kv.value) for kv in client.get_prefix(keys.events))
+        return
+
+    class Follow(PrefixWatch):
+        def _load(self, kvs, revision) -> None:
+            show((kv.key, kv.value) for kv in kvs)
+
+        def _apply(self, response) -> None:
+            show((e.key, e.value) for e in response.events if type(e).__name__ != "DeleteEvent")
+
+    watch = Follow(client, keys.events).start()
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watch.stop()
+
+
 @cli.command(context_settings=_FLAT_ENV)
 @etcd_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
@@ -648,13 +726,17 @@ def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
 @click.option("--timeout", type=_Seconds(min=0), default=120.0, show_default=True,
               help="Seconds to wait for the nodes to stop.")
 def down(job, timeout, **etcd_params) -> None:
-    """Stop the job on every node (each exits 0) and remove its keys."""
+    """Stop the job on every node (each exits 0) and remove its keys (not its event history)."""
     # Short retries: an embedded etcd may stop with the job, right after its nodes.
     client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
+    from elasticctl.events import EventLog
+    from elasticctl.job.records import EventKind
+
     registry.request_down()
     count = len(registry.live_nodes())
+    EventLog(client, registry.keys).record(EventKind.JOB_DOWN, reason=f"elasticctl down: {count} node(s) asked to stop")
     try:
         _wait_until(lambda: not registry.live_nodes(), timeout, f"the {count} nodes of job {job} to stop")
         registry.delete_job()

@@ -47,8 +47,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
+from elasticctl.events import EventLog, recovery_start
 from elasticctl.job import envvars
-from elasticctl.job.records import MemberState, Round, record_json
+from elasticctl.job.records import EventKind, MemberState, Round, record_json
 from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Settings
 from elasticctl.rdzv_verdicts import Evidence, Verdict, failure_verdict, quarantine_due
@@ -84,6 +85,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._store_factory = store_factory
         self._keys = registry.keys
         self._view = RoundView(client, self._keys, secret).start()
+        self._events = EventLog(client, self._keys)
         self._member = RoundMember(client, self._view, node_id, local_addr, settings, node_ttl, join_timeout,
                                    run_lease, os.getpid())
         self._lock = threading.Lock()
@@ -161,8 +163,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if quarantine:
             self._sit_out_quarantine()
         os.environ[RESTARTS_ENV] = str(self._spent)
+        if self._round is None:
+            self._events.record_later(EventKind.NODE_WAITING, self._node_id, reason=f"address {self._local_addr}")
+        previous = self._round
         sealed = self._member.join()
         rank = sealed.rank_of(self._node_id)
+        if rank == 0:  # off the recovery path: a few etcd requests
+            wall, mono = time.time(), time.monotonic()
+            self._events.later(lambda: self._record_round(previous, sealed, wall, mono))
         store = self._store_factory(sealed.number)
         if sealed.master_port and sealed.addrs:
             bootstrap = RendezvousStoreInfo(master_addr=sealed.addrs[0], master_port=sealed.master_port)
@@ -255,6 +263,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Record the failure and re-join at once; the verdict follows from the evidence."""
         failed_at = time.monotonic()
         at_failure = self._member.change()  # what the view showed as the workers failed
+        self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=failed.number)
         prefix = self._keys.failures(failed.number)
         try:
             self._member.bound_to_lease(lambda lease: self._client.put(
@@ -289,6 +298,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if not wait:
                     return False
                 self._view.wait_for(lambda: False, 0.25)  # more evidence arrives by watch; bounded
+        self._events.record_later(EventKind.FAILURE_JUDGED, self._node_id, round=failed.number,
+                                  charged=verdict.own, reason=verdict.reason or "")
         if not verdict.own:
             log.warning("[%s] workers failed in round %d because %s; not spending a restart",
                         self._node_id, failed.number, verdict.reason)
@@ -312,13 +323,52 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._quarantine = True
                 self._counted_at.clear()
         self._ignore_errors(lambda: self._write_member(restarts=spent))
+        if self._stop_reason:
+            self._events.record_later(EventKind.OVER_BUDGET, self._node_id, round=failed.number,
+                                      reason=self._stop_reason)
 
     def _sit_out_quarantine(self) -> None:
         until = time.time() + self._quarantine_seconds
         log.warning("[%s] failed %d times within %.0f s: quarantined for %.0f s", self._node_id,
                     self._quarantine_after, self._quarantine_window, self._quarantine_seconds)
+        self._events.record_later(EventKind.QUARANTINED, self._node_id,
+                                  reason=f"failed {self._quarantine_after} times within "
+                                         f"{self._quarantine_window:.0f} s; sits out {self._quarantine_seconds:.0f} s")
         self._leave(MemberState.QUARANTINED, until=round(until, 3))
         time.sleep(self._quarantine_seconds)  # the cooldown itself, not a synchronisation
+
+    # -- history -------------------------------------------------------------------------
+
+    def _record_round(self, previous: Round | None, sealed: Round, wall: float, mono: float) -> None:
+        """Rank 0 of a new round: the members of ``previous`` (this node's last round) that are
+        gone without a word of their own, the round, and the recovery it ends. Best-effort."""
+        if previous is not None and previous.number < sealed.number:
+            gone = [m for m in previous.members if m not in sealed.members]
+            members = (self._ignore_errors(self._registry.members) or {}) if gone else {}
+            said = {MemberState.LEFT, MemberState.FAILED, MemberState.QUARANTINED, MemberState.DONE}
+            for node in gone:
+                if members.get(node, {}).get("state") in said:
+                    continue  # it recorded why itself
+                # When its lease ended if that was seen, else (it did not re-declare) just before the round.
+                seen = self._view.gone_at.get(node)
+                lost_at = min(wall, wall - (mono - seen) if seen is not None else wall) - 1e-6
+                self._events.record(EventKind.MEMBER_LOST, node, round=previous.number, at=lost_at,
+                                    reason=f"not in round {sealed.number}, without leaving; "
+                                           f"reported by {self._node_id}")
+        formed = self._events.record(EventKind.ROUND_FORMED, self._node_id, at=wall, round=sealed.number,
+                                     members=sealed.members, world_size=sealed.world_size)
+        if formed is None:
+            return
+        try:
+            history = self._events.read()
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot read the event history: %s", self._node_id, exc)
+            return
+        started = recovery_start(history, formed.time)
+        if started is not None:
+            self._events.record(EventKind.RECOVERY_FINISHED, self._node_id, round=sealed.number,
+                                world_size=sealed.world_size, duration=round(formed.time - started, 3),
+                                reason="from the first fault or change to the round formed")
 
     # -- membership ----------------------------------------------------------------------
 
@@ -361,6 +411,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         where = f"round {self._round.number}" if self._round is not None else "the rendezvous"
         log.warning("[%s] %s requested: leaving %s", self._node_id, request, where)
         self._left = True
+        # Written now, on the watch thread: the SIGTERM below ends this process soon.
+        self._events.record(EventKind.DOWN_REQUESTED if request == "down" else EventKind.LEAVE_REQUESTED,
+                            self._node_id, round=None if self._round is None else self._round.number,
+                            reason=f"leaving {where}")
         if request == "down":
             self._ignore_errors(self.set_closed)
         self._leave(MemberState.LEFT)

@@ -22,8 +22,9 @@ from elasticctl import launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, EtcdSettings
+from elasticctl.events import EventLog
 from elasticctl.job import envvars
-from elasticctl.job.records import MemberState
+from elasticctl.job.records import EventKind, MemberState
 from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
 from elasticctl.spec import JobSpec
 from elasticctl.watched import WatchedKeys
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # How long torchrun may take to stop its workers (final checkpoint) after a request.
 STOP_GRACE = 60.0
+# How often a live node renews the event history's lease.
+HISTORY_RENEWAL = 60.0
 
 
 @dataclasses.dataclass
@@ -109,6 +112,7 @@ class NodeSession:
         self._request: str | None = None
         self._request_at = 0.0
         self._signals = 0
+        self.events = EventLog(client, registry.keys)
 
     @property
     def request(self) -> str | None:
@@ -132,10 +136,14 @@ class NodeSession:
         self._lease = KeptLease(self.client, self.spec.node_ttl, self._rewrite_record, name="node")
         try:
             self.node_id = self.registry.register_node(self.record, self._lease.id, self.wanted_id)
+            self.events.record(EventKind.NODE_JOINED, self.node_id,
+                               reason=f"host {self.record['host']}, address {self.local_addr}")
             env = {**os.environ, **socket_ifname_env(self.local_addr),
                    **worker_env(self.spec, self.client.settings, self.node_id, self.registry.key_prefix)}
             self.echo(f"node {self.node_id} joins job {self.spec.name}: + {launcher.format_command(command)}")
-            return self._supervise(processes.spawn(command, env=env))
+            outcome = self._supervise(processes.spawn(command, env=env))
+            self.events.record(EventKind.NODE_LEFT, self.node_id, reason=f"{outcome.reason} (exit code {outcome.code})")
+            return outcome
         finally:
             self._lease.stop(revoke=True)
             if self._request == "leave":
@@ -163,6 +171,7 @@ class NodeSession:
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         requests = self._watch_requests()
+        renewed_at = time.monotonic()
         try:
             while True:
                 try:
@@ -170,6 +179,9 @@ class NodeSession:
                     break
                 except subprocess.TimeoutExpired:
                     pass
+                if time.monotonic() - renewed_at > HISTORY_RENEWAL:
+                    renewed_at = time.monotonic()
+                    threading.Thread(target=self.events.keep_alive, name="elasticctl-history", daemon=True).start()
                 if self._request and time.monotonic() - self._request_at > STOP_GRACE:
                     log.warning("torchrun did not stop within %.0f s of the %s request; terminating it",
                                 STOP_GRACE, self._request)

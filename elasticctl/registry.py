@@ -207,7 +207,18 @@ class Registry:
         self.client.delete(self.keys.control_for(node))
 
     def delete_job(self) -> int:
-        return self.client.delete_prefix(self.keys.everything)
+        """Delete the job's keys but its event history (which expires with its own lease)."""
+        root, deleted = self.keys.everything, 0
+        children = set()
+        for kv in self.client.get_prefix(root):
+            name, slash, _ = kv.key.decode(errors="replace")[len(root):].partition("/")
+            children.add(name + slash)
+        for child in sorted(children - {self.keys.history[len(root):]}):
+            if child.endswith("/"):
+                deleted += self.client.delete_prefix(root + child)
+            else:
+                deleted += int(self.client.delete(root + child))
+        return deleted
 
     # -- checkpoint marker ---------------------------------------------------------------
 

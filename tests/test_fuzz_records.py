@@ -22,6 +22,8 @@ from elasticctl.job.records import (
     PROGRESS_FIELDS,
     Claim,
     Declaration,
+    Event,
+    EventKind,
     Round,
     json_object,
     typed_record,
@@ -189,3 +191,23 @@ def test_rendezvous_records_round_trip_and_are_bound_to_their_key(node, wants, p
     assert Declaration.from_json(raw, 0, "nodes/" + node, secret) == declaration
     if secret:  # a signed record moved to another key is not that key's record
         assert Declaration.from_json(raw, 0, "nodes/other", secret) is None
+
+
+EVENT_KEYS = st.sampled_from(["time", "kind", "node", "round", "members", "world_size", "reason", "charged",
+                              "duration"]) | st.text(max_size=8)
+EVENT_VALUES = JSON | st.sampled_from([k.value for k in EventKind]) | st.lists(st.sampled_from(["a", "b", "a/b"]))
+
+
+@FUZZ
+@given(raw=st.binary(max_size=512) | st.dictionaries(EVENT_KEYS, EVENT_VALUES, max_size=9).map(
+    lambda d: json.dumps(d).encode()))
+def test_random_events(raw):
+    """An event from etcd: a valid Event or None, never a crash; what it reads it writes back the same."""
+    from elasticctl.events import render_line
+
+    event = Event.from_json(raw)
+    assert event is None or isinstance(event, Event)
+    if event is not None:
+        assert isinstance(event.kind, EventKind) and event.time >= 0
+        assert Event.from_json(event.to_json().encode()) == event
+        assert "\n" not in render_line(event)

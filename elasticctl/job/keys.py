@@ -11,6 +11,10 @@ Under ``<key_prefix>/<job>/``::
     progress                  what the trainer's rank 0 publishes
     finished                  written when a node's workers all succeeded
     checkpoint-marker         the token of the marker file in the checkpoint directory
+    history/events/<time>-<node>-<kind>
+                              the event history (time: microseconds, zero-padded: key order
+                              is time order), bound to history/lease; kept after `down`
+    history/lease             the id of the lease the events are bound to
     rdzv/nodes/<node>         rendezvous declarations, bound to each node's lease
     rdzv/ctl/round            the sealed round
     rdzv/ctl/closed           the job is done: no round after it
@@ -87,6 +91,25 @@ class JobKeys:
     @property
     def checkpoint_marker(self) -> str:
         return f"{self.root}/checkpoint-marker"
+
+    # -- the event history ----------------------------------------------------------------
+
+    @property
+    def history(self) -> str:
+        """What outlives a run's `down`: the events and their lease."""
+        return f"{self.root}/history/"
+
+    @property
+    def events(self) -> str:
+        return self.history + "events/"
+
+    def event(self, time: float, node: str, kind: str) -> str:
+        """The key of an event: its time in microseconds, zero-padded, so key order is time order."""
+        return f"{self.events}{round(time * 1_000_000):020d}-{node or '_'}-{kind}"
+
+    @property
+    def events_lease(self) -> str:
+        return self.history + "lease"
 
     # -- the rendezvous ----------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import hmac
 import json
 import math
 
+from elasticctl.errors import ConfigError
 from elasticctl.spec import validate_name
 
 
@@ -147,6 +148,89 @@ class Claim:
         try:
             return cls(node=validate_name(data["node"], "node id"), round=_whole(data["round"]))
         except (KeyError, TypeError, ValueError):
+            return None
+
+
+class EventKind(str, enum.Enum):
+    """What happened (``history/events/...``)."""
+
+    NODE_JOINED = "node_joined"            # an `up`/`join` process registered its node
+    NODE_WAITING = "node_waiting"          # a node's agent asks for a round (start, or joining a running job)
+    ROUND_FORMED = "round_formed"          # a round was sealed: round, members, world_size
+    MEMBER_LOST = "member_lost"            # a member of the previous round is gone without leaving
+    WORKERS_FAILED = "workers_failed"      # a node's worker group failed (verdict follows)
+    FAILURE_JUDGED = "failure_judged"      # the verdict: charged (a restart spent) or free, and why
+    QUARANTINED = "quarantined"            # a node sits out a cooldown after repeated own failures
+    OVER_BUDGET = "over_budget"            # a node stops: more failures than --max-restarts
+    LEAVE_REQUESTED = "leave_requested"    # a node leaves its round (`elasticctl leave`, SIGTERM)
+    DOWN_REQUESTED = "down_requested"      # a node leaves its round because the job goes down
+    NODE_LEFT = "node_left"                # an `up`/`join` process ended: reason says how
+    RECOVERY_FINISHED = "recovery_finished"  # a round formed after a fault or change: duration
+    JOB_DOWN = "job_down"                  # `elasticctl down` stopped every node
+
+
+EVENT_REASON_MAX = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One entry of a job's event history. ``node`` is "" for the job as a whole."""
+
+    time: float
+    kind: EventKind
+    node: str = ""
+    round: int | None = None
+    members: tuple[str, ...] = ()
+    world_size: int | None = None
+    reason: str = ""
+    charged: bool | None = None     # failure_judged: a restart was spent
+    duration: float | None = None   # recovery_finished: seconds
+
+    def to_dict(self) -> dict:
+        """The fields that are set, as JSON values."""
+        data: dict = {"time": self.time, "kind": self.kind.value, "node": self.node}
+        if self.round is not None:
+            data["round"] = self.round
+        if self.members:
+            data["members"] = list(self.members)
+        for name in ("world_size", "charged", "duration"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
+        if self.reason:
+            data["reason"] = self.reason
+        return data
+
+    def to_json(self) -> str:
+        return record_json(self.to_dict())
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Event | None:
+        """The event in ``raw`` (untrusted), or None if anything in it is malformed."""
+        data = json_object(raw)
+        try:
+            time = data["time"]
+            if isinstance(time, bool) or not isinstance(time, _NUMBER) or not 0 <= time < 1e11:
+                return None
+            node = data.get("node", "")
+            members = data.get("members", [])
+            reason = data.get("reason", "")
+            charged = data.get("charged")
+            duration = data.get("duration")
+            if not isinstance(members, list) or not isinstance(reason, str) or len(reason) > EVENT_REASON_MAX:
+                return None
+            if charged is not None and not isinstance(charged, bool):
+                return None
+            if duration is not None and (isinstance(duration, bool) or not isinstance(duration, _NUMBER)
+                                         or not 0 <= duration < 1e9):
+                return None
+            return cls(time=float(time), kind=EventKind(data["kind"]),
+                       node="" if node == "" else validate_name(node, "node id"),
+                       round=None if data.get("round") is None else _whole(data["round"]),
+                       members=tuple(validate_name(m, "node id") for m in members),
+                       world_size=None if data.get("world_size") is None else _whole(data["world_size"]),
+                       reason=reason, charged=charged,
+                       duration=None if duration is None else float(duration))
+        except (KeyError, TypeError, ValueError, ConfigError):
             return None
 
 

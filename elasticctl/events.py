@@ -1,0 +1,197 @@
+"""A job's event history in etcd: written best-effort by whichever component knows, read by ``events``.
+
+Each event is one key under ``history/events/`` (:meth:`JobKeys.event`: the time in
+microseconds, zero-padded, so key order is time order), holding an
+:class:`~elasticctl.job.records.Event`. The history is bounded: a write that takes it
+over ``max_events`` deletes the oldest. Every event is bound to one shared lease
+(its id under ``history/lease``) with a long TTL, renewed by every write and by every
+live node (:meth:`EventLog.keep_alive`): the history expires ``EVENTS_TTL`` seconds
+after the job's last node and last event, and survives ``elasticctl down`` until then.
+
+Writing never raises: an etcd error is logged and the event is lost, so a history
+problem can never stop a node or its agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd import EtcdClient
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Event, EventKind
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS = 1000
+EVENTS_TTL = 3600  # seconds the history outlives its job's last writer
+
+# Events that start a recovery: the first of them after a round formed, to the next round formed.
+RECOVERY_TRIGGERS = frozenset({EventKind.WORKERS_FAILED, EventKind.MEMBER_LOST, EventKind.NODE_WAITING,
+                               EventKind.LEAVE_REQUESTED, EventKind.QUARANTINED, EventKind.OVER_BUDGET})
+
+
+class EventLog:
+    """Writes and reads the events of the job whose keys are ``keys``."""
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, max_events: int = MAX_EVENTS,
+                 ttl: int = EVENTS_TTL) -> None:
+        self._client = client
+        self._keys = keys
+        self._max_events = max_events
+        self._ttl = ttl
+        self._lock = threading.Lock()
+        self._lease_id: int | None = None
+        self._renewed_at = 0.0
+        self._later: queue.SimpleQueue[Callable[[], object]] | None = None
+
+    # -- writing -------------------------------------------------------------------------
+
+    def record(self, kind: EventKind, node: str = "", at: float | None = None, **fields) -> Event | None:
+        """Write an event (at ``at``, default now); the event, or None if etcd refused it (logged)."""
+        event = Event(time=round(time.time() if at is None else at, 6), kind=kind, node=node, **fields)
+        try:
+            self._put(event)
+            self._trim()
+        except ElasticctlError as exc:
+            log.warning("cannot record the event %s of node %s: %s", kind.value, node or "-", exc)
+            return None
+        return event
+
+    def record_later(self, kind: EventKind, node: str = "", **fields) -> None:
+        """Record an event timed now, on this log's writer thread (in order, never blocking the
+        caller: for the recovery path). A daemon thread: what is queued at exit is lost."""
+        at = time.time()
+        self.later(lambda: self.record(kind, node, at=at, **fields))
+
+    def later(self, action: Callable[[], object]) -> None:
+        """Run ``action`` on this log's writer thread, after what was queued before it."""
+        with self._lock:
+            if self._later is None:
+                self._later = queue.SimpleQueue()
+                threading.Thread(target=self._write_later, args=(self._later,), name="elasticctl-history",
+                                 daemon=True).start()
+            self._later.put(action)
+
+    @staticmethod
+    def _write_later(actions: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                actions.get()()
+            except Exception:  # the history must never take its writer down
+                log.exception("cannot record an event")
+
+    def keep_alive(self) -> None:
+        """Renew the history's lease (a live node calls this now and then); errors are logged."""
+        try:
+            self._lease(force=True)
+        except ElasticctlError as exc:
+            log.warning("cannot renew the event history's lease: %s", exc)
+
+    def _put(self, event: Event) -> None:
+        key = self._keys.event(event.time, event.node, event.kind.value)
+        try:
+            self._client.put(key, event.to_json(), lease=self._lease())
+        except ElasticctlError as exc:
+            if "lease not found" not in str(exc):
+                raise
+            with self._lock:
+                self._lease_id = None
+            self._client.put(key, event.to_json(), lease=self._lease())
+
+    def _trim(self) -> None:
+        excess = self._client.count_prefix(self._keys.events) - self._max_events
+        if excess <= 0:
+            return
+        for kv in self._client.get_prefix(self._keys.events)[:excess]:  # ascending: oldest first
+            self._client.delete(kv.key)
+
+    def _lease(self, force: bool = False) -> int:
+        """The shared lease of the history, renewed at most every ttl / 4 (or now, with ``force``)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._lease_id is not None and (force or now - self._renewed_at > self._ttl / 4):
+                if self._client.refresh_lease(self._lease_id) <= 0:
+                    self._lease_id = None
+                self._renewed_at = now
+            if self._lease_id is None:
+                self._lease_id = self._shared_lease()
+                self._renewed_at = now
+            return self._lease_id
+
+    def _shared_lease(self) -> int:
+        """The lease under ``history/lease`` if it is alive, else a new one put there."""
+        for _ in range(3):
+            kv = self._client.get(self._keys.events_lease)
+            if kv is not None:
+                try:
+                    lease_id = int(kv.value)
+                except ValueError:
+                    lease_id = 0
+                if lease_id > 0 and self._client.refresh_lease(lease_id) > 0:
+                    return lease_id
+            lease_id = self._client.grant_lease(self._ttl)
+            ok, _, _ = self._client.compare_and_swap(self._keys.events_lease, str(lease_id),
+                                                     0 if kv is None else kv.mod_revision, lease=lease_id)
+            if ok:
+                return lease_id
+            self._client.revoke_lease(lease_id)  # another node put its lease there first
+        raise ElasticctlError("The event history's lease kept changing under us.")
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, since: float | None = None) -> list[Event]:
+        """The events in time order (from ``since``, epoch seconds); malformed ones are skipped."""
+        return [e for e in parse_events(kv.value for kv in self._client.get_prefix(self._keys.events))
+                if since is None or e.time >= since]
+
+
+def parse_events(raws: Iterable[bytes]) -> Iterator[Event]:
+    for raw in raws:
+        event = Event.from_json(raw)
+        if event is not None:
+            yield event
+
+
+def recovery_start(events: Iterable[Event], formed_at: float) -> float | None:
+    """When the recovery that ends with a round formed at ``formed_at`` began: the first fault or
+    change event after the previous round formed. None without a previous round (the job's start)
+    or without such an event."""
+    previous: float | None = None
+    first: float | None = None
+    for event in events:
+        if event.time >= formed_at:
+            break
+        if event.kind is EventKind.ROUND_FORMED:
+            previous, first = event.time, None
+        elif previous is not None and first is None and event.kind in RECOVERY_TRIGGERS:
+            first = event.time
+    return first
+
+
+def describe(event: Event) -> str:
+    """The details of an event in a few words (no time, kind or node)."""
+    parts = []
+    if event.round is not None:
+        parts.append(f"round {event.round}")
+    if event.world_size is not None:
+        parts.append(f"world size {event.world_size}")
+    if event.members:
+        parts.append("members " + ",".join(event.members))
+    if event.charged is not None:
+        parts.append("restart spent" if event.charged else "no restart spent")
+    if event.duration is not None:
+        parts.append(f"took {event.duration:.2f} s")
+    if event.reason:
+        parts.append(" ".join(event.reason.split()))
+    return "; ".join(parts)
+
+
+def render_line(event: Event) -> str:
+    """One line: local time, kind, node, details."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time)) + f".{int(event.time * 1000) % 1000:03d}"
+    return f"{stamp}  {event.kind.value:<17} {event.node or '-':<16} {describe(event)}".rstrip()
