@@ -163,7 +163,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if quarantine:
             self._sit_out_quarantine()
         os.environ[RESTARTS_ENV] = str(self._spent)
-        if self._round is None:
+        if self._round is None and self._view.round is not None:
+            # A node joining a running job is a change the history tells; the nodes of a cold
+            # start are in its first round_formed (a thousand of them would fill the history).
             self._events.record_later(EventKind.NODE_WAITING, self._node_id, reason=f"address {self._local_addr}")
         previous = self._round
         sealed = self._member.join()
