@@ -281,11 +281,13 @@ def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[
     specs: set[str] = set()
     nodes: dict[str, int] = {}
     for kv in client.get_prefix(root):
-        parts = kv.key.decode(errors="replace")[len(root):].split("/")
-        if len(parts) == 2 and parts[1] == "spec":
-            specs.add(parts[0])
-        elif len(parts) == 3 and parts[1] == "nodes":
-            nodes[parts[0]] = nodes.get(parts[0], 0) + 1
+        key = kv.key.decode(errors="replace")
+        job = key[len(root):].split("/", 1)[0]
+        keys = JobKeys(job, key_prefix)
+        if key == keys.spec:
+            specs.add(job)
+        elif key.startswith(keys.nodes) and "/" not in key[len(keys.nodes):]:
+            nodes[job] = nodes.get(job, 0) + 1
     return {job: nodes.get(job, 0) for job in sorted(specs)}
 
 
