@@ -1,8 +1,8 @@
 """The ``etcd3`` rendezvous handler for torchrun, on the etcd-native protocol.
 
 Implements torch's public :class:`RendezvousHandler` on :mod:`elasticctl.rdzv_member`:
-a node joins a round with one lease-bound put, the round is sealed by one
-compare-and-swap, everyone learns it by watch. On top of the protocol:
+a node joins a round with one lease-bound put, the holder of the claim to seal it
+seals it with one transaction, everyone learns it by watch. On top of the protocol:
 
 * **Membership changes restart for free.** ``num_nodes_waiting()`` answers from the
   watched view (no etcd request): a member lost (lease ended) or gone to a later

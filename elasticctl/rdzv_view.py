@@ -8,7 +8,8 @@ Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl
 * ``nodes/`` — every node's declaration. Followed only by the node that seals (it
   must count who wants the round) and by members of a sealed round (a lost lease, a
   member re-joining, a newcomer waiting are what restarts their workers). Members
-  load it in the background, after their round is sealed.
+  load it in the background from their first look at it (torch's agent looks once
+  the workers run), not while the round forms.
 
 Nodes answer questions such as "is anybody waiting?" from the view, with no etcd
 request. Writes per node per round: one declaration (a put bound to the node's
