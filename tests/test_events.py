@@ -216,11 +216,7 @@ def _round(members: set[str]):
 def test_a_kill_a_join_and_a_leave_leave_their_events_in_order(job):
     j = job
     log = EventLog(j.client, j.registry.keys)
-    j.up("a")
-    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
-    j.join("b")
-    c = j.join("c")
-    j.wait_world(3, {"a", "b", "c"})
+    c = j.start("a", "b", "c")["c"]
 
     killed_at = max(r["time"] for r in j.records())
     c.kill()

@@ -58,6 +58,14 @@ class Job:
     def records(self) -> list[dict]:
         return read_records(self.record)
 
+    def start(self, *names: str, timeout: float = 180) -> dict:
+        """`up` on the first node, `join` on the others; wait until all of them train together."""
+        started = {names[0]: self.up(names[0])}
+        wait_for(self.registry.read_spec, 60, "the job spec in etcd")
+        started.update({name: self.join(name) for name in names[1:]})
+        self.wait_world(len(names), set(names), timeout=timeout)
+        return started
+
     def wait_world(self, world: int, nodes: set[str], timeout: float = 180, since: float = 0.0) -> list[dict]:
         """Wait until every node in ``nodes`` trained a step at ``world`` workers after ``since``."""
         def reached():
@@ -132,11 +140,7 @@ def test_up_join_status_leave_join_down(job):
 def test_a_frozen_node_is_dropped_for_free_and_absorbed_again_when_it_thaws(job):
     # A SIGKILLed node: test_overload.py (the same, stricter: one round, under CPU load).
     j = job()
-    j.up("a")
-    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
-    j.join("b")
-    c = j.join("c")
-    j.wait_world(3, {"a", "b", "c"})
+    c = j.start("a", "b", "c")["c"]
 
     lost_at = max(r["time"] for r in j.records())
     c.signal_tree(signal.SIGSTOP)
@@ -154,11 +158,7 @@ def test_a_frozen_node_is_dropped_for_free_and_absorbed_again_when_it_thaws(job)
 def test_own_failure_counts_and_exhausted_node_stops_alone(job, tmp_path):
     # Node c's worker raises at step 5 every time: its own failure, not its peers'.
     j = job(extra=["--max-restarts", "1"], train=[ALLREDUCE, "--fail-node", "c", "--fail-at", "5"])
-    j.up("a")
-    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
-    j.join("b")
-    c = j.join("c")
-    j.wait_world(3, {"a", "b", "c"})
+    c = j.start("a", "b", "c")["c"]
     assert c.wait(240) != 0
     assert "more than the 1 restarts allowed" in c.log() or "failed 2 times" in c.log(), c.log()
     recovered_at = max(r["time"] for r in j.records())
@@ -254,11 +254,7 @@ def test_legacy_local_rank_script_runs_unchanged(default_etcd, run_id, tmp_path)
 def test_repeatedly_failing_node_is_quarantined_while_the_others_train(job):
     j = job(extra=["--max-restarts", "5", "--rdzv-conf", "quarantine_after=2,quarantine_seconds=30"],
             train=[ALLREDUCE, "--fail-node", "c", "--fail-at", "5"])
-    j.up("a")
-    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
-    j.join("b")
-    j.join("c")
-    j.wait_world(3, {"a", "b", "c"})
+    j.start("a", "b", "c")
     member = wait_for(lambda: (j.registry.members().get("c") or {}).get("state") == "quarantined"
                       and j.registry.members()["c"], 180, "node c to be quarantined")
     assert member["restarts"] == 2

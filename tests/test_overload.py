@@ -13,7 +13,6 @@ import time
 
 import psutil
 import pytest
-from helpers import wait_for
 from test_orchestrator import cli, job  # noqa: F401 - the fixture, and the CLI runner
 
 from elasticctl.etcd import EtcdClient
@@ -44,10 +43,7 @@ def node_tree(node) -> list[psutil.Process]:
 
 def test_a_kill_and_a_join_under_cpu_overload_reform_once_each(job, saturated_cores):  # noqa: F811
     j = job(nnodes="1:3")
-    started = {"a": j.up("a")}
-    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
-    started.update(b=j.join("b"), c=j.join("c"))
-    j.wait_world(3, {"a", "b", "c"}, timeout=300)
+    started = j.start("a", "b", "c", timeout=300)
     before = current_round(j)
 
     since = max(r["time"] for r in j.records())
@@ -74,10 +70,7 @@ def test_a_kill_and_a_join_under_cpu_overload_reform_once_each(job, saturated_co
 
 def test_a_node_that_was_only_slow_forces_no_round(job, saturated_cores):  # noqa: F811
     j = job(nnodes="1:2")
-    started = {"a": j.up("a")}
-    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
-    started["b"] = j.join("b")
-    j.wait_world(2, {"a", "b"}, timeout=300)
+    started = j.start("a", "b", timeout=300)
     before = current_round(j)
 
     # Frozen for 2 s, well inside the 5 s node TTL: a pause, not a loss.
