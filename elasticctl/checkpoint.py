@@ -269,6 +269,32 @@ class _VerificationMemo:
         self.results = {p: v for p, v in self.results.items() if p in keep_only}
 
 
+class _History:
+    """Records ``checkpoint_written`` in the job's event history (under elasticctl, else nothing),
+    from a background thread: a checkpoint never waits for etcd."""
+
+    def __init__(self) -> None:
+        self._log: Any = None
+        self._checked = False
+
+    def written(self, step: int, seconds: float) -> None:
+        if not self._checked:
+            self._checked = True
+            from elasticctl.events import EventLog  # grpc only under elasticctl
+
+            self._log = EventLog.from_env()
+        if self._log is not None:
+            from elasticctl.job import envvars
+            from elasticctl.job.records import EventKind
+
+            self._log.record_later(EventKind.CHECKPOINT_WRITTEN, os.environ.get(envvars.NODE, ""),
+                                   step=step, duration=round(seconds, 3))
+
+    def flush(self, timeout: float = 5.0) -> None:
+        if self._log is not None:
+            self._log.flush(timeout)
+
+
 class Checkpointer:
     """Save and restore replicated training state in ``directory``.
 
@@ -296,6 +322,7 @@ class Checkpointer:
         # path -> (signature, loadable). Only the writer's commit path touches these, and at most
         # one commit runs at a time, so they need no lock.
         self._memo = _VerificationMemo(keep)
+        self._history = _History()
         if self.is_writer:
             self._remove_stale_temp_files()
 
@@ -355,6 +382,7 @@ class Checkpointer:
     def _commit(self, payload: dict) -> None:
         step = payload["step"]
         name = f"step-{step:08d}.pt"
+        began = time.perf_counter()
         try:
             digest = _write_atomically(self.directory, name, lambda f: torch.save(payload, f))
             # The digest goes last: its appearance is the commit.
@@ -366,6 +394,7 @@ class Checkpointer:
             ) from exc
         self.last_step = step
         log.info("rank %d saved checkpoint %s", self.rank, self.directory / name)
+        self._history.written(step, time.perf_counter() - began)
         self._loadable(self.directory / name, written_digest=digest)
         self._prune()
 
@@ -426,6 +455,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        self._history.flush()
 
     # -- loading ------------------------------------------------------------------------
 
@@ -718,6 +748,7 @@ class ShardedCheckpointer:
         self.keep = keep
         self.last_step: int | None = None
         self._memo = _VerificationMemo(keep)
+        self._history = _History()
 
     def _candidates(self) -> list[tuple[int, Path]]:
         """Directories named like checkpoints that have a manifest, newest first."""
@@ -747,6 +778,7 @@ class ShardedCheckpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        began = time.perf_counter()
         model_state, optim_state = get_state_dict(model, optimizer)
         name = f"step-{step:08d}"
         tmp = self.directory / f"{_TMP_PREFIX}{name}"
@@ -793,6 +825,8 @@ class ShardedCheckpointer:
         if outcome[0] is not None:
             raise CheckpointError(outcome[0])
         self.last_step = step
+        if self.rank == 0:
+            self._history.written(step, time.perf_counter() - began)
 
     def _commit(self, tmp: Path, final: Path, digests: dict[str, str]) -> None:
         manifest = json.dumps({"format": MANIFEST_FORMAT, "files": digests}, indent=1,

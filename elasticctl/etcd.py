@@ -270,6 +270,14 @@ class EtcdClient:
             "watch keys", lambda c: c.watch_prefix_response(prefix, start_revision=start_revision)
         )
 
+    def keys_prefix(self, prefix: bytes | str) -> list[bytes]:
+        """The keys under ``prefix``, ascending, without their values."""
+
+        def keys(c: pyetcd.MultiEndpointEtcd3Client) -> list[bytes]:
+            return [kv.key for kv in c.get_prefix_response(prefix, keys_only=True, sort_order="ascend").kvs]
+
+        return self._call("read keys", keys)
+
     def count_prefix(self, prefix: bytes | str) -> int:
         def count(c: pyetcd.MultiEndpointEtcd3Client) -> int:
             return c.get_prefix_response(prefix, count_only=True).count

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
+from elasticctl.job import envvars
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind
 
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 
 MAX_EVENTS = 1000
 EVENTS_TTL = 3600  # seconds the history outlives its job's last writer
+
+# Frequent events, kept to a tenth of the history so that they never push the membership
+# changes and faults out of it.
+ROUTINE = frozenset({EventKind.CHECKPOINT_WRITTEN})
 
 # Events that start a recovery: the first of them after a round formed, to the next round formed.
 RECOVERY_TRIGGERS = frozenset({EventKind.WORKERS_FAILED, EventKind.MEMBER_LOST, EventKind.NODE_WAITING,
@@ -56,7 +61,7 @@ class EventLog:
         event = Event(time=round(time.time() if at is None else at, 6), kind=kind, node=node, **fields)
         try:
             self._put(event)
-            self._trim()
+            self._trim(kind)
         except ElasticctlError as exc:
             log.warning("cannot record the event %s of node %s: %s", kind.value, node or "-", exc)
             return None
@@ -85,6 +90,33 @@ class EventLog:
             except Exception:  # the history must never take its writer down
                 log.exception("cannot record an event")
 
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for what was queued with :meth:`later`; whether it all ran."""
+        done = threading.Event()
+        self.later(done.set)
+        return done.wait(timeout)
+
+    @classmethod
+    def from_env(cls) -> EventLog | None:
+        """The event history of this worker's job, or None outside elasticctl."""
+        settings = envvars.etcd_settings(retry_timeout=5.0)
+        return None if settings is None else cls(EtcdClient(settings), envvars.job_keys())
+
+    def record_recovery_finished(self, node: str, at: float, **fields) -> Event | None:
+        """A first step at ``at``: if it ends a recovery (the newest round formed before it was not
+        the job's first), record how long that took from its first fault or change."""
+        try:
+            history = self.read()
+        except ElasticctlError as exc:
+            log.warning("cannot read the event history: %s", exc)
+            return None
+        formed = [e for e in history if e.kind is EventKind.ROUND_FORMED and e.time <= at]
+        started = recovery_start(history, formed[-1].time) if formed else None
+        if started is None:
+            return None
+        return self.record(EventKind.RECOVERY_FINISHED, node, round=formed[-1].round,
+                           duration=round(at - started, 3), **fields)
+
     def keep_alive(self) -> None:
         """Renew the history's lease (a live node calls this now and then); errors are logged."""
         try:
@@ -103,7 +135,12 @@ class EventLog:
                 self._lease_id = None
             self._client.put(key, event.to_json(), lease=self._lease())
 
-    def _trim(self) -> None:
+    def _trim(self, kind: EventKind) -> None:
+        if kind in ROUTINE:
+            suffix = f"-{kind.value}".encode()
+            routine = [key for key in self._client.keys_prefix(self._keys.events) if key.endswith(suffix)]
+            for key in routine[:max(0, len(routine) - self._max_events // 10)]:
+                self._client.delete(key)
         excess = self._client.count_prefix(self._keys.events) - self._max_events
         if excess <= 0:
             return
@@ -184,6 +221,8 @@ def describe(event: Event) -> str:
         parts.append("members " + ",".join(event.members))
     if event.charged is not None:
         parts.append("restart spent" if event.charged else "no restart spent")
+    if event.step is not None:
+        parts.append(f"step {event.step}")
     if event.duration is not None:
         parts.append(f"took {event.duration:.2f} s")
     if event.reason:

@@ -163,9 +163,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if quarantine:
             self._sit_out_quarantine()
         os.environ[RESTARTS_ENV] = str(self._spent)
-        if self._round is None and self._view.round is not None:
-            # A node joining a running job is a change the history tells; the nodes of a cold
-            # start are in its first round_formed (a thousand of them would fill the history).
+        current = self._view.round
+        if current is not None and self._node_id not in current.members:
+            # A node joining a running job (or back from a freeze) is a change the history tells;
+            # the nodes of a cold start are in its first round_formed (a thousand of them would
+            # fill the history).
             self._events.record_later(EventKind.NODE_WAITING, self._node_id, reason=f"address {self._local_addr}")
         previous = self._round
         sealed = self._member.join()
@@ -357,20 +359,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._events.record(EventKind.MEMBER_LOST, node, round=previous.number, at=lost_at,
                                     reason=f"not in round {sealed.number}, without leaving; "
                                            f"reported by {self._node_id}")
-        formed = self._events.record(EventKind.ROUND_FORMED, self._node_id, at=wall, round=sealed.number,
-                                     members=sealed.members, world_size=sealed.world_size)
-        if formed is None:
-            return
         try:
             history = self._events.read()
         except ElasticctlError as exc:
             log.warning("[%s] cannot read the event history: %s", self._node_id, exc)
-            return
-        started = recovery_start(history, formed.time)
-        if started is not None:
-            self._events.record(EventKind.RECOVERY_FINISHED, self._node_id, round=sealed.number,
-                                world_size=sealed.world_size, duration=round(formed.time - started, 3),
-                                reason="from the first fault or change to the round formed")
+            history = []
+        # The rendezvous part of a recovery; the worker's first step records the whole of it.
+        started = recovery_start(history, wall)
+        self._events.record(EventKind.ROUND_FORMED, self._node_id, at=wall, round=sealed.number,
+                            members=sealed.members, world_size=sealed.world_size,
+                            duration=None if started is None else round(wall - started, 3))
 
     # -- membership ----------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import threading
 import time
 
 from elasticctl.job import envvars
-from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JobKeys
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +25,12 @@ log = logging.getLogger(__name__)
 class ProgressPublisher:
     """Publishes the newest progress update in the background; see the module docstring."""
 
-    def __init__(self, client, key: str, rank: int = 0, interval: float = 1.0) -> None:
+    def __init__(self, client, key: str, rank: int = 0, interval: float = 1.0, events=None,
+                 node: str = "") -> None:
         self.client = client
+        self._events = events  # EventLog: this process's first step may end a recovery
+        self._first_step = events is not None
+        self._node = node
         self.key = key
         self.rank = rank
         self.interval = interval
@@ -40,21 +43,16 @@ class ProgressPublisher:
     @classmethod
     def from_env(cls, rank: int, interval: float = 1.0) -> ProgressPublisher | None:
         """A publisher for global rank 0 under elasticctl; None anywhere else."""
-        endpoints, job = os.environ.get(envvars.ETCD), os.environ.get(envvars.JOB)
-        if rank != 0 or not endpoints or not job:
+        # Give up on one update quickly: a newer one will follow.
+        settings = envvars.etcd_settings(retry_timeout=max(interval * 3, 2.0))
+        if rank != 0 or settings is None:
             return None
-        from elasticctl.etcd import EtcdClient, EtcdSettings  # grpc only when it is used
+        from elasticctl.etcd import EtcdClient  # grpc only when it is used
+        from elasticctl.events import EventLog
 
-        env = os.environ.get
-        settings = EtcdSettings.from_string(
-            endpoints, cacert=env(envvars.etcd_tls("cacert")), cert=env(envvars.etcd_tls("cert")),
-            key=env(envvars.etcd_tls("key")), user=env(envvars.etcd_tls("user")),
-            password=env(envvars.ETCD_PASSWORD),
-            # Give up on one update quickly: a newer one will follow.
-            retry_timeout=max(interval * 3, 2.0),
-        )
-        key = JobKeys(job, env(envvars.KEY_PREFIX) or DEFAULT_KEY_PREFIX).progress
-        return cls(EtcdClient(settings), key, rank=rank, interval=interval)
+        client, keys = EtcdClient(settings), envvars.job_keys()
+        return cls(client, keys.progress, rank=rank, interval=interval, events=EventLog(client, keys),
+                   node=os.environ.get(envvars.NODE, ""))
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,
                 world_size: int, last_checkpoint_step: int | None) -> None:
@@ -64,6 +62,10 @@ class ProgressPublisher:
             "world_size": world_size, "last_checkpoint_step": last_checkpoint_step,
             "time": time.time(), "rank": self.rank,
         }
+        if self._first_step:
+            self._first_step = False
+            self._events.later(lambda: self._events.record_recovery_finished(
+                self._node, update["time"], step=step, world_size=world_size))
         with self._cond:
             self._pending = update
             self._cond.notify()
@@ -94,5 +96,7 @@ class ProgressPublisher:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
+        if self._events is not None:
+            self._events.flush(timeout)
         if not self._thread.is_alive():
             self.client.close()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from helpers import wait_for
-from test_orchestrator import ELASTICCTL, Job, cli
+from test_orchestrator import ELASTICCTL, TRAIN, Job, cli
 
 from elasticctl.etcd import EtcdClient
 from elasticctl.events import EventLog, recovery_start, render_line
@@ -90,6 +90,37 @@ def test_the_log_keeps_the_newest_events_in_time_order_bound_to_one_lease(etcd_c
     other = EventLog(etcd_client, keys, max_events=5)
     other.record(EventKind.JOB_DOWN, at=1008.0)
     assert len({kv.lease for kv in etcd_client.get_prefix(keys.history)}) == 1
+
+
+def test_checkpoint_events_never_push_the_membership_history_out(etcd_client, run_id):
+    log = EventLog(etcd_client, JobKeys(run_id), max_events=20)  # at most 2 routine events
+    log.record(EventKind.ROUND_FORMED, "a", at=1000.0, round=1)
+    for step in range(1, 30):
+        log.record(EventKind.CHECKPOINT_WRITTEN, "a", at=1000.0 + step, step=step, duration=0.01)
+    log.record(EventKind.MEMBER_LOST, "b", at=1100.0, round=1)
+    assert [(e.kind, e.step) for e in log.read()] == [
+        (EventKind.ROUND_FORMED, None), (EventKind.CHECKPOINT_WRITTEN, 28),
+        (EventKind.CHECKPOINT_WRITTEN, 29), (EventKind.MEMBER_LOST, None)]
+
+
+@pytest.mark.parametrize(("history", "first_step", "expected"), [
+    # a fault at 6 after the round of 2; the round of 9; the first step at 12: 6 s
+    ([(2, EventKind.ROUND_FORMED), (6, EventKind.WORKERS_FAILED), (9, EventKind.ROUND_FORMED)], 12.0, 6.0),
+    ([(2, EventKind.ROUND_FORMED)], 5.0, None),  # the job's first round: a start, not a recovery
+    ([], 5.0, None),  # no round in the history (it expired, or etcd lost it)
+    # the newest round formed before the step counts, not one formed after it
+    ([(2, EventKind.ROUND_FORMED), (3, EventKind.MEMBER_LOST), (4, EventKind.ROUND_FORMED),
+      (8, EventKind.NODE_WAITING), (9, EventKind.ROUND_FORMED)], 6.0, 3.0),
+])
+def test_the_first_step_after_a_round_ends_the_recovery(etcd_client, run_id, history, first_step, expected):
+    log = EventLog(etcd_client, JobKeys(run_id))
+    for i, (t, kind) in enumerate(history):
+        log.record(kind, "a", at=1000.0 + t, round=i)
+    recorded = log.record_recovery_finished("a", 1000.0 + first_step, step=7, world_size=2)
+    if expected is None:
+        assert recorded is None and EventKind.RECOVERY_FINISHED not in {e.kind for e in log.read()}
+    else:
+        assert recorded.duration == expected and recorded.step == 7 and recorded in log.read()
 
 
 def test_a_lost_lease_is_replaced_and_etcd_errors_do_not_raise(etcd_client, run_id):
@@ -197,7 +228,10 @@ def test_follow_prints_a_new_event_within_a_second(history):
 
 @pytest.fixture
 def job(nodes, default_etcd, run_id, tmp_path):
-    created = Job(nodes, default_etcd, run_id, tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    created = Job(nodes, default_etcd, run_id, tmp_path, extra=["--checkpoint-dir", str(checkpoints)],
+                  train=[*TRAIN, "--checkpoint-every", "20"])
     yield created
     created.client.close()
 
@@ -213,7 +247,18 @@ def _round(members: set[str]):
     return lambda e: e.kind is EventKind.ROUND_FORMED and set(e.members) == members
 
 
-def test_a_kill_a_join_and_a_leave_leave_their_events_in_order(job):
+def _recovered(events: list[Event], formed: int, what: str) -> Event:
+    """The recovery_finished that the first step after round ``events[formed]`` recorded."""
+    i = _index(events, formed, lambda e: e.kind is EventKind.RECOVERY_FINISHED, what)
+    recovered = events[i]
+    assert recovered.round == events[formed].round and recovered.step is not None, render_line(recovered)
+    # from the first fault to the first step: the rendezvous part (round_formed's duration) and more
+    assert 0 < events[formed].duration < recovered.duration < 60, (render_line(events[formed]),
+                                                                   render_line(recovered))
+    return recovered
+
+
+def test_a_kill_a_join_a_freeze_and_a_leave_leave_their_events_in_order(job):
     j = job
     log = EventLog(j.client, j.registry.keys)
     c = j.start("a", "b", "c")["c"]
@@ -224,37 +269,57 @@ def test_a_kill_a_join_and_a_leave_leave_their_events_in_order(job):
     joined_at = max(r["time"] for r in j.records())
     d = j.join("d")
     j.wait_world(3, {"a", "b", "d"}, since=joined_at)
+    # A frozen node (SIGSTOP) is dropped when its lease ends, for free; thawed, it joins again.
+    frozen_at = max(r["time"] for r in j.records())
+    d.signal_tree(signal.SIGSTOP)
+    smaller = j.wait_world(2, {"a", "b"}, since=frozen_at)
+    assert {r["restart"] for r in smaller} == {0}, "a lost peer must not spend a restart"
+    thawed_at = max(r["time"] for r in j.records())
+    d.signal_tree(signal.SIGCONT)
+    j.wait_world(3, {"a", "b", "d"}, since=thawed_at)
     left_at = max(r["time"] for r in j.records())
     assert cli("leave", "--etcd", j.etcd.endpoint, "--job", j.name, "--node", "d").returncode == 0
     assert d.wait(60) == 0, d.log()
     j.wait_world(2, {"a", "b"}, since=left_at)
-    wait_for(lambda: sum(e.kind is EventKind.RECOVERY_FINISHED for e in log.read()) >= 3, 30,
-             "three recoveries in the history")
+    try:
+        wait_for(lambda: sum(e.kind is EventKind.RECOVERY_FINISHED for e in log.read()) >= 5, 30,
+                 "five recoveries in the history")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n" + "\n".join(render_line(e) for e in log.read())) from None
 
     events = log.read()
     assert {e.node for e in events if e.kind is EventKind.NODE_JOINED} == {"a", "b", "c", "d"}
     full = _index(events, 0, _round({"a", "b", "c"}), "round of a, b, c")
     lost = _index(events, full, lambda e: e.kind is EventKind.MEMBER_LOST and e.node == "c", "c lost")
     shrunk = _index(events, lost, _round({"a", "b"}), "round of a, b")
-    recovered = _index(events, shrunk, lambda e: e.kind is EventKind.RECOVERY_FINISHED, "recovery from the kill")
-    assert events[recovered].round == events[shrunk].round and 0 < events[recovered].duration < 60
+    _recovered(events, shrunk, "recovery from the kill")
     # the survivors' failures were not their fault
-    judged = [e for e in events[full:recovered + 3] if e.kind is EventKind.FAILURE_JUDGED]
+    judged = [e for e in events[full:shrunk + 3] if e.kind is EventKind.FAILURE_JUDGED]
     assert all(e.charged is False for e in judged), [render_line(e) for e in judged]
 
-    waiting = _index(events, recovered, lambda e: e.kind is EventKind.NODE_WAITING and e.node == "d", "d waiting")
+    waiting = _index(events, shrunk, lambda e: e.kind is EventKind.NODE_WAITING and e.node == "d", "d waiting")
     grown = _index(events, waiting, _round({"a", "b", "d"}), "round of a, b, d")
-    recovered = _index(events, grown, lambda e: e.kind is EventKind.RECOVERY_FINISHED, "recovery from the join")
-    assert 0 < events[recovered].duration < 60
+    _recovered(events, grown, "recovery from the join")
 
-    leave = _index(events, recovered, lambda e: e.kind is EventKind.LEAVE_REQUESTED and e.node == "d", "d leaving")
+    frozen = _index(events, grown, lambda e: e.kind is EventKind.MEMBER_LOST and e.node == "d", "d lost")
+    dropped = _index(events, frozen, _round({"a", "b"}), "round of a, b after the freeze")
+    _recovered(events, dropped, "recovery from the freeze")
+    thawed = _index(events, dropped, _round({"a", "b", "d"}), "round of a, b, d after the thaw")
+    _recovered(events, thawed, "recovery from the thaw")
+
+    leave = _index(events, thawed, lambda e: e.kind is EventKind.LEAVE_REQUESTED and e.node == "d", "d leaving")
     again = _index(events, leave, _round({"a", "b"}), "round of a, b after the leave")
-    recovered = _index(events, again, lambda e: e.kind is EventKind.RECOVERY_FINISHED, "recovery from the leave")
-    assert 0 < events[recovered].duration < 60
-    assert events[again].round > events[grown].round > events[shrunk].round > events[full].round
-    # d's own process recorded how it ended; nobody reported d as lost
+    _recovered(events, again, "recovery from the leave")
+    rounds = [events[i].round for i in (full, shrunk, grown, dropped, thawed, again)]
+    assert rounds == sorted(set(rounds)), rounds
+    # d's own process recorded how it ended; nobody reported d as lost when it left
     wait_for(lambda: any(e.kind is EventKind.NODE_LEFT and e.node == "d" for e in log.read()), 30, "d's end")
-    assert not any(e.kind is EventKind.MEMBER_LOST and e.node == "d" for e in log.read())
+    assert not any(e.kind is EventKind.MEMBER_LOST and e.node == "d" and e.round == events[thawed].round
+                   for e in log.read())
+    # rank 0 recorded its checkpoints, with their steps and how long each write took
+    written = [e for e in log.read() if e.kind is EventKind.CHECKPOINT_WRITTEN]
+    assert any(e.step % 20 == 0 for e in written), written  # others: final checkpoints on SIGTERM
+    assert all(e.node == "a" and e.step > 0 and 0 <= e.duration < 30 for e in written), written
 
     result = cli("down", "--etcd", j.etcd.endpoint, "--job", j.name)
     assert result.returncode == 0, result.stderr

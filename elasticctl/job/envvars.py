@@ -22,3 +22,27 @@ STATE_DIR = "ELASTICCTL_STATE_DIR"
 def etcd_tls(name: str) -> str:
     """ELASTICCTL_ETCD_CACERT / _CERT / _KEY / _USER: how workers reach etcd like their node."""
     return f"ELASTICCTL_ETCD_{name.upper()}"
+
+
+def etcd_settings(retry_timeout: float):
+    """How a worker reaches its job's etcd (like its node does), or None outside elasticctl."""
+    import os
+
+    from elasticctl.etcd import EtcdSettings  # grpc only when it is used
+
+    env = os.environ.get
+    if not env(ETCD) or not env(JOB):
+        return None
+    return EtcdSettings.from_string(
+        env(ETCD), cacert=env(etcd_tls("cacert")), cert=env(etcd_tls("cert")), key=env(etcd_tls("key")),
+        user=env(etcd_tls("user")), password=env(ETCD_PASSWORD), retry_timeout=retry_timeout)
+
+
+def job_keys():
+    """The keys of this worker's job, or None outside elasticctl."""
+    import os
+
+    from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JobKeys
+
+    job = os.environ.get(JOB)
+    return JobKeys(job, os.environ.get(KEY_PREFIX) or DEFAULT_KEY_PREFIX) if job else None

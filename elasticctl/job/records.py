@@ -156,7 +156,7 @@ class EventKind(str, enum.Enum):
 
     NODE_JOINED = "node_joined"            # an `up`/`join` process registered its node
     NODE_WAITING = "node_waiting"          # a node's agent asks for a round (start, or joining a running job)
-    ROUND_FORMED = "round_formed"          # a round was sealed: round, members, world_size
+    ROUND_FORMED = "round_formed"          # a round was sealed: round, members, world_size, duration
     MEMBER_LOST = "member_lost"            # a member of the previous round is gone without leaving
     WORKERS_FAILED = "workers_failed"      # a node's worker group failed (verdict follows)
     FAILURE_JUDGED = "failure_judged"      # the verdict: charged (a restart spent) or free, and why
@@ -165,7 +165,8 @@ class EventKind(str, enum.Enum):
     LEAVE_REQUESTED = "leave_requested"    # a node leaves its round (`elasticctl leave`, SIGTERM)
     DOWN_REQUESTED = "down_requested"      # a node leaves its round because the job goes down
     NODE_LEFT = "node_left"                # an `up`/`join` process ended: reason says how
-    RECOVERY_FINISHED = "recovery_finished"  # a round formed after a fault or change: duration
+    RECOVERY_FINISHED = "recovery_finished"  # the first step after a fault or change: duration, step
+    CHECKPOINT_WRITTEN = "checkpoint_written"  # a checkpoint was committed: step, duration (the write)
     JOB_DOWN = "job_down"                  # `elasticctl down` stopped every node
 
 
@@ -184,7 +185,8 @@ class Event:
     world_size: int | None = None
     reason: str = ""
     charged: bool | None = None     # failure_judged: a restart was spent
-    duration: float | None = None   # recovery_finished: seconds
+    duration: float | None = None   # seconds: round_formed, recovery_finished, checkpoint_written
+    step: int | None = None         # recovery_finished, checkpoint_written: the training step
 
     def to_dict(self) -> dict:
         """The fields that are set, as JSON values."""
@@ -193,7 +195,7 @@ class Event:
             data["round"] = self.round
         if self.members:
             data["members"] = list(self.members)
-        for name in ("world_size", "charged", "duration"):
+        for name in ("world_size", "charged", "duration", "step"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
         if self.reason:
@@ -229,7 +231,8 @@ class Event:
                        members=tuple(validate_name(m, "node id") for m in members),
                        world_size=None if data.get("world_size") is None else _whole(data["world_size"]),
                        reason=reason, charged=charged,
-                       duration=None if duration is None else float(duration))
+                       duration=None if duration is None else float(duration),
+                       step=None if data.get("step") is None else _whole(data["step"]))
         except (KeyError, TypeError, ValueError, ConfigError):
             return None
 
