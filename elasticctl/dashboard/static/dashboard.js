@@ -40,10 +40,11 @@ function drawMarkers(u) {
   }
 }
 
-function chart(target, series, axes) {
+function chart(target, series, axes, scales = {}) {
   const opts = {
-    width: 620, height: 260,
-    scales: { x: { time: true }, ...Object.fromEntries(axes.map((a) => [a.scale, { auto: true }])) },
+    width: 600, height: 260,
+    scales: { x: { time: true }, ...scales },
+    legend: { live: false },
     series: [{}, ...series],
     axes: [{}, ...axes],
     hooks: { draw: [drawMarkers] },
@@ -55,22 +56,25 @@ const worldChart = chart("world-chart", [
   { label: "steps/s", scale: "rate", stroke: "#1f77b4", width: 2, spanGaps: false },
   { label: "world size", scale: "world", stroke: "#d62728", width: 2, spanGaps: true,
     paths: uPlot.paths.stepped({ align: 1 }) },
-], [{ scale: "rate", label: "steps/s" }, { scale: "world", label: "world size", side: 1, grid: { show: false } }]);
+], [{ scale: "rate", label: "steps/s" }, { scale: "world", label: "world size", side: 1, grid: { show: false } }],
+{ rate: { range: (u, min, max) => [0, Math.max(1, max) * 1.1] },
+  world: { range: (u, min, max) => [0, Math.max(1, max) + 1] } });
 
 const lossChart = chart("loss-chart", [
   { label: "loss", scale: "loss", stroke: "#2ca02c", width: 2, spanGaps: true },
-], [{ scale: "loss", label: "loss" }]);
+], [{ scale: "loss", label: "loss (log)" }], { loss: { distr: 3 } });
 
 function drawCharts(job) {
   const s = job.samples, w = job.world;
   // The world size holds until now: extend its last step to the right edge.
   const worldT = w.time.concat(w.time.length ? [job.now] : []);
-  const worldV = w.world_size.concat(w.time.length ? [job.world_size || w.world_size.at(-1)] : []);
+  const worldV = w.world_size.concat(w.time.length ? [job.world_size ?? w.world_size.at(-1)] : []);
   const first = Math.min(s.time[0] ?? job.now, worldT[0] ?? job.now);
   const range = { min: first, max: Math.max(job.now, first + 1) };
   worldChart.setData(uPlot.join([[s.time, s.steps_per_s], [worldT, worldV]]), false);
   worldChart.setScale("x", range);
-  lossChart.setData([s.time, s.loss], false);
+  // A log scale (a loss falls by orders of magnitude): a loss of 0 or less has no place on it.
+  lossChart.setData([s.time, s.loss.map((v) => (v > 0 ? v : null))], false);
   lossChart.setScale("x", range);
 }
 
