@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 from helpers import wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from test_orchestrator import ELASTICCTL, cli
 
@@ -138,6 +140,24 @@ def test_job_metrics_from_the_same_records():
     assert m.progress_age == 101.0
     empty = job_metrics(Reading("j", NOW, progress=b"[1]"))
     assert (empty.step, empty.steps_per_s, empty.progress_age, empty.round) == (None, None, None, None)
+
+
+RAW = st.one_of(st.binary(max_size=64), st.sampled_from([NODE, MEMBER, *GARBAGE]),
+                st.dictionaries(st.sampled_from(["time", "step", "kind", "state", "round", "rank", "world_size",
+                                                 "duration", "charged", "loss", "host", "members"]),
+                                st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=4),
+                                          st.sampled_from(["round_formed", "recovery_finished", "training"])),
+                                max_size=6).map(lambda d: json.dumps(d).encode()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=st.dictionaries(st.text(max_size=6), RAW, max_size=4),
+       members=st.dictionaries(st.text(max_size=6), RAW, max_size=4),
+       progress=st.none() | RAW, events=st.lists(RAW, max_size=6), samples=st.lists(RAW, max_size=6))
+def test_random_readings_never_break_the_page_or_the_metrics(nodes, members, progress, events, samples):
+    reading = Reading("j", NOW, nodes=nodes, members=members, progress=progress, events=events, samples=samples)
+    json.dumps(job_view(reading), allow_nan=False)  # the browser's JSON.parse takes no NaN
+    job_metrics(reading)
 
 
 # -- the server against a real etcd -----------------------------------------------------------

@@ -53,8 +53,18 @@ def _valid_ids(records: Mapping[str, bytes], fields: dict) -> dict[str, dict]:
             validate_name(node, "node id")
         except ConfigError:
             continue
-        typed[node] = typed_record(raw, fields)
+        typed[node] = _bounded(typed_record(raw, fields))
     return typed
+
+
+def _bounded(record: dict) -> dict:
+    """``record`` without integers too large for a float: JSON allows any, but arithmetic with a
+    time, a metric value or the browser's numbers would overflow or round."""
+    return {k: v for k, v in record.items() if not isinstance(v, int) or abs(v) < 2**53}
+
+
+def _progress(reading: Reading) -> dict:
+    return _bounded(typed_record(reading.progress, PROGRESS_FIELDS)) if reading.progress is not None else {}
 
 
 def _current_round(members: Mapping[str, dict]) -> int | None:
@@ -144,7 +154,7 @@ def job_view(reading: Reading) -> dict:
     events = _events(reading)
     members = _valid_ids(reading.members, MEMBER_FIELDS)
     current = _current_round(members)
-    progress = typed_record(reading.progress, PROGRESS_FIELDS) if reading.progress is not None else None
+    progress = _progress(reading)
     nodes = nodes_table(reading)
     return {
         "job": reading.job,
@@ -204,7 +214,7 @@ def job_metrics(reading: Reading) -> JobMetrics:
     for row in nodes_table(reading):
         by_state[row["state"]] = by_state.get(row["state"], 0) + 1
     durations = [e.duration for e in events if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None]
-    progress = typed_record(reading.progress, PROGRESS_FIELDS) if reading.progress is not None else {}
+    progress = _progress(reading)
     rates = [r for r in samples_series(reading.samples)["steps_per_s"] if r is not None]
     return JobMetrics(
         world_size=_world_size(members, current), round=current, nodes_by_state=by_state,
