@@ -36,17 +36,17 @@ class Reading:
 
     job: str
     now: float
-    nodes: Mapping[str, bytes] = dataclasses.field(default_factory=dict)     # nodes/<id>
-    members: Mapping[str, bytes] = dataclasses.field(default_factory=dict)   # members/<id>
+    nodes: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # nodes/<id>
+    members: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # members/<id>
     heartbeats: Mapping[str, float] = dataclasses.field(default_factory=dict)  # seconds since a
     # node's lease was last renewed (granted TTL - remaining TTL)
     progress: bytes | None = None
-    events: Sequence[bytes] = ()    # history/events/, in key (= time) order
-    samples: Sequence[bytes] = ()   # history/progress/, in key (= time) order
+    events: Sequence[bytes] = ()  # history/events/, in key (= time) order
+    samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
 
 
 def _valid_ids(records: Mapping[str, bytes], fields: dict) -> dict[str, dict]:
-    """The typed records whose key names a valid node id (a planted ``a/b`` or empty name: skipped)."""
+    """The typed records whose key is a valid node id (a planted ``a/b`` or empty one: skipped)."""
     typed = {}
     for node, raw in records.items():
         try:
@@ -64,12 +64,19 @@ def _bounded(record: dict) -> dict:
 
 
 def _progress(reading: Reading) -> dict:
-    return _bounded(typed_record(reading.progress, PROGRESS_FIELDS)) if reading.progress is not None else {}
+    return (
+        _bounded(typed_record(reading.progress, PROGRESS_FIELDS))
+        if reading.progress is not None
+        else {}
+    )
 
 
 def _current_round(members: Mapping[str, dict]) -> int | None:
-    rounds = [m["round"] for m in members.values()
-              if m.get("state") == MemberState.TRAINING and "round" in m]
+    rounds = [
+        m["round"]
+        for m in members.values()
+        if m.get("state") == MemberState.TRAINING and "round" in m
+    ]
     return max(rounds) if rounds else None
 
 
@@ -82,20 +89,28 @@ def _state(node: dict, member: dict | None) -> str:
 
 
 def nodes_table(reading: Reading) -> list[dict]:
-    """One row per live node (a ``nodes/`` record with at least one readable field), sorted by id."""
-    nodes = {node: record for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items() if record}
+    """One row per live node (a ``nodes/`` record with a readable field), sorted by id."""
+    nodes = {
+        node: record for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items() if record
+    }
     members = _valid_ids(reading.members, MEMBER_FIELDS)
     rows = []
     for node, record in sorted(nodes.items()):
         member = members.get(node)
         age = reading.heartbeats.get(node)
-        rows.append({
-            "id": node, "host": record.get("host"), "addr": record.get("addr"),
-            "state": _state(record, member),
-            "rank": (member or {}).get("rank"), "round": (member or {}).get("round"),
-            "gpus": record.get("gpus", 0), "restarts": (member or {}).get("restarts", 0),
-            "heartbeat_age": None if age is None else max(0.0, round(age, 1)),
-        })
+        rows.append(
+            {
+                "id": node,
+                "host": record.get("host"),
+                "addr": record.get("addr"),
+                "state": _state(record, member),
+                "rank": (member or {}).get("rank"),
+                "round": (member or {}).get("round"),
+                "gpus": record.get("gpus", 0),
+                "restarts": (member or {}).get("restarts", 0),
+                "heartbeat_age": None if age is None else max(0.0, round(age, 1)),
+            }
+        )
     return rows
 
 
@@ -103,18 +118,25 @@ def samples_series(raws: Iterable[bytes]) -> dict[str, list]:
     """The progress samples as columns for the charts: time, step, loss, steps/s, samples/s,
     world size. Steps/s is between a sample and the one before it; None for the first one and
     where the step went back (a restart resumed from an older checkpoint)."""
-    samples = sorted((s for s in map(ProgressSample.from_json, raws) if s is not None),
-                     key=lambda s: s.time)
-    columns: dict[str, list] = {name: [] for name in
-                                ("time", "step", "loss", "steps_per_s", "samples_per_s", "world_size")}
+    samples = sorted(
+        (s for s in map(ProgressSample.from_json, raws) if s is not None), key=lambda s: s.time
+    )
+    columns: dict[str, list] = {
+        name: [] for name in ("time", "step", "loss", "steps_per_s", "samples_per_s", "world_size")
+    }
     previous: ProgressSample | None = None
     for sample in samples:
         rate = None
         if previous is not None and sample.time > previous.time and sample.step >= previous.step:
             rate = round((sample.step - previous.step) / (sample.time - previous.time), 4)
-        for name, value in (("time", sample.time), ("step", sample.step), ("loss", sample.loss),
-                            ("steps_per_s", rate), ("samples_per_s", sample.samples_per_s),
-                            ("world_size", sample.world_size)):
+        for name, value in (
+            ("time", sample.time),
+            ("step", sample.step),
+            ("loss", sample.loss),
+            ("steps_per_s", rate),
+            ("samples_per_s", sample.samples_per_s),
+            ("world_size", sample.world_size),
+        ):
             columns[name].append(value)
         previous = sample
     return columns
@@ -129,11 +151,17 @@ def world_series(events: Sequence[Event]) -> dict[str, list]:
 def totals(events: Sequence[Event]) -> dict:
     """What the recoveries cost: their count and seconds (``recovery_finished``), restarts spent
     (``failure_judged`` that charged one)."""
-    durations = [e.duration for e in events if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None]
+    durations = [
+        e.duration
+        for e in events
+        if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
+    ]
     return {
         "recoveries": len(durations),
         "recovery_seconds": round(sum(durations), 3),
-        "restarts_spent": sum(1 for e in events if e.kind is EventKind.FAILURE_JUDGED and e.charged),
+        "restarts_spent": sum(
+            1 for e in events if e.kind is EventKind.FAILURE_JUDGED and e.charged
+        ),
     }
 
 
@@ -143,7 +171,12 @@ def _events(reading: Reading) -> list[Event]:
 
 def event_row(event: Event) -> dict:
     """An event for the page: any kind, shown generically as its kind and its details."""
-    row = {"time": event.time, "kind": event.kind.value, "node": event.node, "text": describe(event)}
+    row = {
+        "time": event.time,
+        "kind": event.kind.value,
+        "node": event.node,
+        "text": describe(event),
+    }
     if event.world_size is not None:
         row["world_size"] = event.world_size
     return row
@@ -173,8 +206,13 @@ def job_view(reading: Reading) -> dict:
 
 
 def _world_size(members: Mapping[str, dict], current: int | None) -> int:
-    return sum(1 for m in members.values()
-               if current is not None and m.get("round") == current and m.get("state") == MemberState.TRAINING)
+    return sum(
+        1
+        for m in members.values()
+        if current is not None
+        and m.get("round") == current
+        and m.get("state") == MemberState.TRAINING
+    )
 
 
 def _age(now: float, then: float | None) -> float | None:
@@ -201,8 +239,11 @@ class JobMetrics:
 
 
 def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
-    """Cumulative bucket counts of ``values`` for upper ``bounds``, with +Inf last (Prometheus' form)."""
-    return (*((bound, sum(1 for v in values if v <= bound)) for bound in bounds), (float("inf"), len(values)))
+    """Cumulative counts of ``values`` for upper ``bounds``, +Inf last (Prometheus' form)."""
+    return (
+        *((bound, sum(1 for v in values if v <= bound)) for bound in bounds),
+        (float("inf"), len(values)),
+    )
 
 
 def job_metrics(reading: Reading) -> JobMetrics:
@@ -213,15 +254,25 @@ def job_metrics(reading: Reading) -> JobMetrics:
     by_state: dict[str, int] = {}
     for row in nodes_table(reading):
         by_state[row["state"]] = by_state.get(row["state"], 0) + 1
-    durations = [e.duration for e in events if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None]
+    durations = [
+        e.duration
+        for e in events
+        if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
+    ]
     progress = _progress(reading)
     rates = [r for r in samples_series(reading.samples)["steps_per_s"] if r is not None]
     return JobMetrics(
-        world_size=_world_size(members, current), round=current, nodes_by_state=by_state,
+        world_size=_world_size(members, current),
+        round=current,
+        nodes_by_state=by_state,
         restarts_spent=totals(events)["restarts_spent"],
-        recovery_buckets=histogram(durations, RECOVERY_BUCKETS), recovery_seconds=sum(durations),
-        recoveries=len(durations), steps_per_s=rates[-1] if rates else None,
-        samples_per_s=progress.get("samples_per_s"), step=progress.get("step"), loss=progress.get("loss"),
+        recovery_buckets=histogram(durations, RECOVERY_BUCKETS),
+        recovery_seconds=sum(durations),
+        recoveries=len(durations),
+        steps_per_s=rates[-1] if rates else None,
+        samples_per_s=progress.get("samples_per_s"),
+        step=progress.get("step"),
+        loss=progress.get("loss"),
         last_checkpoint_step=progress.get("last_checkpoint_step"),
         progress_age=_age(reading.now, progress.get("time")),
     )

@@ -52,8 +52,8 @@ class JobReader:
 
     def _by_node(self, prefix: str) -> tuple[dict[str, bytes], dict[str, int]]:
         kvs = self._timed("range", lambda: self.client.get_prefix(prefix))
-        values = {kv.key.decode(errors="replace")[len(prefix):]: kv.value for kv in kvs}
-        leases = {kv.key.decode(errors="replace")[len(prefix):]: kv.lease for kv in kvs}
+        values = {kv.key.decode(errors="replace")[len(prefix) :]: kv.value for kv in kvs}
+        leases = {kv.key.decode(errors="replace")[len(prefix) :]: kv.lease for kv in kvs}
         return values, leases
 
     def read(self) -> Reading:
@@ -62,15 +62,24 @@ class JobReader:
         heartbeats = {}
         for node, lease in sorted(leases.items())[:MAX_HEARTBEAT_LOOKUPS]:
             if lease:
-                remaining, granted = self._timed("lease", lambda lease=lease: self.client.lease_ttl(lease))
+                remaining, granted = self._timed(
+                    "lease", lambda lease=lease: self.client.lease_ttl(lease)
+                )
                 if remaining >= 0:  # the lease's keep-alive resets it to its granted TTL
                     heartbeats[node] = float(granted - remaining)
         progress = self._timed("range", lambda: self.client.get(self.keys.progress))
         events = self._timed("range", lambda: self.client.get_prefix(self.keys.events))
         samples = self._timed("range", lambda: self.client.get_prefix(self.keys.progress_samples))
-        return Reading(job=self.keys.job, now=time.time(), nodes=nodes, members=members,
-                       heartbeats=heartbeats, progress=None if progress is None else progress.value,
-                       events=[kv.value for kv in events], samples=[kv.value for kv in samples])
+        return Reading(
+            job=self.keys.job,
+            now=time.time(),
+            nodes=nodes,
+            members=members,
+            heartbeats=heartbeats,
+            progress=None if progress is None else progress.value,
+            events=[kv.value for kv in events],
+            samples=[kv.value for kv in samples],
+        )
 
 
 class JobCollector(Collector):
@@ -83,9 +92,11 @@ class JobCollector(Collector):
         # `elastic_job`, not `job`: Prometheus attaches its own `job` label (the scrape job) to
         # every series and would rename ours to `exported_job`.
         job = [self.reader.keys.job]
-        up = GaugeMetricFamily("elasticctl_dashboard_etcd_up",
-                               "1 if the dashboard could read the job from etcd at this scrape.",
-                               labels=["elastic_job"])
+        up = GaugeMetricFamily(
+            "elasticctl_dashboard_etcd_up",
+            "1 if the dashboard could read the job from etcd at this scrape.",
+            labels=["elastic_job"],
+        )
         try:
             m = job_metrics(self.reader.read())
         except ElasticctlError as exc:
@@ -102,37 +113,64 @@ class JobCollector(Collector):
                 family.add_metric(job, value)
                 yield family
 
-        yield from gauge("elasticctl_world_size", "Nodes training in the current round.", m.world_size)
+        yield from gauge(
+            "elasticctl_world_size", "Nodes training in the current round.", m.world_size
+        )
         yield from gauge("elasticctl_round", "The current rendezvous round.", m.round)
-        nodes = GaugeMetricFamily("elasticctl_nodes", "Live nodes by state.", labels=["elastic_job", "state"])
+        nodes = GaugeMetricFamily(
+            "elasticctl_nodes", "Live nodes by state.", labels=["elastic_job", "state"]
+        )
         for state, count in sorted(m.nodes_by_state.items()):
             nodes.add_metric([*job, state], count)
         yield nodes
         # From the event history (failure_judged that charged one): it may drop when the bounded
         # history forgets old events, which Prometheus treats as a counter reset.
-        restarts = CounterMetricFamily("elasticctl_restarts_spent", "Restarts charged to the job's nodes.",
-                                       labels=["elastic_job"])
+        restarts = CounterMetricFamily(
+            "elasticctl_restarts_spent",
+            "Restarts charged to the job's nodes.",
+            labels=["elastic_job"],
+        )
         restarts.add_metric(job, m.restarts_spent)
         yield restarts
-        recoveries = HistogramMetricFamily("elasticctl_recovery_seconds",
-                                           "Seconds each recovery took (recovery_finished events).",
-                                           labels=["elastic_job"])
-        recoveries.add_metric(job, [("+Inf" if b == float("inf") else repr(b), c) for b, c in m.recovery_buckets],
-                              m.recovery_seconds)
+        recoveries = HistogramMetricFamily(
+            "elasticctl_recovery_seconds",
+            "Seconds each recovery took (recovery_finished events).",
+            labels=["elastic_job"],
+        )
+        recoveries.add_metric(
+            job,
+            [("+Inf" if b == float("inf") else repr(b), c) for b, c in m.recovery_buckets],
+            m.recovery_seconds,
+        )
         yield recoveries
-        yield from gauge("elasticctl_steps_per_second", "Training steps per second (last two progress samples).",
-                         m.steps_per_s)
-        yield from gauge("elasticctl_samples_per_second", "Samples per second, as rank 0 reports it.",
-                         m.samples_per_s)
+        yield from gauge(
+            "elasticctl_steps_per_second",
+            "Training steps per second (last two progress samples).",
+            m.steps_per_s,
+        )
+        yield from gauge(
+            "elasticctl_samples_per_second",
+            "Samples per second, as rank 0 reports it.",
+            m.samples_per_s,
+        )
         yield from gauge("elasticctl_training_step", "The step rank 0 last reported.", m.step)
         yield from gauge("elasticctl_training_loss", "The loss rank 0 last reported.", m.loss)
-        yield from gauge("elasticctl_last_checkpoint_step", "The step of the newest checkpoint.",
-                         m.last_checkpoint_step)
+        yield from gauge(
+            "elasticctl_last_checkpoint_step",
+            "The step of the newest checkpoint.",
+            m.last_checkpoint_step,
+        )
         if m.step is not None and m.last_checkpoint_step is not None:
-            yield from gauge("elasticctl_steps_since_checkpoint", "Steps trained since the newest checkpoint.",
-                             max(0, m.step - m.last_checkpoint_step))
-        yield from gauge("elasticctl_progress_age_seconds", "Seconds since rank 0 last reported progress.",
-                         m.progress_age)
+            yield from gauge(
+                "elasticctl_steps_since_checkpoint",
+                "Steps trained since the newest checkpoint.",
+                max(0, m.step - m.last_checkpoint_step),
+            )
+        yield from gauge(
+            "elasticctl_progress_age_seconds",
+            "Seconds since rank 0 last reported progress.",
+            m.progress_age,
+        )
 
 
 class Dashboard:
@@ -140,13 +178,21 @@ class Dashboard:
 
     def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
         self.registry = CollectorRegistry()
-        latency = Histogram("elasticctl_dashboard_etcd_request_duration_seconds",
-                            "Latency of the dashboard's own etcd requests.", ["request"],
-                            registry=self.registry)
+        latency = Histogram(
+            "elasticctl_dashboard_etcd_request_duration_seconds",
+            "Latency of the dashboard's own etcd requests.",
+            ["request"],
+            registry=self.registry,
+        )
         self.reader = JobReader(client, keys, latency)
         self.registry.register(JobCollector(self.reader))
-        self.routes = Map([Rule("/", endpoint="index"), Rule("/api/job", endpoint="job"),
-                           Rule("/metrics", endpoint="metrics")])
+        self.routes = Map(
+            [
+                Rule("/", endpoint="index"),
+                Rule("/api/job", endpoint="job"),
+                Rule("/metrics", endpoint="metrics"),
+            ]
+        )
         self.wsgi = SharedDataMiddleware(self._app, {"/static": str(STATIC)}, cache=False)
 
     def __call__(self, environ, start_response):
@@ -169,8 +215,12 @@ class Dashboard:
             body, status = job_view(self.reader.read()), 200
         except ElasticctlError as exc:  # etcd away: the page says so and polls again
             body, status = {"error": str(exc)}, 503
-        return Response(json.dumps(body), status=status, mimetype="application/json",
-                        headers={"Cache-Control": "no-store"})
+        return Response(
+            json.dumps(body),
+            status=status,
+            mimetype="application/json",
+            headers={"Cache-Control": "no-store"},
+        )
 
     def _metrics(self, _request: Request) -> Response:
         return Response(generate_latest(self.registry), mimetype="text/plain; version=0.0.4")
@@ -207,7 +257,11 @@ def serve(client: EtcdClient, keys: JobKeys, host: str, port: int) -> BaseWSGISe
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        reason = "the port is taken" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+        reason = (
+            "the port is taken"
+            if exc.errno == errno.EADDRINUSE
+            else (exc.strerror or str(exc)).lower()
+        )
         raise ConfigError(f"Cannot listen on {quote(f'{host}:{port}')}: {reason}.") from exc
     server = make_server(host, port, Dashboard(client, keys), threaded=True, fd=sock.fileno())
     server.bound_socket = sock  # keep it open as long as the server: werkzeug uses a dup of its fd

@@ -70,8 +70,9 @@ class SharedLease:
                 if lease_id > 0 and self._client.refresh_lease(lease_id) > 0:
                     return lease_id
             lease_id = self._client.grant_lease(self._ttl)
-            ok, _, _ = self._client.compare_and_swap(self._key, str(lease_id),
-                                                     0 if kv is None else kv.mod_revision, lease=lease_id)
+            ok, _, _ = self._client.compare_and_swap(
+                self._key, str(lease_id), 0 if kv is None else kv.mod_revision, lease=lease_id
+            )
             if ok:
                 return lease_id
             self._client.revoke_lease(lease_id)  # another writer put its lease there first
