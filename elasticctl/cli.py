@@ -667,6 +667,40 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
 
 @cli.command(context_settings=_FLAT_ENV)
 @etcd_options
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd); a job that is down keeps its history for an hour.")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
+              help="Address of the page and /metrics (port 0: a free port). Loopback by default.")
+def dashboard(job, listen, **etcd_params) -> None:
+    """A read-only live web page of the job (nodes, world size, steps/s, loss, events) and
+    Prometheus metrics at /metrics, from etcd alone."""
+    from elasticctl.dashboard.server import parse_listen, serve
+    from elasticctl.job.keys import JobKeys
+
+    host, port = parse_listen(listen)  # before etcd: a typo is reported at once
+    client = connect(_settings(etcd_params))
+    keys = JobKeys(job, etcd_params["key_prefix"]) if job else None
+    if keys is None:
+        keys = JobKeys(resolve_job(client, None, etcd_params["key_prefix"]), etcd_params["key_prefix"])
+    elif client.count_prefix(keys.everything) == 0:  # neither running nor a history left
+        resolve_job(client, job, etcd_params["key_prefix"])  # raises: names the job and the known ones
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request, once a second
+    server = serve(client, keys, host, port)
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"elasticctl: dashboard of job {keys.job} at http://{shown}:{server.port}/ "
+               "(metrics at /metrics); Ctrl-C stops it.", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        server.serve_forever()  # returns on Ctrl-C (werkzeug catches it) or after shutdown()
+    finally:
+        server.server_close()
+        server.bound_socket.close()
+        client.close()
+
+
+@cli.command(context_settings=_FLAT_ENV)
+@etcd_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def jobs(as_json, **etcd_params) -> None:
     """The jobs known to this etcd, with their live node counts."""

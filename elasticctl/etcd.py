@@ -284,6 +284,15 @@ class EtcdClient:
 
         return self._call("count keys", count)
 
+    def oldest_keys(self, prefix: bytes | str, limit: int) -> list[bytes]:
+        """The first ``limit`` keys under ``prefix`` in key order, without their values."""
+
+        def read(c: pyetcd.MultiEndpointEtcd3Client) -> list[bytes]:
+            response = c.get_prefix_response(prefix, keys_only=True, limit=limit, sort_order="ascend")
+            return [kv.key for kv in response.kvs]
+
+        return self._call("read keys", read)
+
     def put(self, key: bytes | str, value: bytes | str, lease: int | None = None) -> int:
         """Write a key; returns the new revision."""
         return self._call("write a key", lambda c: c.put(key, value, lease=lease).header.revision)
@@ -335,6 +344,15 @@ class EtcdClient:
             return max((r.TTL for r in responses), default=0)
 
         return self._call("renew a lease", refresh)
+
+    def lease_ttl(self, lease_id: int) -> tuple[int, int]:
+        """A lease's remaining and granted TTL in seconds; (-1, 0) when it has expired."""
+
+        def ask(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[int, int]:
+            response = c.get_lease_info(lease_id)
+            return response.TTL, response.grantedTTL
+
+        return self._call("report a lease's TTL", ask)
 
     def revoke_lease(self, lease_id: int) -> None:
         def revoke(c: pyetcd.MultiEndpointEtcd3Client) -> None:

@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterable, Iterator
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
 from elasticctl.job import envvars
+from elasticctl.job.history import HISTORY_TTL, SharedLease, trim_oldest
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind
 
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 1000
-EVENTS_TTL = 3600  # seconds the history outlives its job's last writer
+EVENTS_TTL = HISTORY_TTL  # seconds the history outlives its job's last writer
 
 # Frequent events, kept to a tenth of the history so that they never push the membership
 # changes and faults out of it.
@@ -50,8 +51,7 @@ class EventLog:
         self._max_events = max_events
         self._ttl = ttl
         self._lock = threading.Lock()
-        self._lease_id: int | None = None
-        self._renewed_at = 0.0
+        self._shared = SharedLease(client, keys.events_lease, ttl)
         self._later: queue.SimpleQueue[Callable[[], object]] | None = None
 
     # -- writing -------------------------------------------------------------------------
@@ -120,20 +120,12 @@ class EventLog:
     def keep_alive(self) -> None:
         """Renew the history's lease (a live node calls this now and then); errors are logged."""
         try:
-            self._lease(force=True)
+            self._shared.get(force=True)
         except ElasticctlError as exc:
             log.warning("cannot renew the event history's lease: %s", exc)
 
     def _put(self, event: Event) -> None:
-        key = self._keys.event(event.time, event.node, event.kind.value)
-        try:
-            self._client.put(key, event.to_json(), lease=self._lease())
-        except ElasticctlError as exc:
-            if "lease not found" not in str(exc):
-                raise
-            with self._lock:
-                self._lease_id = None
-            self._client.put(key, event.to_json(), lease=self._lease())
+        self._shared.put(self._keys.event(event.time, event.node, event.kind.value), event.to_json())
 
     def _trim(self, kind: EventKind) -> None:
         if kind in ROUTINE:
@@ -141,43 +133,7 @@ class EventLog:
             routine = [key for key in self._client.keys_prefix(self._keys.events) if key.endswith(suffix)]
             for key in routine[:max(0, len(routine) - self._max_events // 10)]:
                 self._client.delete(key)
-        excess = self._client.count_prefix(self._keys.events) - self._max_events
-        if excess <= 0:
-            return
-        for kv in self._client.get_prefix(self._keys.events)[:excess]:  # ascending: oldest first
-            self._client.delete(kv.key)
-
-    def _lease(self, force: bool = False) -> int:
-        """The shared lease of the history, renewed at most every ttl / 4 (or now, with ``force``)."""
-        with self._lock:
-            now = time.monotonic()
-            if self._lease_id is not None and (force or now - self._renewed_at > self._ttl / 4):
-                if self._client.refresh_lease(self._lease_id) <= 0:
-                    self._lease_id = None
-                self._renewed_at = now
-            if self._lease_id is None:
-                self._lease_id = self._shared_lease()
-                self._renewed_at = now
-            return self._lease_id
-
-    def _shared_lease(self) -> int:
-        """The lease under ``history/lease`` if it is alive, else a new one put there."""
-        for _ in range(3):
-            kv = self._client.get(self._keys.events_lease)
-            if kv is not None:
-                try:
-                    lease_id = int(kv.value)
-                except ValueError:
-                    lease_id = 0
-                if lease_id > 0 and self._client.refresh_lease(lease_id) > 0:
-                    return lease_id
-            lease_id = self._client.grant_lease(self._ttl)
-            ok, _, _ = self._client.compare_and_swap(self._keys.events_lease, str(lease_id),
-                                                     0 if kv is None else kv.mod_revision, lease=lease_id)
-            if ok:
-                return lease_id
-            self._client.revoke_lease(lease_id)  # another node put its lease there first
-        raise ElasticctlError("The event history's lease kept changing under us.")
+        trim_oldest(self._client, self._keys.events, self._max_events)
 
     # -- reading -------------------------------------------------------------------------
 

@@ -6,6 +6,12 @@ Writes happen on a background thread, at most one per ``interval`` seconds,
 with only the newest update kept: an etcd that is slow or away costs training
 nothing (the update is dropped with a warning). Outside elasticctl (no
 ELASTICCTL_ETCD / ELASTICCTL_JOB) every call is a no-op.
+
+Given the job's keys, the same thread also appends a
+:class:`~elasticctl.job.records.ProgressSample` (time, step, loss, samples_per_s,
+world_size) to ``history/progress/`` at most every ``sample_interval`` seconds,
+keeping the newest ``max_samples``, bound to the history's shared lease: the
+dashboard draws its curves from them and keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -17,15 +23,20 @@ import threading
 import time
 
 from elasticctl.job import envvars
+from elasticctl.job.history import SharedLease, trim_oldest
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import ProgressSample
 
 log = logging.getLogger(__name__)
 
-
+SAMPLE_INTERVAL = 2.0  # seconds between samples of the progress series
+MAX_SAMPLES = 1800     # an hour of samples at that interval
 
 class ProgressPublisher:
     """Publishes the newest progress update in the background; see the module docstring."""
 
-    def __init__(self, client, key: str, rank: int = 0, interval: float = 1.0, events=None,
+    def __init__(self, client, key: str, rank: int = 0, interval: float = 1.0, keys: JobKeys | None = None,
+                 sample_interval: float = SAMPLE_INTERVAL, max_samples: int = MAX_SAMPLES, events=None,
                  node: str = "") -> None:
         self.client = client
         self._events = events  # EventLog: this process's first step may end a recovery
@@ -34,6 +45,10 @@ class ProgressPublisher:
         self.key = key
         self.rank = rank
         self.interval = interval
+        self.keys = keys  # None: no progress series
+        self.sample_interval = sample_interval
+        self.max_samples = max_samples
+        self._lease = None if keys is None else SharedLease(client, keys.events_lease)
         self._pending: dict | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -51,7 +66,7 @@ class ProgressPublisher:
         from elasticctl.events import EventLog
 
         client, keys = EtcdClient(settings), envvars.job_keys()
-        return cls(client, keys.progress, rank=rank, interval=interval, events=EventLog(client, keys),
+        return cls(client, keys.progress, rank=rank, interval=interval, keys=keys, events=EventLog(client, keys),
                    node=os.environ.get(envvars.NODE, ""))
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,
@@ -71,7 +86,7 @@ class ProgressPublisher:
             self._cond.notify()
 
     def _run(self) -> None:
-        last_put = float("-inf")
+        last_put = last_sample = float("-inf")
         while True:
             with self._cond:
                 while self._pending is None and not self._closed:
@@ -89,6 +104,20 @@ class ProgressPublisher:
                 self.client.put(self.key, json.dumps(update))
             except Exception as exc:  # noqa: BLE001 - etcd away or refusing: training goes on without it
                 log.warning("Dropped a progress update for %s: %s", self.key, exc)
+                continue
+            if self.keys is not None and last_put - last_sample >= self.sample_interval:
+                last_sample = last_put
+                self._append_sample(update)
+
+    def _append_sample(self, update: dict) -> None:
+        """Append ``update`` to the progress series and trim it (best-effort, like the update)."""
+        sample = ProgressSample(time=update["time"], step=update["step"], loss=update["loss"],
+                                samples_per_s=update["samples_per_s"], world_size=update["world_size"])
+        try:
+            self._lease.put(self.keys.progress_sample(sample.time), sample.to_json())
+            trim_oldest(self.client, self.keys.progress_samples, self.max_samples)
+        except Exception as exc:  # noqa: BLE001 - the curves lose a point; training goes on
+            log.warning("Dropped a progress sample of %s: %s", self.keys.job, exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send the last queued update (waiting at most ``timeout`` s) and stop."""

@@ -14,7 +14,9 @@ Under ``<key_prefix>/<job>/``::
     history/events/<time>-<node>-<kind>
                               the event history (time: microseconds, zero-padded: key order
                               is time order), bound to history/lease; kept after `down`
-    history/lease             the id of the lease the events are bound to
+    history/progress/<time>   samples of rank 0's progress over time (time: microseconds,
+                              zero-padded), bound to history/lease; for the dashboard's curves
+    history/lease             the id of the lease the events and samples are bound to
     rdzv/nodes/<node>         rendezvous declarations, bound to each node's lease
     rdzv/ctl/round            the sealed round
     rdzv/ctl/closed           the job is done: no round after it
@@ -109,7 +111,16 @@ class JobKeys:
 
     @property
     def events_lease(self) -> str:
+        """The shared lease of everything under ``history/`` (events and progress samples)."""
         return self.history + "lease"
+
+    @property
+    def progress_samples(self) -> str:
+        return self.history + "progress/"
+
+    def progress_sample(self, time: float) -> str:
+        """The key of a progress sample: its time in microseconds, zero-padded (key order: time order)."""
+        return f"{self.progress_samples}{round(time * 1_000_000):020d}"
 
     # -- the rendezvous ----------------------------------------------------------------
 

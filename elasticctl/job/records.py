@@ -237,6 +237,41 @@ class Event:
             return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgressSample:
+    """Rank 0's progress at one time (``history/progress/<time>``), for curves over time."""
+
+    time: float
+    step: int
+    loss: float | None = None
+    samples_per_s: float | None = None
+    world_size: int | None = None
+
+    def to_json(self) -> str:
+        return record_json({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ProgressSample | None:
+        """The sample in ``raw`` (untrusted), or None if its time or step is missing or malformed;
+        an optional field of the wrong type or out of range reads as absent."""
+        data = json_object(raw)
+        time, step = data.get("time"), data.get("step")
+        if not _finite(time) or not 0 <= time < 1e11 or not _finite(step, int) or step < 0:
+            return None
+        loss, rate, world = data.get("loss"), data.get("samples_per_s"), data.get("world_size")
+        return cls(time=float(time), step=step, loss=float(loss) if _finite(loss) else None,
+                   samples_per_s=float(rate) if _finite(rate) and rate >= 0 else None,
+                   world_size=world if _finite(world, int) and world > 0 else None)
+
+
+def _finite(value: object, kind: type | tuple[type, ...] = _NUMBER) -> bool:
+    """A JSON number of ``kind`` (never a bool), finite (an int within 64 bits: float() of a longer
+    one can overflow)."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        return False
+    return math.isfinite(value) if isinstance(value, float) else -(2**63) <= value < 2**63
+
+
 def _signature(fields: dict, key: str, secret: bytes) -> str:
     # Bound to the key, so that a signed record cannot be moved to another node, round or run.
     message = key.encode() + b"\n" + json.dumps(fields, sort_keys=True).encode()
@@ -256,7 +291,9 @@ def _verified(data: dict, key: str, secret: bytes | None) -> dict:
         return data
     fields = {k: v for k, v in data.items() if k != "sig"}
     signature = data.get("sig")
-    if not isinstance(signature, str) or not hmac.compare_digest(signature, _signature(fields, key, secret)):
+    # As bytes: compare_digest refuses a str with non-ASCII characters (a planted signature).
+    if not isinstance(signature, str) or not hmac.compare_digest(
+            signature.encode(), _signature(fields, key, secret).encode()):
         return {}
     return fields
 

@@ -1,0 +1,278 @@
+"""The dashboard's pure part: what one look at etcd found (:class:`Reading`, raw and untrusted)
+becomes the page's JSON (:func:`job_view`) and the values of ``/metrics`` (:func:`job_metrics`).
+
+No I/O and no clock here (``now`` comes in the reading), so every rule is testable with planted
+bytes. A record that does not parse is skipped, a field of the wrong type reads as absent: a
+malformed or hostile key can blank a cell, never break the page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from elasticctl.errors import ConfigError
+from elasticctl.events import describe, parse_events
+from elasticctl.job.records import (
+    MEMBER_FIELDS,
+    NODE_FIELDS,
+    PROGRESS_FIELDS,
+    Event,
+    EventKind,
+    MemberState,
+    ProgressSample,
+    typed_record,
+)
+from elasticctl.spec import validate_name
+
+# Upper bounds (seconds) of the recovery-time histogram: from a free in-place re-form to a slow
+# restart with a checkpoint load.
+RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """One look at a job in etcd: the raw values, by node id where keys name a node."""
+
+    job: str
+    now: float
+    nodes: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # nodes/<id>
+    members: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # members/<id>
+    heartbeats: Mapping[str, float] = dataclasses.field(default_factory=dict)  # seconds since a
+    # node's lease was last renewed (granted TTL - remaining TTL)
+    progress: bytes | None = None
+    events: Sequence[bytes] = ()  # history/events/, in key (= time) order
+    samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
+
+
+def _valid_ids(records: Mapping[str, bytes], fields: dict) -> dict[str, dict]:
+    """The typed records whose key is a valid node id (a planted ``a/b`` or empty one: skipped)."""
+    typed = {}
+    for node, raw in records.items():
+        try:
+            validate_name(node, "node id")
+        except ConfigError:
+            continue
+        typed[node] = _bounded(typed_record(raw, fields))
+    return typed
+
+
+def _bounded(record: dict) -> dict:
+    """``record`` without integers too large for a float: JSON allows any, but arithmetic with a
+    time, a metric value or the browser's numbers would overflow or round."""
+    return {k: v for k, v in record.items() if not isinstance(v, int) or abs(v) < 2**53}
+
+
+def _progress(reading: Reading) -> dict:
+    return (
+        _bounded(typed_record(reading.progress, PROGRESS_FIELDS))
+        if reading.progress is not None
+        else {}
+    )
+
+
+def _current_round(members: Mapping[str, dict]) -> int | None:
+    rounds = [
+        m["round"]
+        for m in members.values()
+        if m.get("state") == MemberState.TRAINING and "round" in m
+    ]
+    return max(rounds) if rounds else None
+
+
+def _state(node: dict, member: dict | None) -> str:
+    """The node's state as `status` shows it: its rendezvous state while its process runs."""
+    state = node.get("state", "?")
+    if state == "running":
+        return (member or {}).get("state", "joining")
+    return state
+
+
+def nodes_table(reading: Reading) -> list[dict]:
+    """One row per live node (a ``nodes/`` record with a readable field), sorted by id."""
+    nodes = {
+        node: record for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items() if record
+    }
+    members = _valid_ids(reading.members, MEMBER_FIELDS)
+    rows = []
+    for node, record in sorted(nodes.items()):
+        member = members.get(node)
+        age = reading.heartbeats.get(node)
+        rows.append(
+            {
+                "id": node,
+                "host": record.get("host"),
+                "addr": record.get("addr"),
+                "state": _state(record, member),
+                "rank": (member or {}).get("rank"),
+                "round": (member or {}).get("round"),
+                "gpus": record.get("gpus", 0),
+                "restarts": (member or {}).get("restarts", 0),
+                "heartbeat_age": None if age is None else max(0.0, round(age, 1)),
+            }
+        )
+    return rows
+
+
+def samples_series(raws: Iterable[bytes]) -> dict[str, list]:
+    """The progress samples as columns for the charts: time, step, loss, steps/s, samples/s,
+    world size. Steps/s is between a sample and the one before it; None for the first one and
+    where the step went back (a restart resumed from an older checkpoint)."""
+    samples = sorted(
+        (s for s in map(ProgressSample.from_json, raws) if s is not None), key=lambda s: s.time
+    )
+    columns: dict[str, list] = {
+        name: [] for name in ("time", "step", "loss", "steps_per_s", "samples_per_s", "world_size")
+    }
+    previous: ProgressSample | None = None
+    for sample in samples:
+        rate = None
+        if previous is not None and sample.time > previous.time and sample.step >= previous.step:
+            rate = round((sample.step - previous.step) / (sample.time - previous.time), 4)
+        for name, value in (
+            ("time", sample.time),
+            ("step", sample.step),
+            ("loss", sample.loss),
+            ("steps_per_s", rate),
+            ("samples_per_s", sample.samples_per_s),
+            ("world_size", sample.world_size),
+        ):
+            columns[name].append(value)
+        previous = sample
+    return columns
+
+
+def world_series(events: Sequence[Event]) -> dict[str, list]:
+    """World size over time: a step at every ``round_formed`` that names one."""
+    formed = [e for e in events if e.kind is EventKind.ROUND_FORMED and e.world_size is not None]
+    return {"time": [e.time for e in formed], "world_size": [e.world_size for e in formed]}
+
+
+def totals(events: Sequence[Event]) -> dict:
+    """What the recoveries cost: their count and seconds (``recovery_finished``), restarts spent
+    (``failure_judged`` that charged one)."""
+    durations = [
+        e.duration
+        for e in events
+        if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
+    ]
+    return {
+        "recoveries": len(durations),
+        "recovery_seconds": round(sum(durations), 3),
+        "restarts_spent": sum(
+            1 for e in events if e.kind is EventKind.FAILURE_JUDGED and e.charged
+        ),
+    }
+
+
+def _events(reading: Reading) -> list[Event]:
+    return sorted(parse_events(reading.events), key=lambda e: e.time)
+
+
+def event_row(event: Event) -> dict:
+    """An event for the page: any kind, shown generically as its kind and its details."""
+    row = {
+        "time": event.time,
+        "kind": event.kind.value,
+        "node": event.node,
+        "text": describe(event),
+    }
+    if event.world_size is not None:
+        row["world_size"] = event.world_size
+    return row
+
+
+def job_view(reading: Reading) -> dict:
+    """The page's JSON (``/api/job``)."""
+    events = _events(reading)
+    members = _valid_ids(reading.members, MEMBER_FIELDS)
+    current = _current_round(members)
+    progress = _progress(reading)
+    nodes = nodes_table(reading)
+    return {
+        "job": reading.job,
+        "now": reading.now,
+        "round": current,
+        "world_size": _world_size(members, current),
+        "live_nodes": len(nodes),
+        "nodes": nodes,
+        "progress": progress or None,
+        "progress_age": _age(reading.now, (progress or {}).get("time")),
+        "samples": samples_series(reading.samples),
+        "world": world_series(events),
+        "events": [event_row(e) for e in reversed(events)],  # newest first
+        "totals": totals(events),
+    }
+
+
+def _world_size(members: Mapping[str, dict], current: int | None) -> int:
+    return sum(
+        1
+        for m in members.values()
+        if current is not None
+        and m.get("round") == current
+        and m.get("state") == MemberState.TRAINING
+    )
+
+
+def _age(now: float, then: float | None) -> float | None:
+    return None if then is None else max(0.0, round(now - then, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobMetrics:
+    """The values ``/metrics`` exposes for one job (None: not known, the metric is left out)."""
+
+    world_size: int
+    round: int | None
+    nodes_by_state: dict[str, int]
+    restarts_spent: int
+    recovery_buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count), +Inf last
+    recovery_seconds: float
+    recoveries: int
+    steps_per_s: float | None
+    samples_per_s: float | None
+    step: int | None
+    loss: float | None
+    last_checkpoint_step: int | None
+    progress_age: float | None
+
+
+def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
+    """Cumulative counts of ``values`` for upper ``bounds``, +Inf last (Prometheus' form)."""
+    return (
+        *((bound, sum(1 for v in values if v <= bound)) for bound in bounds),
+        (float("inf"), len(values)),
+    )
+
+
+def job_metrics(reading: Reading) -> JobMetrics:
+    """The metric values of a reading: from the same parsed records as the page."""
+    events = _events(reading)
+    members = _valid_ids(reading.members, MEMBER_FIELDS)
+    current = _current_round(members)
+    by_state: dict[str, int] = {}
+    for row in nodes_table(reading):
+        by_state[row["state"]] = by_state.get(row["state"], 0) + 1
+    durations = [
+        e.duration
+        for e in events
+        if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
+    ]
+    progress = _progress(reading)
+    rates = [r for r in samples_series(reading.samples)["steps_per_s"] if r is not None]
+    return JobMetrics(
+        world_size=_world_size(members, current),
+        round=current,
+        nodes_by_state=by_state,
+        restarts_spent=totals(events)["restarts_spent"],
+        recovery_buckets=histogram(durations, RECOVERY_BUCKETS),
+        recovery_seconds=sum(durations),
+        recoveries=len(durations),
+        steps_per_s=rates[-1] if rates else None,
+        samples_per_s=progress.get("samples_per_s"),
+        step=progress.get("step"),
+        loss=progress.get("loss"),
+        last_checkpoint_step=progress.get("last_checkpoint_step"),
+        progress_age=_age(reading.now, progress.get("time")),
+    )

@@ -1,0 +1,507 @@
+"""`elasticctl dashboard`: the pure model (table-driven, planted records mixed in), the server's
+JSON and /metrics against a real etcd, and its one-sentence errors. The live page in a real
+browser during a real job: tests/test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from helpers import wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from test_orchestrator import ELASTICCTL, cli
+
+from elasticctl.dashboard.model import Reading, histogram, job_metrics, job_view, samples_series
+from elasticctl.etcd import EtcdClient
+from elasticctl.events import EventLog
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Event, EventKind, ProgressSample
+
+NOW = 1_700_000_100.0
+
+
+def ev(t: float, kind: EventKind, node: str = "a", **fields) -> bytes:
+    return Event(time=NOW - t, kind=kind, node=node, **fields).to_json().encode()
+
+
+def sample(t: float, step: int, loss: float | None = None, world: int | None = None) -> bytes:
+    return ProgressSample(time=NOW - t, step=step, loss=loss, world_size=world).to_json().encode()
+
+
+NODE = (
+    b'{"id": "a", "host": "h1", "addr": "10.0.0.1", "gpus": 2, "state": "running", "joined_at": 1}'
+)
+MEMBER = b'{"node": "a", "state": "training", "round": 3, "rank": 0, "restarts": 1}'
+GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000, b'{"kind": 5}']
+
+
+# -- the pure model --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reading", "expected"),
+    [
+        pytest.param(
+            Reading("j", NOW),
+            {
+                "round": None,
+                "world_size": 0,
+                "live_nodes": 0,
+                "nodes": [],
+                "progress": None,
+                "events": [],
+                "totals": {"recoveries": 0, "recovery_seconds": 0, "restarts_spent": 0},
+            },
+            id="nothing-in-etcd",
+        ),
+        pytest.param(
+            Reading("j", NOW, nodes={"a": NODE}, members={"a": MEMBER}, heartbeats={"a": 1.25}),
+            {
+                "round": 3,
+                "world_size": 1,
+                "live_nodes": 1,
+                "nodes": [
+                    {
+                        "id": "a",
+                        "host": "h1",
+                        "addr": "10.0.0.1",
+                        "state": "training",
+                        "rank": 0,
+                        "round": 3,
+                        "gpus": 2,
+                        "restarts": 1,
+                        "heartbeat_age": 1.2,
+                    }
+                ],
+            },
+            id="a-training-node",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                nodes={
+                    "a": NODE,
+                    "b/c": NODE,
+                    "": NODE,
+                    "bad": b"\xff",
+                    "x": b"[]",
+                    "h": b'{"host": 5, "gpus": "two", "state": "leaving"}',
+                },
+                members={"a": b'{"state": "training", "round": "3", "rank": -1.5}'},
+            ),
+            {
+                "round": None,
+                "world_size": 0,
+                "live_nodes": 2,
+                "nodes": [
+                    {
+                        "id": "a",
+                        "host": "h1",
+                        "addr": "10.0.0.1",
+                        "state": "training",
+                        "rank": None,
+                        "round": None,
+                        "gpus": 2,
+                        "restarts": 0,
+                        "heartbeat_age": None,
+                    },
+                    {
+                        "id": "h",
+                        "host": None,
+                        "addr": None,
+                        "state": "leaving",
+                        "rank": None,
+                        "round": None,
+                        "gpus": 0,
+                        "restarts": 0,
+                        "heartbeat_age": None,
+                    },
+                ],
+            },
+            id="planted-node-records-and-ids-are-skipped",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                events=[
+                    ev(30, EventKind.ROUND_FORMED, world_size=3, round=1),
+                    *GARBAGE,
+                    ev(20, EventKind.MEMBER_LOST, "c", round=1),
+                    ev(15, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own"),
+                    ev(15, EventKind.FAILURE_JUDGED, "a", charged=False),
+                    ev(10, EventKind.ROUND_FORMED, world_size=2, round=2),
+                    ev(10, EventKind.RECOVERY_FINISHED, duration=4.5, round=2),
+                    ev(5, EventKind.RECOVERY_FINISHED, duration=1.25, round=3),
+                ],
+            ),
+            {
+                "world": {"time": [NOW - 30, NOW - 10], "world_size": [3, 2]},
+                "totals": {"recoveries": 2, "recovery_seconds": 5.75, "restarts_spent": 1},
+                # newest first; of two at the same time, the one written later first
+                "event_kinds": [
+                    "recovery_finished",
+                    "recovery_finished",
+                    "round_formed",
+                    "failure_judged",
+                    "failure_judged",
+                    "member_lost",
+                    "round_formed",
+                ],
+            },
+            id="events-newest-first-with-garbage-mixed-in",
+        ),
+        pytest.param(
+            Reading("j", NOW, progress=b'{"step": 7, "loss": "x", "time": 1699999990, "rank": 0}'),
+            {"progress": {"step": 7, "time": 1699999990, "rank": 0}, "progress_age": 110.0},
+            id="progress-with-a-malformed-field",
+        ),
+        pytest.param(
+            Reading("j", NOW, progress=b"\x00not json"),
+            {"progress": None, "progress_age": None},
+            id="progress-unreadable",
+        ),
+    ],
+)
+def test_job_view(reading, expected):
+    view, expected = job_view(reading), dict(expected)
+    json.dumps(view)  # the page's JSON: serialisable, whatever etcd held
+    if "event_kinds" in expected:
+        assert [e["kind"] for e in view["events"]] == expected.pop("event_kinds")
+    for key, value in expected.items():
+        assert view[key] == value, key
+
+
+def test_every_event_is_listed_generically_with_its_details():
+    view = job_view(
+        Reading(
+            "j",
+            NOW,
+            events=[
+                ev(1, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own\nfailure", round=4)
+            ],
+        )
+    )
+    assert view["events"] == [
+        {
+            "time": NOW - 1,
+            "kind": "failure_judged",
+            "node": "b",
+            "text": "round 4; restart spent; own failure",
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raws", "expected"),
+    [
+        pytest.param([], {"time": [], "step": [], "steps_per_s": []}, id="none"),
+        pytest.param(
+            [sample(10, 0), sample(8, 20), sample(6, 30)],
+            {
+                "time": [NOW - 10, NOW - 8, NOW - 6],
+                "step": [0, 20, 30],
+                "steps_per_s": [None, 10.0, 5.0],
+            },
+            id="steps-per-second-between-samples",
+        ),
+        pytest.param(
+            [sample(6, 30), b"{}", sample(10, 0), b'{"time": 1, "step": -4}', sample(8, 20)],
+            {"time": [NOW - 10, NOW - 8, NOW - 6], "steps_per_s": [None, 10.0, 5.0]},
+            id="out-of-order-and-garbage",
+        ),
+        pytest.param(
+            [sample(10, 100), sample(8, 60), sample(6, 80)],
+            {"steps_per_s": [None, None, 10.0]},
+            id="a-resume-from-an-older-checkpoint-is-a-gap",
+        ),
+        pytest.param(
+            [sample(10, 0, loss=2.0, world=3), sample(10, 5, loss=1.0)],
+            {"loss": [2.0, 1.0], "world_size": [3, None], "steps_per_s": [None, None]},
+            id="same-time-no-rate",
+        ),
+    ],
+)
+def test_samples_series(raws, expected):
+    series = samples_series(raws)
+    for key, value in expected.items():
+        assert series[key] == value, key
+
+
+def test_histogram_is_cumulative_with_inf_last():
+    assert histogram([0.5, 3, 3, 70], (1, 5, 60)) == ((1, 1), (5, 3), (60, 3), (float("inf"), 4))
+    assert histogram([], (1,)) == ((1, 0), (float("inf"), 0))
+
+
+def test_job_metrics_from_the_same_records():
+    reading = Reading(
+        "j",
+        NOW,
+        nodes={"a": NODE, "b": NODE.replace(b"running", b"leaving"), "z": b"junk"},
+        members={"a": MEMBER},
+        progress=b'{"step": 120, "last_checkpoint_step": 100, "samples_per_s": 64.5, "loss": 0.5, '
+        b'"time": 1699999999}',
+        events=[
+            ev(9, EventKind.RECOVERY_FINISHED, duration=7.0),
+            b"junk",
+            ev(5, EventKind.FAILURE_JUDGED, charged=True),
+            ev(4, EventKind.FAILURE_JUDGED, charged=True),
+        ],
+        samples=[sample(4, 100), sample(2, 120)],
+    )
+    m = job_metrics(reading)
+    assert (m.world_size, m.round, m.nodes_by_state) == (1, 3, {"training": 1, "leaving": 1})
+    assert (m.restarts_spent, m.recoveries, m.recovery_seconds) == (2, 1, 7.0)
+    assert m.recovery_buckets[2:4] == ((5.0, 0), (10.0, 1))
+    assert (m.steps_per_s, m.samples_per_s, m.step, m.loss, m.last_checkpoint_step) == (
+        10.0,
+        64.5,
+        120,
+        0.5,
+        100,
+    )
+    assert m.progress_age == 101.0
+    empty = job_metrics(Reading("j", NOW, progress=b"[1]"))
+    assert (empty.step, empty.steps_per_s, empty.progress_age, empty.round) == (
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+RAW = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([NODE, MEMBER, *GARBAGE]),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "time",
+                "step",
+                "kind",
+                "state",
+                "round",
+                "rank",
+                "world_size",
+                "duration",
+                "charged",
+                "loss",
+                "host",
+                "members",
+            ]
+        ),
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(),
+            st.floats(),
+            st.text(max_size=4),
+            st.sampled_from(["round_formed", "recovery_finished", "training"]),
+        ),
+        max_size=6,
+    ).map(lambda d: json.dumps(d).encode()),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.dictionaries(st.text(max_size=6), RAW, max_size=4),
+    members=st.dictionaries(st.text(max_size=6), RAW, max_size=4),
+    progress=st.none() | RAW,
+    events=st.lists(RAW, max_size=6),
+    samples=st.lists(RAW, max_size=6),
+)
+def test_random_readings_never_break_the_page_or_the_metrics(
+    nodes, members, progress, events, samples
+):
+    reading = Reading(
+        "j", NOW, nodes=nodes, members=members, progress=progress, events=events, samples=samples
+    )
+    json.dumps(job_view(reading), allow_nan=False)  # the browser's JSON.parse takes no NaN
+    job_metrics(reading)
+
+
+# -- the server against a real etcd -----------------------------------------------------------
+
+
+class Dashboard:
+    """`elasticctl dashboard` as a process on a free loopback port; stopped by ``stop``."""
+
+    def __init__(self, endpoint: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [*ELASTICCTL, "dashboard", "--etcd", endpoint, "--listen", "127.0.0.1:0", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.process.stderr.readline()  # the first line says where it listens
+        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        if not found:
+            self.stop()
+            raise AssertionError(f"the dashboard did not start: {line}{self.process.stderr.read()}")
+        self.url = found.group(0)
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return response.read()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(15)
+
+
+@pytest.fixture
+def planted(default_etcd, run_id):
+    client = EtcdClient(default_etcd.client_settings())
+    keys = JobKeys(run_id)
+    lease = client.grant_lease(30)
+    client.put(keys.node("a"), NODE, lease=lease)
+    client.put(keys.node("b"), b"\xff planted")
+    client.put(keys.member("a"), MEMBER)
+    client.put(keys.progress, b'{"step": 50, "last_checkpoint_step": 40, "time": 1}')
+    log = EventLog(client, keys)
+    log.record(EventKind.ROUND_FORMED, "a", round=3, members=("a",), world_size=1)
+    log.record(EventKind.RECOVERY_FINISHED, "a", round=3, duration=2.0)
+    client.put(keys.event(NOW, "x", "bogus"), b'{"time": "garbage"}')
+    client.put(keys.progress_sample(NOW - 4), sample(4, 10))
+    client.put(keys.progress_sample(NOW - 2), sample(2, 30))
+    client.put(keys.progress_sample(NOW - 1), b"NaN")
+    dashboard = Dashboard(default_etcd.endpoint, "--job", run_id)
+    yield dashboard, keys
+    assert dashboard.stop() == 0
+    client.revoke_lease(lease)
+    client.close()
+
+
+def test_the_page_json_and_metrics_come_from_etcd(planted):
+    dashboard, keys = planted
+    view = json.loads(dashboard.get("api/job"))
+    assert view["job"] == keys.job and view["world_size"] == 1 and view["round"] == 3
+    assert [n["id"] for n in view["nodes"]] == ["a"]
+    assert 0 <= view["nodes"][0]["heartbeat_age"] <= 30, "from the node record's lease"
+    assert [e["kind"] for e in view["events"]] == ["recovery_finished", "round_formed"]
+    assert view["samples"]["steps_per_s"] == [None, 10.0]
+
+    page = dashboard.get("").decode()
+    assert (
+        'id="world-chart"' in page and "static/dashboard.js" in page and "://" not in page
+    )  # no CDN
+    assert b"uPlot" in dashboard.get("static/uPlot.iife.min.js")
+    with pytest.raises(urllib.error.HTTPError):
+        dashboard.get("static/../server.py")
+
+    families = {
+        f.name: f for f in text_string_to_metric_families(dashboard.get("metrics").decode())
+    }
+    value = {f.name: f.samples[0].value for f in families.values() if f.samples}
+    assert value["elasticctl_world_size"] == 1 and value["elasticctl_round"] == 3
+    assert value["elasticctl_dashboard_etcd_up"] == 1
+    assert families["elasticctl_restarts_spent"].type == "counter"
+    assert families["elasticctl_nodes"].samples[0].labels == {
+        "elastic_job": keys.job,
+        "state": "training",
+    }
+    recovery = {
+        s.name: s for s in families["elasticctl_recovery_seconds"].samples if "le" not in s.labels
+    }
+    assert recovery["elasticctl_recovery_seconds_count"].value == 1
+    assert recovery["elasticctl_recovery_seconds_sum"].value == 2.0
+    assert (
+        value["elasticctl_steps_per_second"] == 10.0
+        and value["elasticctl_steps_since_checkpoint"] == 10
+    )
+    latency = families["elasticctl_dashboard_etcd_request_duration_seconds"]
+    assert latency.type == "histogram" and {s.labels.get("request") for s in latency.samples} >= {
+        "range",
+        "lease",
+    }
+    assert all(
+        s.labels.get("elastic_job", keys.job) == keys.job and "job" not in s.labels
+        for f in families.values()
+        for s in f.samples
+    )
+
+
+# -- one-sentence errors ----------------------------------------------------------------------
+
+
+def _one_sentence(result: subprocess.CompletedProcess, *named: str) -> None:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for text in named:
+        assert text in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [
+        "nohost",
+        "127.0.0.1:http",
+        "127.0.0.1:70000",
+        "example.org:80",
+        ":80",
+        "127.0.0.1:",
+        "[::1:80",
+    ],
+)
+def test_a_bad_listen_is_one_sentence(listen):
+    # checked before etcd: no etcd is needed to be told
+    _one_sentence(cli("dashboard", "--etcd", "127.0.0.1:1", "--listen", listen), f"'{listen}'")
+
+
+def test_a_taken_port_is_one_sentence(default_etcd, run_id):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        EtcdClient(default_etcd.client_settings()).put(JobKeys(run_id).spec, "{}")
+        result = cli(
+            "dashboard",
+            "--etcd",
+            default_etcd.endpoint,
+            "--job",
+            run_id,
+            "--listen",
+            f"127.0.0.1:{port}",
+        )
+    _one_sentence(result, f"127.0.0.1:{port}", "taken")
+
+
+def test_an_address_not_on_this_host_is_one_sentence(default_etcd, run_id):
+    EtcdClient(default_etcd.client_settings()).put(JobKeys(run_id).spec, "{}")
+    result = cli(
+        "dashboard", "--etcd", default_etcd.endpoint, "--job", run_id, "--listen", "192.0.2.1:8080"
+    )
+    _one_sentence(result, "192.0.2.1:8080")
+
+
+def test_an_unknown_job_is_one_sentence(default_etcd):
+    _one_sentence(
+        cli("dashboard", "--etcd", default_etcd.endpoint, "--job", "no-such-job"), "'no-such-job'"
+    )
+    _one_sentence(cli("dashboard", "--etcd", default_etcd.endpoint, "--job", "a/b"), "'a/b'")
+
+
+def test_a_job_that_is_down_is_shown_from_its_history(default_etcd, run_id):
+    client = EtcdClient(default_etcd.client_settings())
+    EventLog(client, JobKeys(run_id)).record(EventKind.JOB_DOWN, reason="by the test")
+    dashboard = Dashboard(default_etcd.endpoint, "--job", run_id)
+    try:
+        view = wait_for(lambda: json.loads(dashboard.get("api/job")), 10, "the job's JSON")
+        assert [e["kind"] for e in view["events"]] == ["job_down"] and view["nodes"] == []
+    finally:
+        assert dashboard.stop() == 0
+        client.close()
