@@ -326,6 +326,13 @@ class Checkpointer:
         if self.is_writer:
             self._remove_stale_temp_files()
 
+    def follow_rank(self, rank: int, writer_rank: int = 0) -> None:
+        """This process is now global rank ``rank`` (a new generation of hot recovery)."""
+        self.rank = rank
+        if rank == writer_rank and not self.is_writer:
+            check_directory(self.directory, writable=True)
+        self.is_writer = rank == writer_rank
+
     # -- listing ------------------------------------------------------------------------
 
     def checkpoints(self) -> list[tuple[int, Path]]:

@@ -56,8 +56,9 @@ class ProgressPublisher:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, rank: int, interval: float = 1.0) -> ProgressPublisher | None:
-        """A publisher for global rank 0 under elasticctl; None anywhere else."""
+    def from_env(cls, rank: int, interval: float = 1.0, recoveries: bool = True) -> ProgressPublisher | None:
+        """A publisher for global rank 0 under elasticctl; None anywhere else. ``recoveries``:
+        the first update records the recovery it ends (the hot-recovery runtime does its own)."""
         # Give up on one update quickly: a newer one will follow.
         settings = envvars.etcd_settings(retry_timeout=max(interval * 3, 2.0))
         if rank != 0 or settings is None:
@@ -66,7 +67,8 @@ class ProgressPublisher:
         from elasticctl.events import EventLog
 
         client, keys = EtcdClient(settings), envvars.job_keys()
-        return cls(client, keys.progress, rank=rank, interval=interval, keys=keys, events=EventLog(client, keys),
+        return cls(client, keys.progress, rank=rank, interval=interval, keys=keys,
+                   events=EventLog(client, keys) if recoveries else None,
                    node=os.environ.get(envvars.NODE, ""))
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,

@@ -17,6 +17,8 @@ ETCD_PASSWORD = "ELASTICCTL_ETCD_PASSWORD"  # never a flag: it would show in `ps
 RDZV_SECRET = "ELASTICCTL_RDZV_SECRET"
 ETCD_BINARY = "ELASTICCTL_ETCD_BINARY"
 STATE_DIR = "ELASTICCTL_STATE_DIR"
+HOT = "ELASTICCTL_HOT"                    # hot recovery's settings for the workers (settings.HotSettings)
+NODE_ADDR = "ELASTICCTL_NODE_ADDR"        # the address this node's workers are reached at
 
 
 def etcd_tls(name: str) -> str:

@@ -21,6 +21,8 @@ Under ``<key_prefix>/<job>/``::
     rdzv/ctl/round            the sealed round
     rdzv/ctl/closed           the job is done: no round after it
     rdzv/ctl/sealer           the claim to seal the next round, bound to its holder's lease
+    generations/...           the same keys as rdzv/ for the workers' generations (hot recovery):
+                              nodes/<node>.<local rank>, ctl/round, ctl/sealer, ctl/closed
     store/<round>/...         the agents' c10d store of a round
     rdzv                      torch's own rendezvous state (``EtcdRendezvousBackend`` only)
 """
@@ -39,6 +41,12 @@ class JobKeys:
 
     job: str
     key_prefix: str = DEFAULT_KEY_PREFIX
+    protocol: str = "rdzv"  # whose rendezvous keys: the agents' rounds, or the workers' generations
+
+    def generations(self) -> JobKeys:
+        """The keys of the workers' generations (hot recovery): the same protocol as the agents'
+        rounds, under ``generations/`` instead of ``rdzv/``."""
+        return dataclasses.replace(self, protocol="generations")
 
     @property
     def root(self) -> str:
@@ -126,7 +134,7 @@ class JobKeys:
 
     @property
     def rdzv(self) -> str:
-        return f"{self.root}/rdzv/"
+        return f"{self.root}/{self.protocol}/"
 
     @property
     def rdzv_nodes(self) -> str:

@@ -171,3 +171,49 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
     if (options.cert is None) != (options.key is None):
         raise ConfigError("The rendezvous options cert and key must be given together.")
     return options
+
+
+@dataclasses.dataclass(frozen=True)
+class HotSettings:
+    """What the workers of a hot-recovery job need to form their generations
+    (``ELASTICCTL_HOT``, written by the node's rendezvous handler, read by
+    :mod:`elasticctl.train`). Counts are workers, not nodes."""
+
+    min_workers: int
+    max_workers: int
+    node_ttl: int = DEFAULT_NODE_TTL
+    last_call: float = 1.0          # the first generation: wait for workers still starting
+    reform_last_call: float = 0.5   # later ones: a live worker re-declares within ms of a fault
+    join_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ConfigError(f"The hot-recovery worker counts ({self.min_workers}:{self.max_workers}) "
+                              "must be 1 or more, the minimum not above the maximum.")
+        for name in ("node_ttl", "last_call", "reform_last_call", "join_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+                raise ConfigError(f"The hot-recovery setting {name} ({value!r}) must be a positive "
+                                  f"number of seconds up to {MAX_SECONDS}.")
+
+    def encode(self) -> str:
+        return ",".join(f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self))
+
+    @classmethod
+    def decode(cls, text: str) -> HotSettings:
+        """The settings in ``text`` (``name=value,...``); a ConfigError naming what is wrong."""
+        types = {field.name: field.type for field in dataclasses.fields(cls)}
+        values: dict[str, object] = {}
+        for item in text.split(","):
+            name, _, raw = item.partition("=")
+            name = name.strip()
+            if name not in types:
+                raise ConfigError(f"The hot-recovery setting '{name}' in {envvars.HOT} is unknown.")
+            try:
+                values[name] = int(raw) if types[name] in ("int", int) else float(raw)
+            except ValueError:
+                raise ConfigError(f"The hot-recovery setting {name} ('{raw}') is not a number.") from None
+        try:
+            return cls(**values)
+        except TypeError:
+            raise ConfigError(f"The hot-recovery settings ('{text}') miss min_workers or max_workers.") from None

@@ -1,0 +1,68 @@
+"""This worker's part in its job's generations: who trains together, agreed in etcd.
+
+A generation is a round of the etcd-native rendezvous (:mod:`elasticctl.rdzv_member`)
+whose members are workers (``<node>.<local rank>``), under ``generations/`` instead of
+the agents' ``rdzv/``: one lease-bound declaration per worker, one claim holder that
+seals, every worker learns the sealed generation by watch. The worker's lease is its
+liveness: a frozen or cut-off worker is dropped when it ends. Nothing here touches torch's
+process groups; :mod:`elasticctl.train.runtime` builds one per generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from elasticctl.etcd import EtcdClient
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Round
+from elasticctl.job.settings import HotSettings
+from elasticctl.rdzv_member import RoundMember
+from elasticctl.rdzv_rounds import Settings
+from elasticctl.rdzv_view import RoundView
+
+log = logging.getLogger(__name__)
+
+
+class Generations:
+    """The generations of the job whose keys are ``keys``, seen by worker ``worker``."""
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, worker: str, addr: str, settings: HotSettings,
+                 secret: bytes | None = None) -> None:
+        self.worker = worker
+        self._settings = settings
+        self.view = RoundView(client, keys.generations(), secret).start()
+        rounds = Settings(min_nodes=settings.min_workers, max_nodes=settings.max_workers,
+                          last_call=settings.last_call)
+        self._member = RoundMember(client, self.view, worker, addr, rounds, settings.node_ttl,
+                                   settings.join_timeout, pid=os.getpid())
+
+    def join(self) -> Round:
+        """Declare for the next generation; return it once it is sealed with this worker in it."""
+        sealed = self._member.join()
+        # Later generations re-form among running workers, which declare within milliseconds
+        # of a fault: only a dead worker's declaration (its lease not yet ended) is waited for.
+        self._member.settings = dataclasses.replace(self._member.settings,
+                                                    last_call=self._settings.reform_last_call)
+        return sealed
+
+    def change_pending(self) -> bool:
+        """Whether this worker's generation must re-form: a member lost or gone on, a newcomer
+        waiting, a later generation sealed without it, or its own lease lost. No etcd request."""
+        return self._member.change().count > 0
+
+    def describe_change(self) -> str:
+        change = self._member.change()
+        parts = [f"lost {', '.join(change.lost)}"] if change.lost else []
+        parts += [f"{', '.join(change.moved_on)} re-forming"] if change.moved_on else []
+        parts += [f"{', '.join(change.waiting)} waiting"] if change.waiting else []
+        parts += ["superseded"] if change.superseded else []
+        return "; ".join(parts) or "no change seen here"
+
+    def leave(self) -> None:
+        """Withdraw: the others see this worker's key go at once, not after node_ttl."""
+        self._member.leave()
+
+    def close(self) -> None:
+        self.view.stop()

@@ -1,0 +1,431 @@
+"""The worker-side elastic runtime: a script hands it its state and its training function.
+
+:func:`run` calls ``train(state, group)`` for each generation of workers. The script
+ends each step with :meth:`State.commit`; a step boundary is where membership changes:
+
+* **Hot recovery** (the job runs with ``--recovery hot``: ``ELASTICCTL_HOT`` is set).
+  Survivors never restart. A peer's crash makes the step's collective raise at once; a
+  frozen peer makes it time out (the process group's timeout is the node TTL). The
+  workers then tear the process group down, agree on the next generation in etcd
+  (:mod:`elasticctl.train.generations`), build a new group on a fresh store, bring every
+  member to the most advanced state (one worker broadcasts it when steps differ or a
+  member is new), re-shard the sampler at the exact global position and re-enter
+  ``train``. Joiners, and leavers (SIGTERM), are admitted or let go at a step boundary
+  that every worker agrees on: each boundary all-reduces two flags (a change is
+  pending; a worker is leaving) asynchronously, and the result is read at the next.
+  Replicas stay bit-identical: either every survivor applied the step in flight, or the
+  ones that did send their state to the others.
+* **Restart mode** (anything else, plain torchrun too): one generation per process, as
+  torchrun's round set up; a failure ends the worker and the agent restarts the group,
+  which resumes from the newest checkpoint. SIGTERM still ends at a step boundary with a
+  final checkpoint.
+
+What the runtime cannot handle in process (etcd unreachable for the whole join timeout,
+a process group that will not come down) ends the worker with a non-zero status, and the
+node's restart path takes over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elasticctl import worker as worker_env
+from elasticctl import worker_entry
+from elasticctl.checkpoint import Checkpointer
+from elasticctl.errors import ElasticctlError
+from elasticctl.job import envvars
+from elasticctl.job.records import EventKind, Round
+from elasticctl.job.settings import HotSettings
+from elasticctl.train.state import State
+
+log = logging.getLogger(__name__)
+
+EXIT_RECOVERY_FAILED = 75  # the worker cannot recover in process: its node restarts it
+TEARDOWN_BOUND = 10.0      # seconds a process group may take to come down before the worker exits
+SAME_STEP_FAILURES = 3     # failures at one step, none lost: a bug in the script, not a peer
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One generation as the training function sees it."""
+
+    number: int
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    model: torch.nn.Module  # the state's model, wrapped in DDP over this generation's group
+    members: tuple[str, ...] = ()
+
+
+class _Boundary(Exception):
+    """Raised out of the script's function at a step boundary every worker agreed on."""
+
+    def __init__(self, leaving: int, world_size: int) -> None:
+        super().__init__(f"{leaving} of {world_size} workers leaving" if leaving else "membership change")
+        self.leaving = leaving
+        self.world_size = world_size
+
+
+class Runtime:
+    """Drives :func:`run`; see the module docstring."""
+
+    def __init__(self, state: State, *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 backend: str | None = None, wrap: Callable[[torch.nn.Module, Group], torch.nn.Module] | None = None,
+                 pg_timeout: float | None = None) -> None:
+        self.state = state
+        state._runtime = self
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            self.device, default_backend = torch.device("cuda", self.local_rank), "nccl"
+        else:
+            self.device, default_backend = torch.device("cpu"), "gloo"
+        self.backend = backend or default_backend
+        hot = os.environ.get(envvars.HOT)
+        self.settings = HotSettings.decode(hot) if hot else None
+        default_timeout = self.settings.node_ttl if self.settings else 60.0
+        self.pg_timeout = datetime.timedelta(seconds=pg_timeout or default_timeout)
+        self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self._wrap = wrap or _ddp
+        self.node = os.environ.get(envvars.NODE, "") or "local"
+        self.worker = f"{self.node}.{self.local_rank}"
+        self._generations = None
+        self._store: Any = None
+        self._checkpointer: Checkpointer | None = None
+        self._group: Group | None = None
+        self._flags: torch.Tensor | None = None
+        self._flag_work: Any = None
+        self._leaving = False
+        self._noticed_at: float | None = None  # when this worker noticed the fault or change
+        self._recovery_started_at: float | None = None
+        self._first_step_pending = False
+        self._failures_at: tuple[int, int] = (-1, 0)  # (step, failures there in a row)
+        self._events: Any = None
+        self._progress: Any = None
+        self._samples_since = (time.monotonic(), 0)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, train: Callable[[State, Group], object]) -> None:
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            group = self._form()
+            while True:
+                try:
+                    train(self.state, group)
+                except _Boundary as boundary:
+                    if self.settings is None:  # restart mode: the agent re-forms the job
+                        self._stop_restart_mode()
+                        return
+                    if self._leaving:
+                        self._leave(everyone=boundary.leaving >= boundary.world_size)
+                        return
+                    group = self._re_form(f"{self._describe_change()}")
+                    continue
+                except Exception as exc:
+                    if self.settings is None or not self._recoverable(exc):
+                        raise
+                    group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                    continue
+                self._finish()
+                return
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self._close()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._leaving = True  # acted on at the next step boundary every worker agrees on
+        worker_entry.note_stop_request()
+
+    def _recoverable(self, exc: Exception) -> bool:
+        """A failure a new generation can fix: not the same failure at the same step again
+        and again (a bug in the script fails every generation)."""
+        step, count = self._failures_at
+        count = count + 1 if step == self.state.step else 1
+        self._failures_at = (self.state.step, count)
+        if count >= SAME_STEP_FAILURES:
+            log.error("[%s] failed %d times at step %d: %s", self.worker, count, step, exc)
+            return False
+        return True
+
+    # -- generations ---------------------------------------------------------------------
+
+    def _form(self) -> Group:
+        if self.settings is None:
+            return self._form_restart_mode()
+        from elasticctl.etcd import EtcdClient
+        from elasticctl.job.settings import SECRET_ENV
+        from elasticctl.train.generations import Generations
+
+        etcd = envvars.etcd_settings(retry_timeout=30.0)
+        if etcd is None:
+            raise ElasticctlError(f"{envvars.HOT} is set but {envvars.ETCD} or {envvars.JOB} is not.")
+        addr = os.environ.get(envvars.NODE_ADDR) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        secret = os.environ.get(SECRET_ENV)
+        self._generations = Generations(EtcdClient(etcd), envvars.job_keys(), self.worker, addr, self.settings,
+                                        secret.encode() if secret else None)
+        return self._re_form("")
+
+    def _form_restart_mode(self) -> Group:
+        ctx = worker_env.init(timeout=self.pg_timeout.total_seconds(), backend=self.backend)
+        generation = Round(number=ctx.restart, members=())
+        return self._start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
+
+    def _re_form(self, why: str) -> Group:
+        noticed_at = self._noticed_at or time.time()
+        if why:
+            log.warning("[%s] generation %s ends at step %d: %s", self.worker,
+                        self._group.number if self._group else "-", self.state.step, why)
+        self._teardown()
+        generation = self._generations.join()
+        rank = generation.rank_of(self.worker)
+        try:
+            self._build_process_group(generation, rank)
+        except Exception as exc:  # noqa: BLE001 - a taken port, a peer gone while connecting
+            log.warning("[%s] cannot build generation %d: %s", self.worker, generation.number, exc)
+            self._noticed_at = noticed_at
+            return self._re_form("the process group did not form")
+        return self._start_generation(generation, rank, generation.world_size, noticed_at if why else None)
+
+    def _start_generation(self, generation: Round, rank: int, world_size: int, noticed_at: float | None) -> Group:
+        self._checkpointer = self._checkpointer_for(rank)
+        sent_from = self._sync_state(rank, world_size)
+        if self.state.sampler is not None:  # the global position stays; the deal changes
+            self.state.sampler.num_replicas, self.state.sampler.rank = world_size, rank
+        group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
+                      device=self.device, model=self.state.model, members=generation.members)
+        group = dataclasses.replace(group, model=self._wrap(self.state.model, group))
+        self._group = group
+        self._noticed_at = None
+        self._flags = self._flag_work = None
+        log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank,
+                 world_size, self.state.step, f" (state from rank {sent_from})" if sent_from is not None else "")
+        if rank == 0:
+            self._progress_publisher()
+            if self.settings is not None:
+                duration = None if noticed_at is None else round(time.time() - noticed_at, 3)
+                self._record(EventKind.ROUND_FORMED, round=generation.number, members=generation.members,
+                             world_size=world_size, duration=duration, reason="workers' generation (hot)")
+        self._recovery_started_at = noticed_at
+        self._first_step_pending = noticed_at is not None
+        self._samples_since = (time.monotonic(), 0)
+        return group
+
+    def _build_process_group(self, generation: Round, rank: int) -> None:
+        self._store = dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
+                                    is_master=rank == 0, timeout=self.pg_timeout, wait_for_workers=False)
+        store = dist.PrefixStore(f"generation-{generation.number}", self._store)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=generation.world_size,
+                                timeout=self.pg_timeout,
+                                device_id=self.device if self.device.type == "cuda" else None)
+
+    def _teardown(self) -> None:
+        """Take the process group down, bounded: one that will not come down ends the worker."""
+        self._flags = self._flag_work = None
+        self._group = None
+        if not dist.is_initialized():
+            return
+        stuck = threading.Timer(TEARDOWN_BOUND, _exit_stuck, args=(self.worker,))
+        stuck.daemon = True
+        stuck.start()
+        try:
+            if self.backend == "nccl":
+                dist.group.WORLD.abort()  # unblocks NCCL kernels waiting on a lost peer
+            dist.destroy_process_group()
+        finally:
+            stuck.cancel()
+        self._store = None
+
+    def _sync_state(self, rank: int, world_size: int) -> int | None:
+        """Bring every member to the most advanced state; the rank that sent it, if one did."""
+        if world_size == 1 and self.state.live:
+            return None
+        flag_device = self._flag_device()
+        mine = torch.tensor([self.state.step if self.state.live else -1], dtype=torch.int64, device=flag_device)
+        steps = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(steps, mine)
+        steps = [int(t.item()) for t in steps]
+        best = max(steps)
+        if best < 0:  # nobody holds state: the job's start, or every worker was lost
+            self._restore_from_checkpoint()
+            return None
+        if all(s == best for s in steps):
+            return None
+        source = steps.index(best)
+        size = torch.tensor([0], dtype=torch.int64, device=flag_device)
+        blob = self.state.to_bytes() if rank == source else b""
+        size.fill_(len(blob))
+        dist.broadcast(size, source)
+        if rank == source:
+            buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(flag_device)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=flag_device)
+        dist.broadcast(buffer, source)
+        if rank != source:
+            self.state.load_bytes(buffer.cpu().numpy().tobytes(), self.device)
+        return source
+
+    def _restore_from_checkpoint(self) -> None:
+        restored = self._checkpointer.restore(**self.state.objects()) if self._checkpointer else None
+        if restored is not None:
+            self.state.step = restored.step
+            self.state._fields.update(restored.extra.get("fields", {}))
+            log.info("[%s] resumed from %s at step %d", self.worker, restored.path, restored.step)
+        self.state.live = True
+
+    def _checkpointer_for(self, rank: int) -> Checkpointer | None:
+        if not self.checkpoint_dir:
+            return None
+        if self._checkpointer is None:
+            return Checkpointer(self.checkpoint_dir, async_save=True, device=self.device)
+        self._checkpointer.follow_rank(rank)
+        return self._checkpointer
+
+    # -- step boundaries -----------------------------------------------------------------
+
+    def step_done(self, samples: int = 0, loss: float | None = None) -> None:
+        """Called by :meth:`State.commit` after the step is applied; may raise _Boundary."""
+        group, state = self._group, self.state
+        if group is None:
+            return
+        if self._first_step_pending and group.rank == 0:
+            self._first_step_pending = False
+            self._record(EventKind.RECOVERY_FINISHED, round=group.number, world_size=group.world_size,
+                         step=state.step, duration=round(time.time() - self._recovery_started_at, 3))
+        if self._flag_work is not None:
+            self._flag_work.wait()
+            pending, leaving = (int(v) for v in self._flags.tolist())
+            if pending or leaving:
+                self._noticed_at = time.time()
+                raise _Boundary(leaving, group.world_size)
+        if self._checkpointer and self.checkpoint_every and state.step % self.checkpoint_every == 0:
+            self._checkpointer.save(state.step, self._epoch(), extra={"fields": state.fields}, **state.objects())
+        if self._progress is not None and group.rank == 0:
+            began, count = self._samples_since
+            count += samples * group.world_size
+            self._samples_since = (began, count)
+            elapsed = time.monotonic() - began
+            self._progress.publish(step=state.step, epoch=self._epoch(), loss=loss,
+                                   samples_per_s=count / elapsed if elapsed > 0 and count else None,
+                                   world_size=group.world_size,
+                                   last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None)
+        pending = self._generations is not None and self._generations.change_pending()
+        self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
+        if group.world_size > 1:
+            self._flag_work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, async_op=True)
+        elif pending or self._leaving:
+            self._noticed_at = time.time()
+            raise _Boundary(int(self._leaving), 1)
+
+    def _describe_change(self) -> str:
+        return self._generations.describe_change() if self._generations else "a worker is leaving"
+
+    # -- endings -------------------------------------------------------------------------
+
+    def _leave(self, everyone: bool) -> None:
+        """This worker was told to stop (SIGTERM): a final checkpoint if the whole job stops
+        (the state lives on in the others otherwise), then out of the generation."""
+        if everyone or self.settings is None:
+            self._final_checkpoint()
+        if self._generations is not None:
+            self._generations.leave()
+        self._teardown()
+        log.info("[%s] left at step %d", self.worker, self.state.step)
+
+    def _stop_restart_mode(self) -> None:
+        """Restart mode, a worker was told to stop: every rank saves the same final checkpoint;
+        the signalled ones exit 0, the others raise PeerLeaving (their agent re-forms without
+        the leaver, from that checkpoint)."""
+        self._final_checkpoint()
+        dist.barrier()
+        if not self._leaving:
+            raise worker_env.PeerLeaving("A peer is leaving the job; restarting to re-form without it.")
+        self._teardown()
+
+    def _finish(self) -> None:
+        self._final_checkpoint()
+        if self._flag_work is not None:
+            self._flag_work.wait()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # every rank done with its collectives before gloo's pairs close
+        if self._generations is not None:
+            self._generations.leave()
+        self._teardown()
+
+    def _final_checkpoint(self) -> None:
+        if self._checkpointer is None:
+            return
+        self._checkpointer.wait()
+        if self._checkpointer.last_step != self.state.step:
+            self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
+                                    blocking=True, **self.state.objects())
+
+    def _close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        if self._progress is not None:
+            self._progress.close()
+        if self._events is not None:
+            self._events.flush(5.0)
+        if self._generations is not None:
+            self._generations.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _flag_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _epoch(self) -> int:
+        return int(getattr(self.state.sampler, "epoch", 0))
+
+    def _progress_publisher(self) -> None:
+        if self._progress is None:
+            from elasticctl.progress import ProgressPublisher
+
+            self._progress = ProgressPublisher.from_env(0, recoveries=self.settings is None)
+
+    def _record(self, kind: EventKind, **fields) -> None:
+        if self._events is None:
+            from elasticctl.events import EventLog
+
+            self._events = EventLog.from_env() or False
+        if self._events:
+            self._events.record_later(kind, self.node, **fields)
+
+
+def _ddp(model: torch.nn.Module, group: Group) -> torch.nn.Module:
+    if group.world_size == 1 and not dist.is_initialized():
+        return model
+    return DistributedDataParallel(model, device_ids=[group.local_rank] if group.device.type == "cuda" else None)
+
+
+def _exit_stuck(worker: str) -> None:
+    log.error("[%s] its process group did not come down within %g s; the node restarts the worker",
+              worker, TEARDOWN_BOUND)
+    sys.stderr.flush()
+    os._exit(EXIT_RECOVERY_FAILED)
+
+
+def run(state: State, train: Callable[[State, Group], object], **options: Any) -> None:
+    """Train ``state`` with ``train(state, group)``, generation after generation; see the module
+    docstring. ``options``: ``checkpoint_dir`` (default ``ELASTICCTL_CHECKPOINT_DIR``),
+    ``checkpoint_every`` (steps; 0: only a final checkpoint), ``backend``, ``wrap``
+    (``(model, group) -> model``, default DDP), ``pg_timeout`` (seconds)."""
+    Runtime(state, **options).run(train)

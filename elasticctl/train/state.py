@@ -1,0 +1,108 @@
+"""What a hot-recovery job keeps in memory and hands to joiners: :class:`State`.
+
+The state is the model, the optimizer, the LR scheduler and the sampler (anything with
+``state_dict``/``load_state_dict``), the step, and user fields. It travels between workers
+as one ``torch.save`` blob over the process group and is read with ``weights_only=True``
+(torch's allow-list unpickler): a peer can send wrong numbers, never code.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from elasticctl.errors import ElasticctlError
+
+
+class StateError(ElasticctlError):
+    """A state blob that does not fit this worker's objects."""
+
+
+class State:
+    """The training state the runtime keeps consistent across workers and generations.
+
+    ``fields`` are plain values (numbers, strings, tensors, lists and dicts of them) the
+    script wants carried along, such as samples seen; read and write them as attributes
+    (``state.samples_seen += n``). ``step`` counts committed steps.
+    """
+
+    _OBJECTS = ("model", "optimizer", "scheduler", "sampler")
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 scheduler: Any = None, sampler: Any = None, **fields: Any) -> None:
+        object.__setattr__(self, "_fields", dict(fields))
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.step = 0
+        self.live = False  # holds trained state (restored, received, or the job's first)
+        self._runtime: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        fields = object.__getattribute__(self, "_fields")
+        if name in fields:
+            return fields[name]
+        raise AttributeError(f"The training state has no field '{name}'.")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._fields:
+            self._fields[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return dict(self._fields)
+
+    def commit(self, samples: int = 0, loss: float | None = None) -> None:
+        """End a training step: apply the gradients (``optimizer.step``, ``zero_grad``, the
+        scheduler), advance the sampler by ``samples`` per worker, count the step (``loss``
+        only goes to ``elasticctl status``). The step is a boundary where the membership may
+        change: the runtime then leaves the script's function and re-enters it in the next
+        generation, with this state."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.sampler is not None and samples:
+            self.sampler.advance(samples)
+        self.step += 1
+        if self._runtime is not None:
+            self._runtime.step_done(samples, loss)
+
+    # -- moving it -----------------------------------------------------------------------
+
+    def objects(self) -> dict[str, Any]:
+        """The stateful objects that are set, by name (the names checkpoints use)."""
+        return {name: getattr(self, name) for name in self._OBJECTS if getattr(self, name) is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "fields": dict(self._fields),
+                **{name: obj.state_dict() for name, obj in self.objects().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, obj in self.objects().items():
+            if name not in state:
+                raise StateError(f"The state received has no '{name}'.")
+            obj.load_state_dict(state[name])
+        self._fields.update(state.get("fields", {}))
+        self.step = int(state["step"])
+        self.live = True
+
+    def to_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.state_dict(), buffer)
+        return buffer.getvalue()
+
+    def load_bytes(self, blob: bytes, device: torch.device) -> None:
+        try:
+            state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
+        except Exception as exc:  # whatever a malformed blob makes torch raise
+            raise StateError(f"The state received cannot be read: {exc}") from exc
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise StateError("The state received is not a training state.")
+        self.load_state_dict(state)
