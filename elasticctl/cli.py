@@ -279,6 +279,10 @@ def _load_config(ctx: click.Context, _param, path: str | None):
               help="Seconds a silent node is given before the others re-form without it "
                    f"(2 to {MAX_NODE_TTL}).")
 @click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, secret, quarantine).")
+@click.option("--recovery", type=click.Choice(["restart", "hot"]), default=None,
+              help="restart (default): a membership change restarts every worker from the newest checkpoint; "
+                   "hot: survivors re-form in process and joiners get the state from them "
+                   "(scripts on elasticctl.train).")
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
@@ -294,7 +298,7 @@ def _load_config(ctx: click.Context, _param, path: str | None):
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, legacy_local_rank,
+def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, recovery, legacy_local_rank,
        node_id, local_addr, etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script,
        script_args, **etcd_params) -> None:
     """Start a job (or join it with the same spec): publish it, register, run torchrun.
@@ -310,10 +314,13 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     if nnodes is None:
         raise ConfigError("--nnodes N or MIN:MAX is required (on the command line or in --config).")
     low, high = parse_nnodes(nnodes)
+    conf = parse_rdzv_conf(rdzv_conf)
+    if recovery is not None:
+        conf["recovery"] = recovery
     spec = JobSpec(
         name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
         nproc_per_node=str(nproc_per_node), max_restarts=max_restarts,
-        rdzv_conf=tuple(parse_rdzv_conf(rdzv_conf).items()), checkpoint_dir=checkpoint_dir, module=module,
+        rdzv_conf=tuple(conf.items()), checkpoint_dir=checkpoint_dir, module=module,
         env=parse_env(env), legacy_local_rank=legacy_local_rank, node_ttl=node_ttl,
     )
     launcher.check_script(spec)

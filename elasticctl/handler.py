@@ -38,18 +38,21 @@ import threading
 import time
 
 import psutil
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient
 from elasticctl.events import EventLog, recovery_start
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, MemberState, Round, record_json
+from elasticctl.job.settings import HotSettings
 from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Settings
 from elasticctl.rdzv_verdicts import Evidence, Verdict, failure_verdict, quarantine_due
@@ -70,7 +73,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def __init__(self, *, client: EtcdClient, run_id: str, registry: Registry, run_lease, node_id: str,
                  local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
                  max_restarts: int | None, quarantine_after: int, quarantine_window: float,
-                 quarantine_seconds: float, store_factory, secret: bytes | None = None) -> None:
+                 quarantine_seconds: float, store_factory, secret: bytes | None = None,
+                 hot: HotSettings | None = None) -> None:
         self._client = client
         self._run_id = run_id
         self._registry = registry
@@ -83,6 +87,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._quarantine_window = quarantine_window
         self._quarantine_seconds = quarantine_seconds
         self._store_factory = store_factory
+        self._hot = hot
+        self._secret = secret
         self._keys = registry.keys
         self._view = RoundView(client, self._keys, secret).start()
         self._events = EventLog(client, self._keys)
@@ -145,6 +151,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             raise
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        if self._hot is not None:
+            return self._next_hot()
         if self._round is not None and not self._changed:
             # Workers failed (the agent did not stop them for a change): did any finish first?
             started, done = self._worker_marks()
@@ -198,6 +206,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._stop_reason or self._quarantine:
                 self._changed = True  # our own verdict, not a new failure
                 return 1
+        if self._hot is not None:
+            return 0  # the workers re-form by themselves
         change = self._member.change()
         if not change.count:
             return 0
@@ -233,6 +243,44 @@ class EtcdRendezvousHandler(RendezvousHandler):
             log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
         self._ignore_errors(self._member.leave)
         return True
+
+    # -- hot recovery --------------------------------------------------------------------
+
+    def _next_hot(self) -> RendezvousInfo:
+        """Hot recovery: the workers form their generations themselves (elasticctl.train); the
+        agent starts them in a round of this node alone, and again only when they failed in a
+        way the runtime could not recover from in process, which is this node's own failure."""
+        if self._round is not None:
+            started, done = self._worker_marks()
+            if done:
+                self._end_after_finish(started, done)
+            self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number,
+                                      reason="could not recover in process")
+            self._charge(self._round)
+        with self._lock:
+            stop_reason, quarantine = self._stop_reason, self._quarantine
+            self._quarantine = False
+        if stop_reason:
+            self._left = True
+            self._leave(MemberState.FAILED)
+            raise RendezvousError(stop_reason)
+        if quarantine:
+            self._sit_out_quarantine()
+        os.environ[RESTARTS_ENV] = str(self._spent)
+        os.environ[envvars.HOT] = self._hot.encode()
+        os.environ[envvars.NODE_ADDR] = self._local_addr
+        if self._secret:  # the workers sign their generations with the job's secret too
+            os.environ[envvars.RDZV_SECRET] = self._secret.decode()
+        number = 1 if self._round is None else self._round.number + 1
+        self._round = Round(number=number, members=(self._node_id,), addrs=(self._local_addr,))
+        self._write_member(state=MemberState.TRAINING, recovery="hot", starts=number)
+        self._marks = os.path.join(self._marks_root, f"round-{number}")
+        os.makedirs(self._marks, exist_ok=True)
+        os.environ[envvars.WORKER_MARKS] = self._marks
+        log.info("[%s] starting its workers (hot recovery, start %d)", self._node_id, number)
+        # The agents of this node alone share this store; the workers build their own groups.
+        bootstrap = RendezvousStoreInfo(master_addr=self._local_addr, master_port=get_free_port())
+        return RendezvousInfo(dist.HashStore(), 0, 1, bootstrap)
 
     # -- failures ----------------------------------------------------------------------
 

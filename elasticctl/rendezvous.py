@@ -52,6 +52,7 @@ from elasticctl.job.settings import (
     DEFAULT_RUN_TTL,
     PASSWORD_ENV,
     SECRET_ENV,
+    HotSettings,
     RdzvOptions,
     parse_rdzv_options,
 )
@@ -480,6 +481,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
         secret=(options.secret or os.environ.get(SECRET_ENV) or "").encode() or None,
+        hot=HotSettings(min_nodes=params.min_nodes, max_nodes=params.max_nodes, node_ttl=options.node_ttl,
+                        last_call=settings.last_call, join_timeout=float(options.join_timeout or 600))
+        if options.recovery == "hot" else None,
     )
 
 

@@ -88,7 +88,7 @@ def hot_job(nodes, default_etcd, run_id, tmp_path):
 
 
 def test_survivors_keep_their_processes_through_a_kill_a_join_a_freeze_and_a_leave(hot_job):
-    job = hot_job(HotSettings(min_workers=2, max_workers=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
     workers = {name: job.start(name) for name in ("a", "b", "c")}
     first = job.wait_world({"a", "b", "c"})
     pids = {r["node"]: r["pid"] for r in first}
@@ -117,3 +117,39 @@ def test_survivors_keep_their_processes_through_a_kill_a_join_a_freeze_and_a_lea
     assert {r["node"]: r["pid"] for r in after} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
 
     check_replicas_and_samples(job.steps())
+
+
+def test_elasticctl_runs_a_hot_job_whose_survivors_keep_training_and_which_goes_down_whole(
+        nodes, default_etcd, run_id, tmp_path):
+    from test_orchestrator import Job, cli
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    job = Job(nodes, default_etcd, run_id, tmp_path, extra=["--recovery", "hot", "--checkpoint-dir", str(checkpoints),
+                                                            "--node-ttl", "3"],
+              train=[HOT, "--checkpoint-every", "50"])
+    started = job.start("a", "b", "c")
+    first = job.records()
+    pids = {r["node"]: r["pid"] for r in first if "event" not in r}
+
+    killed_at = max(r["time"] for r in first)
+    started["c"].kill()
+    shrunk = job.wait_world(2, {"a", "b"}, since=killed_at)
+    assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+    assert job.registry.members()["a"]["restarts"] == 0
+
+    left_at = max(r["time"] for r in job.records())
+    d = job.join("d")
+    job.wait_world(3, {"a", "b", "d"}, since=left_at)
+    assert cli("leave", "--etcd", default_etcd.endpoint, "--job", run_id, "--node", "d").returncode == 0
+    assert d.wait(60) == 0, d.log()
+    job.wait_world(2, {"a", "b"}, since=max(r["time"] for r in job.records()))
+
+    assert cli("down", "--etcd", default_etcd.endpoint, "--job", run_id).returncode == 0
+    for name in ("a", "b"):
+        assert started[name].wait(60) == 0, started[name].log()
+    steps = [r for r in job.records() if "event" not in r]
+    check_replicas_and_samples(steps)
+    # the whole job went down: a final checkpoint at the last step trained
+    last = max(r["step"] for r in steps) + 1
+    assert (checkpoints / f"step-{last:08d}.pt").exists(), sorted(p.name for p in checkpoints.iterdir())

@@ -25,6 +25,8 @@ MAX_SECONDS = 30 * 24 * 3600
 SECRET_ENV = envvars.RDZV_SECRET
 PASSWORD_ENV = envvars.ETCD_PASSWORD
 
+RECOVERY_MODES = ("restart", "hot")
+
 # Keys torchrun adds on its own (the launcher's overall timeout, a static node rank):
 # accepted and ignored, as torch's dynamic handler ignores them.
 TORCHRUN_KEYS = frozenset({"timeout", "rank"})
@@ -63,6 +65,9 @@ class RdzvOptions:
     heartbeat_timeout: int | None = None
     keep_alive_interval: int = 5
     keep_alive_max_attempt: int = 3
+    # restart: a membership change restarts every worker; hot: workers re-form in process
+    # (scripts on elasticctl.train; others behave as in restart mode).
+    recovery: str = "restart"
 
 
 def _seconds(name: str, text: str) -> float:
@@ -107,6 +112,12 @@ def _key_prefix(name: str, text: str) -> str:
     return text.rstrip("/")
 
 
+def _recovery(name: str, text: str) -> str:
+    if text.lower() not in RECOVERY_MODES:
+        raise ConfigError(f"The rendezvous option {name} ('{text}') must be one of: {', '.join(RECOVERY_MODES)}.")
+    return text.lower()
+
+
 def _text(name: str, text: str) -> str:
     if not text or "\n" in text:
         raise ConfigError(f"The rendezvous option {name} must be a non-empty single line.")
@@ -141,6 +152,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "heartbeat_timeout": ("heartbeat_timeout", _whole(1, MAX_SECONDS)),
     "keep_alive_interval": ("keep_alive_interval", _whole(1, MAX_SECONDS)),
     "keep_alive_max_attempt": ("keep_alive_max_attempt", _whole(1, 1_000_000)),
+    "recovery": ("recovery", _recovery),
 }
 
 KNOWN_OPTIONS = frozenset(_OPTIONS)
@@ -177,18 +189,18 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
 class HotSettings:
     """What the workers of a hot-recovery job need to form their generations
     (``ELASTICCTL_HOT``, written by the node's rendezvous handler, read by
-    :mod:`elasticctl.train`). Counts are workers, not nodes."""
+    :mod:`elasticctl.train`). Counts are nodes, as in ``--nnodes``."""
 
-    min_workers: int
-    max_workers: int
+    min_nodes: int
+    max_nodes: int
     node_ttl: int = DEFAULT_NODE_TTL
     last_call: float = 1.0          # the first generation: wait for workers still starting
     reform_last_call: float = 0.5   # later ones: a live worker re-declares within ms of a fault
     join_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_workers <= self.max_workers:
-            raise ConfigError(f"The hot-recovery worker counts ({self.min_workers}:{self.max_workers}) "
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(f"The hot-recovery node counts ({self.min_nodes}:{self.max_nodes}) "
                               "must be 1 or more, the minimum not above the maximum.")
         for name in ("node_ttl", "last_call", "reform_last_call", "join_timeout"):
             value = getattr(self, name)
@@ -216,4 +228,4 @@ class HotSettings:
         try:
             return cls(**values)
         except TypeError:
-            raise ConfigError(f"The hot-recovery settings ('{text}') miss min_workers or max_workers.") from None
+            raise ConfigError(f"The hot-recovery settings ('{text}') miss min_nodes or max_nodes.") from None

@@ -33,7 +33,9 @@ class Generations:
         self.worker = worker
         self._settings = settings
         self.view = RoundView(client, keys.generations(), secret).start()
-        rounds = Settings(min_nodes=settings.min_workers, max_nodes=settings.max_workers,
+        # Members are workers: every node brings its LOCAL_WORLD_SIZE of them.
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        rounds = Settings(min_nodes=settings.min_nodes * per_node, max_nodes=settings.max_nodes * per_node,
                           last_call=settings.last_call)
         self._member = RoundMember(client, self.view, worker, addr, rounds, settings.node_ttl,
                                    settings.join_timeout, pid=os.getpid())

@@ -74,10 +74,14 @@ class Group:
 class _Boundary(Exception):
     """Raised out of the script's function at a step boundary every worker agreed on."""
 
-    def __init__(self, leaving: int, world_size: int) -> None:
+    def __init__(self, leaving: int, world_size: int, me_leaving: bool) -> None:
         super().__init__(f"{leaving} of {world_size} workers leaving" if leaving else "membership change")
         self.leaving = leaving
         self.world_size = world_size
+        # Whether this worker's own flag was in the count: one told to leave after the flags
+        # went out re-forms with the others and leaves at the next boundary, so that a worker
+        # that sees "not everyone leaves" can trust that some worker keeps the state.
+        self.me_leaving = me_leaving
 
 
 class Runtime:
@@ -111,6 +115,7 @@ class Runtime:
         self._flags: torch.Tensor | None = None
         self._flag_work: Any = None
         self._leaving = False
+        self._leaving_sent = False
         self._noticed_at: float | None = None  # when this worker noticed the fault or change
         self._recovery_started_at: float | None = None
         self._first_step_pending = False
@@ -132,10 +137,11 @@ class Runtime:
                     if self.settings is None:  # restart mode: the agent re-forms the job
                         self._stop_restart_mode()
                         return
-                    if self._leaving:
+                    if boundary.me_leaving:
                         self._leave(everyone=boundary.leaving >= boundary.world_size)
                         return
-                    group = self._re_form(f"{self._describe_change()}")
+                    group = self._re_form(f"{boundary.leaving} leaving" if boundary.leaving
+                                          else self._describe_change())
                     continue
                 except Exception as exc:
                     if self.settings is None or not self._recoverable(exc):
@@ -312,7 +318,7 @@ class Runtime:
             pending, leaving = (int(v) for v in self._flags.tolist())
             if pending or leaving:
                 self._noticed_at = time.time()
-                raise _Boundary(leaving, group.world_size)
+                raise _Boundary(leaving, group.world_size, self._leaving_sent)
         if self._checkpointer and self.checkpoint_every and state.step % self.checkpoint_every == 0:
             self._checkpointer.save(state.step, self._epoch(), extra={"fields": state.fields}, **state.objects())
         if self._progress is not None and group.rank == 0:
@@ -325,12 +331,13 @@ class Runtime:
                                    world_size=group.world_size,
                                    last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None)
         pending = self._generations is not None and self._generations.change_pending()
+        self._leaving_sent = self._leaving
         self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
         if group.world_size > 1:
             self._flag_work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, async_op=True)
         elif pending or self._leaving:
             self._noticed_at = time.time()
-            raise _Boundary(int(self._leaving), 1)
+            raise _Boundary(int(self._leaving), 1, self._leaving)
 
     def _describe_change(self) -> str:
         return self._generations.describe_change() if self._generations else "a worker is leaving"
@@ -345,7 +352,8 @@ class Runtime:
         if self._generations is not None:
             self._generations.leave()
         self._teardown()
-        log.info("[%s] left at step %d", self.worker, self.state.step)
+        log.warning("[%s] left at step %d%s", self.worker, self.state.step,
+                    " with the whole job (final checkpoint)" if everyone else "")
 
     def _stop_restart_mode(self) -> None:
         """Restart mode, a worker was told to stop: every rank saves the same final checkpoint;
