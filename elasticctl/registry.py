@@ -21,6 +21,7 @@ from elasticctl.job.records import (
     NODE_FIELDS,
     PROGRESS_FIELDS,
     MemberState,
+    Round,
     json_object,
     record_json,
     typed_record,
@@ -82,18 +83,31 @@ class JobView:
     members: dict[str, dict]
     progress: dict | None
     down_requested: bool
+    generation: Round | None = None  # the workers' current generation (hot recovery)
 
     @property
     def round(self) -> int | None:
+        if self.generation is not None:
+            return self.generation.number
         rounds = [m.get("round") for m in self.members.values() if m.get("state") == MemberState.TRAINING]
         return max(rounds) if rounds else None
 
+    def _generation_ranks(self) -> dict[str, int]:
+        """Hot recovery: each node's lowest worker rank in the current generation."""
+        ranks: dict[str, int] = {}
+        for rank, worker in enumerate(self.generation.members if self.generation else ()):
+            ranks.setdefault(worker.rsplit(".", 1)[0], rank)
+        return ranks
+
     @property
     def world_size(self) -> int:
+        if self.generation is not None:
+            return len(self._generation_ranks())
         current = self.round
         return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == MemberState.TRAINING])
 
     def to_dict(self) -> dict:
+        ranks = self._generation_ranks()
         return {
             "job": self.name,
             "spec": None if self.spec is None else self.spec.to_dict(),
@@ -101,11 +115,13 @@ class JobView:
             "world_size": self.world_size,
             "nodes": [
                 {**record, **{k: v for k, v in self.members.get(node, {}).items() if k in ("round", "rank", "restarts")},
+                 **({"round": self.generation.number, "rank": ranks[node]} if node in ranks else {}),
                  "id": node, "rendezvous": self.members.get(node, {}).get("state", "joining")}
                 for node, record in sorted(self.nodes.items())
             ],
             "progress": self.progress,
             "down_requested": self.down_requested,
+            "recovery": "hot" if self.generation is not None else "restart",
         }
 
 
@@ -244,11 +260,19 @@ class Registry:
         kv = self.client.get(self.keys.progress)
         return None if kv is None else typed_record(kv.value, PROGRESS_FIELDS)
 
+    def generation(self) -> Round | None:
+        """The workers' current generation of a hot-recovery job, if there is one (shown, not
+        trusted: a signature is not checked here)."""
+        key = self.keys.generations().rdzv_round
+        kv = self.client.get(key)
+        return None if kv is None else Round.from_json(kv.value, kv.mod_revision, key)
+
     def view(self) -> JobView:
         spec = self.read_spec()
         return JobView(
             name=self.job, spec=spec, nodes=self.live_nodes(), members=self.members(),
             progress=self.progress(), down_requested=self.requested("") == "down",
+            generation=self.generation(),
         )
 
     def withdraw_spec(self, spec: JobSpec) -> bool:

@@ -36,8 +36,10 @@ def render(view: JobView) -> str:
         lines.append(f"  nnodes    {spec.nnodes}   nproc/node {spec.nproc_per_node}   max restarts {spec.max_restarts}"
                      f"   checkpoints {spec.checkpoint_dir or '-'}")
     nodes = data["world_size"]
-    lines.append(f"  round     {data['round'] if data['round'] is not None else '-'}   "
-                 f"world size {nodes} node{'s' if nodes != 1 else ''}")
+    label = "generation" if data["recovery"] == "hot" else "round    "
+    lines.append(f"  {label} {data['round'] if data['round'] is not None else '-'}   "
+                 f"world size {nodes} node{'s' if nodes != 1 else ''}"
+                 + ("   (hot recovery: survivors re-form in process)" if data["recovery"] == "hot" else ""))
     rows = [["NODE", "HOST", "ADDRESS", "STATE", "RANK", "GPUS", "NPROC", "RESTARTS", "JOINED"]]
     for node in data["nodes"]:
         state = node.get("state", "?")

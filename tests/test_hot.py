@@ -137,6 +137,11 @@ def test_elasticctl_runs_a_hot_job_whose_survivors_keep_training_and_which_goes_
     shrunk = job.wait_world(2, {"a", "b"}, since=killed_at)
     assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
     assert job.registry.members()["a"]["restarts"] == 0
+    status = job.status()
+    assert status["recovery"] == "hot" and status["world_size"] == 2, status
+    ranks = {n["id"]: n.get("rank") for n in status["nodes"]}
+    assert {ranks["a"], ranks["b"]} == {0, 1} and ranks.get("c") is None, ranks  # c: until its record expires
+    assert "generation" in cli("status", "--etcd", default_etcd.endpoint, "--job", run_id).stdout
 
     left_at = max(r["time"] for r in job.records())
     d = job.join("d")
