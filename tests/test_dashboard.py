@@ -139,8 +139,9 @@ GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000,
                     ev(20, EventKind.MEMBER_LOST, "c", round=1),
                     ev(15, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own"),
                     ev(15, EventKind.FAILURE_JUDGED, "a", charged=False),
-                    ev(10, EventKind.ROUND_FORMED, world_size=2, round=2),
-                    ev(10, EventKind.RECOVERY_FINISHED, duration=4.5, round=2),
+                    # the rendezvous part of the recovery: already inside recovery_finished's
+                    ev(10, EventKind.ROUND_FORMED, world_size=2, round=2, duration=3.0),
+                    ev(10, EventKind.RECOVERY_FINISHED, duration=4.5, round=2, step=40),
                     ev(5, EventKind.RECOVERY_FINISHED, duration=1.25, round=3),
                 ],
             ),
@@ -159,6 +160,39 @@ GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000,
                 ],
             },
             id="events-newest-first-with-garbage-mixed-in",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                events=[
+                    ev(30, EventKind.CHECKPOINT_WRITTEN, step=20, duration=0.5),
+                    ev(12.5, EventKind.CHECKPOINT_WRITTEN, step=40, duration=0.25),
+                    b'{"time": 1700000099.5, "kind": "checkpoint_written", "duration": -1}',
+                    ev(1, EventKind.ROUND_FORMED, world_size=2, round=2),
+                ],
+            ),
+            {
+                "checkpoint": {"step": 40, "age": 12.5, "duration": 0.25},
+                "totals": {"recoveries": 0, "recovery_seconds": 0, "restarts_spent": 0},
+                "event_kinds": ["round_formed", "checkpoint_written", "checkpoint_written"],
+            },
+            id="the-newest-checkpoint-and-its-age",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                events=[ev(3, EventKind.CHECKPOINT_WRITTEN, step=2**60)],
+                progress=b'{"last_checkpoint_step": 40, "time": 1700000000}',
+            ),
+            {"checkpoint": {"step": None, "age": 3.0, "duration": None}},
+            id="a-checkpoint-step-too-large-for-the-browser",
+        ),
+        pytest.param(
+            Reading("j", NOW, progress=b'{"last_checkpoint_step": 40, "time": 1700000000}'),
+            {"checkpoint": None},
+            id="no-checkpoint-event",
         ),
         pytest.param(
             Reading("j", NOW, progress=b'{"step": 7, "loss": "x", "time": 1699999990, "rank": 0}'),
@@ -237,6 +271,42 @@ def test_samples_series(raws, expected):
         assert series[key] == value, key
 
 
+@pytest.mark.parametrize(
+    ("events", "age", "write_seconds"),
+    [
+        pytest.param([], None, None, id="no-checkpoint-no-metrics"),
+        pytest.param(
+            [ev(8, EventKind.CHECKPOINT_WRITTEN, step=20, duration=1.5)], 8.0, 1.5, id="one"
+        ),
+        pytest.param(
+            [
+                ev(2, EventKind.CHECKPOINT_WRITTEN, step=60, duration=0.75),
+                ev(8, EventKind.CHECKPOINT_WRITTEN, step=20, duration=1.5),
+                ev(1, EventKind.ROUND_FORMED, round=2, duration=0.4),
+            ],
+            2.0,
+            0.75,
+            id="the-newest-by-time-whatever-the-order",
+        ),
+        pytest.param(
+            [ev(4, EventKind.CHECKPOINT_WRITTEN, step=20), b'{"kind": "checkpoint_written"}'],
+            4.0,
+            None,
+            id="no-duration-and-garbage",
+        ),
+        pytest.param(
+            [ev(-5, EventKind.CHECKPOINT_WRITTEN, step=20, duration=0.1)],
+            0.0,
+            0.1,
+            id="a-writer-clock-ahead-is-no-negative-age",
+        ),
+    ],
+)
+def test_checkpoint_metrics(events, age, write_seconds):
+    m = job_metrics(Reading("j", NOW, events=events))
+    assert (m.last_checkpoint_age, m.checkpoint_write_seconds) == (age, write_seconds)
+
+
 def test_histogram_is_cumulative_with_inf_last():
     assert histogram([0.5, 3, 3, 70], (1, 5, 60)) == ((1, 1), (5, 3), (60, 3), (float("inf"), 4))
     assert histogram([], (1,)) == ((1, 0), (float("inf"), 0))
@@ -305,7 +375,9 @@ RAW = st.one_of(
             st.integers(),
             st.floats(),
             st.text(max_size=4),
-            st.sampled_from(["round_formed", "recovery_finished", "training"]),
+            st.sampled_from(
+                ["round_formed", "recovery_finished", "checkpoint_written", "training"]
+            ),
         ),
         max_size=6,
     ).map(lambda d: json.dumps(d).encode()),
@@ -375,6 +447,7 @@ def planted(default_etcd, run_id):
     log = EventLog(client, keys)
     log.record(EventKind.ROUND_FORMED, "a", round=3, members=("a",), world_size=1)
     log.record(EventKind.RECOVERY_FINISHED, "a", round=3, duration=2.0)
+    log.record(EventKind.CHECKPOINT_WRITTEN, "a", at=NOW - 30, step=40, duration=0.5)
     client.put(keys.event(NOW, "x", "bogus"), b'{"time": "garbage"}')
     client.put(keys.progress_sample(NOW - 4), sample(4, 10))
     client.put(keys.progress_sample(NOW - 2), sample(2, 30))
@@ -392,7 +465,12 @@ def test_the_page_json_and_metrics_come_from_etcd(planted):
     assert view["job"] == keys.job and view["world_size"] == 1 and view["round"] == 3
     assert [n["id"] for n in view["nodes"]] == ["a"]
     assert 0 <= view["nodes"][0]["heartbeat_age"] <= 30, "from the node record's lease"
-    assert [e["kind"] for e in view["events"]] == ["recovery_finished", "round_formed"]
+    assert [e["kind"] for e in view["events"]] == [
+        "recovery_finished",
+        "round_formed",
+        "checkpoint_written",
+    ]
+    assert view["checkpoint"]["step"] == 40 and view["checkpoint"]["age"] >= 30
     assert view["samples"]["steps_per_s"] == [None, 10.0]
 
     page = dashboard.get("").decode()
@@ -423,6 +501,9 @@ def test_the_page_json_and_metrics_come_from_etcd(planted):
         value["elasticctl_steps_per_second"] == 10.0
         and value["elasticctl_steps_since_checkpoint"] == 10
     )
+    assert value["elasticctl_last_checkpoint_age_seconds"] >= 30
+    assert value["elasticctl_checkpoint_write_seconds"] == 0.5
+    assert families["elasticctl_checkpoint_write_seconds"].type == "gauge"
     latency = families["elasticctl_dashboard_etcd_request_duration_seconds"]
     assert latency.type == "histogram" and {s.labels.get("request") for s in latency.samples} >= {
         "range",

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from test_dashboard import Dashboard
-from test_orchestrator import Job
+from test_orchestrator import TRAIN, Job
+
+from elasticctl.events import EventLog
+from elasticctl.job.records import Event, EventKind
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
@@ -53,19 +57,42 @@ def browser():
         driver.quit()  # stops chromedriver and chromium
 
 
+# Each read is one script: the page replaces its rows and markers every second, so an element
+# found by one WebDriver call can be gone (stale) by the next.
 def _rows(driver) -> list[list[str]]:
-    return [
-        [td.text for td in tr.find_elements("css selector", "td")]
-        for tr in driver.find_elements("css selector", "#nodes tbody tr")
-    ]
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#nodes tbody tr')]"
+        ".map((tr) => [...tr.cells].map((td) => td.textContent))"
+    )
 
 
-def _markers(driver, selector: str) -> list:
-    return driver.find_elements("css selector", f"#world-chart .marker{selector}")
+def _markers(driver, selector: str) -> list[str]:
+    """The titles of the world-size chart's event markers that match ``selector``."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((m) => m.title)",
+        f"#world-chart .marker{selector}",
+    )
+
+
+def _ticks(driver) -> list[list[str]]:
+    """The checkpoint ticks' (data-step, title)."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#world-chart .tick')]"
+        ".map((t) => [t.dataset.step, t.title])"
+    )
 
 
 def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id, tmp_path, browser):
-    job = Job(nodes, default_etcd, run_id, tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    job = Job(
+        nodes,
+        default_etcd,
+        run_id,
+        tmp_path,
+        extra=["--checkpoint-dir", str(checkpoints)],
+        train=[*TRAIN, "--checkpoint-every", "20"],
+    )
     dashboard = None
     try:
         c = job.start("a", "b", "c")["c"]
@@ -80,6 +107,15 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
             lambda: _markers(browser, '[data-event-kind="round_formed"][data-world-size="3"]'),
             30,
             "the round of 3 marked on the world-size chart",
+        )
+        # checkpoint writes are small ticks with their step, never full-height event markers
+        step, title = wait_for(lambda: _ticks(browser), 30, "a checkpoint tick on the chart")[0]
+        assert int(step) > 0 and "checkpoint_written" in title, title
+        assert not _markers(browser, '[data-event-kind="checkpoint_written"]')
+        wait_for(
+            lambda: browser.find_element("id", "checkpoint").text.startswith("step "),
+            10,
+            "the newest checkpoint in the summary",
         )
         # two progress samples: the steps/s curve has a point before the kill
         wait_for(
@@ -96,14 +132,12 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
             30,
             "the lost member marked on the world-size chart",
         )
-        marker = wait_for(
+        title = wait_for(
             lambda: _markers(browser, '[data-event-kind="round_formed"][data-world-size="2"]'),
             30,
             "the round of 2 marked on the world-size chart",
         )[-1]
-        assert "round_formed" in marker.get_attribute(
-            "title"
-        ) and "world size 2" in marker.get_attribute("title")
+        assert "round_formed" in title and "world size 2" in title, title
         wait_for(
             lambda: sorted(r[0] for r in _rows(browser)) == ["a", "b"],
             30,
@@ -139,9 +173,17 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
         (artifacts / "dashboard.json").write_bytes(dashboard.get("api/job"))
         print(f"dashboard screenshot: {shot}")
 
+        history = EventLog(job.client, job.registry.keys)
+
+        def written() -> list[Event]:
+            return [e for e in history.read() if e.kind is EventKind.CHECKPOINT_WRITTEN]
+
+        # checkpoints go on during the scrape: its age is from one written before or during it
+        before, scraped = written(), time.time()
         families = {
             f.name: f for f in text_string_to_metric_families(dashboard.get("metrics").decode())
         }
+        after, done = written(), time.time()
         value = {name: f.samples[0].value for name, f in families.items() if f.samples}
         assert value["elasticctl_world_size"] == 2
         assert {s.labels["state"]: s.value for s in families["elasticctl_nodes"].samples} == {
@@ -151,6 +193,10 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
         assert recoveries["elasticctl_recovery_seconds_count"] >= 1
         assert 0 < recoveries["elasticctl_recovery_seconds_sum"] < 120
         assert value["elasticctl_restarts_spent"] == 0, "a lost peer spends no restart"
+        age = value["elasticctl_last_checkpoint_age_seconds"]
+        assert scraped - after[-1].time - 0.01 <= age <= done - before[-1].time + 0.01, age
+        assert value["elasticctl_checkpoint_write_seconds"] in {e.duration for e in after}
+        assert value["elasticctl_last_checkpoint_step"] > 0
     finally:
         if dashboard is not None:
             assert dashboard.stop() == 0

@@ -149,8 +149,10 @@ def world_series(events: Sequence[Event]) -> dict[str, list]:
 
 
 def totals(events: Sequence[Event]) -> dict:
-    """What the recoveries cost: their count and seconds (``recovery_finished``), restarts spent
-    (``failure_judged`` that charged one)."""
+    """What the recoveries cost: their count and seconds (``recovery_finished``: each from the first
+    fault or change to the first training step after it; ``round_formed``'s duration is only the
+    rendezvous part of that, so it is not added), restarts spent (``failure_judged`` that charged
+    one)."""
     durations = [
         e.duration
         for e in events
@@ -169,6 +171,21 @@ def _events(reading: Reading) -> list[Event]:
     return sorted(parse_events(reading.events), key=lambda e: e.time)
 
 
+def newest_checkpoint(events: Sequence[Event], now: float) -> dict | None:
+    """The newest ``checkpoint_written`` (events in time order): its step, how long ago it was
+    committed, how long its write took; None if the history has none."""
+    written = [e for e in events if e.kind is EventKind.CHECKPOINT_WRITTEN]
+    if not written:
+        return None
+    newest = written[-1]
+    return {
+        # a step too large for a float would round in the browser and in a metric value
+        "step": newest.step if newest.step is not None and newest.step < 2**53 else None,
+        "age": _age(now, newest.time),
+        "duration": newest.duration,
+    }
+
+
 def event_row(event: Event) -> dict:
     """An event for the page: any kind, shown generically as its kind and its details."""
     row = {
@@ -179,6 +196,8 @@ def event_row(event: Event) -> dict:
     }
     if event.world_size is not None:
         row["world_size"] = event.world_size
+    if event.step is not None and event.step < 2**53:
+        row["step"] = event.step
     return row
 
 
@@ -198,6 +217,7 @@ def job_view(reading: Reading) -> dict:
         "nodes": nodes,
         "progress": progress or None,
         "progress_age": _age(reading.now, (progress or {}).get("time")),
+        "checkpoint": newest_checkpoint(events, reading.now),
         "samples": samples_series(reading.samples),
         "world": world_series(events),
         "events": [event_row(e) for e in reversed(events)],  # newest first
@@ -236,6 +256,8 @@ class JobMetrics:
     loss: float | None
     last_checkpoint_step: int | None
     progress_age: float | None
+    last_checkpoint_age: float | None = None  # the newest checkpoint_written event
+    checkpoint_write_seconds: float | None = None  # that event's write duration
 
 
 def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
@@ -261,6 +283,7 @@ def job_metrics(reading: Reading) -> JobMetrics:
     ]
     progress = _progress(reading)
     rates = [r for r in samples_series(reading.samples)["steps_per_s"] if r is not None]
+    checkpoint = newest_checkpoint(events, reading.now) or {}
     return JobMetrics(
         world_size=_world_size(members, current),
         round=current,
@@ -275,4 +298,6 @@ def job_metrics(reading: Reading) -> JobMetrics:
         loss=progress.get("loss"),
         last_checkpoint_step=progress.get("last_checkpoint_step"),
         progress_age=_age(reading.now, progress.get("time")),
+        last_checkpoint_age=checkpoint.get("age"),
+        checkpoint_write_seconds=checkpoint.get("duration"),
     )

@@ -167,6 +167,19 @@ class JobCollector(Collector):
                 max(0, m.step - m.last_checkpoint_step),
             )
         yield from gauge(
+            "elasticctl_last_checkpoint_age_seconds",
+            "Seconds since the newest checkpoint was committed (checkpoint_written events).",
+            m.last_checkpoint_age,
+        )
+        # A gauge of the newest write, not a histogram: the history keeps only the newest 100
+        # checkpoint events, so a histogram's count would stop at 100 and its rate() read 0.
+        # Over time: max_over_time/quantile_over_time of this gauge.
+        yield from gauge(
+            "elasticctl_checkpoint_write_seconds",
+            "Seconds the newest checkpoint write took.",
+            m.checkpoint_write_seconds,
+        )
+        yield from gauge(
             "elasticctl_progress_age_seconds",
             "Seconds since rank 0 last reported progress.",
             m.progress_age,
