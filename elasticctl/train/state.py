@@ -88,8 +88,14 @@ class State:
         for name, obj in self.objects().items():
             if name not in state:
                 raise StateError(f"The state received has no '{name}'.")
-            obj.load_state_dict(state[name])
-        self._fields.update(state.get("fields", {}))
+            try:
+                obj.load_state_dict(state[name])
+            except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+                raise StateError(f"The '{name}' state received does not fit this worker's: {exc}") from exc
+        fields = state.get("fields", {})
+        if not isinstance(fields, dict):
+            raise StateError("The fields of the state received are not a mapping.")
+        self._fields.update(fields)
         self.step = int(state["step"])
         self.live = True
 
