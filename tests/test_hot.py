@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import read_records, wait_for
 
+from elasticctl.etcd_server import EmbeddedEtcd
 from elasticctl.job.settings import HotSettings
 
 HOT = str(Path(__file__).parent / "workers" / "hot.py")
@@ -23,7 +24,7 @@ HOT = str(Path(__file__).parent / "workers" / "hot.py")
 
 class HotJob:
     def __init__(self, nodes, etcd, run_id, tmp_path, settings: HotSettings, args=()) -> None:
-        self.nodes, self.record = nodes, tmp_path / "record.jsonl"
+        self.nodes, self.etcd, self.record = nodes, etcd, tmp_path / "record.jsonl"
         self.env = {"ELASTICCTL_ETCD": etcd.endpoint, "ELASTICCTL_JOB": run_id, "ELASTICCTL_NODE_ADDR": "127.0.0.1",
                     "ELASTICCTL_HOT": settings.encode(), "LOCAL_RANK": "0"}
         self.args = ["--record", str(self.record), *args]
@@ -45,6 +46,14 @@ class HotJob:
                 by_generation[r["generation"]].add(r["node"])
             return [r for r in recent if by_generation[r["generation"]] == names] or None
         return wait_for(reached, timeout, f"{sorted(names)} training together")
+
+    def declarations(self) -> set[str]:
+        from elasticctl.etcd import EtcdClient
+        from elasticctl.job.keys import JobKeys
+
+        with EtcdClient(self.etcd.client_settings()) as client:
+            prefix = JobKeys(self.env["ELASTICCTL_JOB"]).generations().rdzv_nodes
+            return {kv.key.decode()[len(prefix):] for kv in client.get_prefix(prefix)}
 
     def last_time(self) -> float:
         return max(r["time"] for r in self.steps())
@@ -117,6 +126,46 @@ def test_survivors_keep_their_processes_through_a_kill_a_join_a_freeze_and_a_lea
     assert {r["node"]: r["pid"] for r in after} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
 
     check_replicas_and_samples(job.steps())
+
+
+def test_two_failures_in_one_recovery_and_a_sender_killed_mid_transfer(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=4, node_ttl=3), args=["--state-mb", "64"])
+    workers = {name: job.start(name) for name in ("a", "b", "c", "d")}
+    job.wait_world({"a", "b", "c", "d"})
+
+    # Two workers die in one recovery: the second while the others re-form after the first.
+    killed_at = job.last_time()
+    workers["c"].kill()
+    workers["d"].kill()
+    job.wait_world({"a", "b"}, since=killed_at)
+
+    # A joiner's state comes from the most advanced member; kill that one as soon as the
+    # joiner has declared: the transfer (64 MB) fails on the others, who re-form and finish it.
+    joined_at = job.last_time()
+    latest = max(r["generation"] for r in job.steps())
+    sender = next(r["node"] for r in job.steps() if r["generation"] == latest and r["rank"] == 0)
+    survivor = ({"a", "b"} - {sender}).pop()
+    workers["e"] = job.start("e")
+    wait_for(lambda: "e.0" in job.declarations(), 120, "e's declaration")
+    workers[sender].kill()
+    job.wait_world({survivor, "e"}, since=joined_at)
+    check_replicas_and_samples(job.steps())
+
+
+def test_a_recovery_rides_out_an_etcd_restart(nodes, run_id, tmp_path):
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path / "etcd"), client_port=0, peer_port=0).start()
+    try:
+        job = HotJob(nodes, etcd, run_id, tmp_path, HotSettings(min_nodes=2, max_nodes=3, node_ttl=5))
+        workers = {name: job.start(name) for name in ("a", "b", "c")}
+        job.wait_world({"a", "b", "c"})
+        killed_at = job.last_time()
+        etcd.stop()  # the survivors re-form while etcd is away, and finish once it is back
+        workers["c"].kill()
+        etcd.start()
+        job.wait_world({"a", "b"}, since=killed_at)
+        check_replicas_and_samples(job.steps())
+    finally:
+        etcd.stop()
 
 
 def test_elasticctl_runs_a_hot_job_whose_survivors_keep_training_and_which_goes_down_whole(

@@ -25,6 +25,7 @@ parser.add_argument("--step-sleep", type=float, default=0.02)
 parser.add_argument("--batch-size", type=int, default=4)
 parser.add_argument("--dataset-size", type=int, default=4096)
 parser.add_argument("--checkpoint-every", type=int, default=0)
+parser.add_argument("--state-mb", type=int, default=0, help="ballast in the state: a transfer that takes a while")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -32,6 +33,8 @@ generator = torch.Generator().manual_seed(1)
 dataset = TensorDataset(torch.arange(args.dataset_size), torch.randn(args.dataset_size, 8, generator=generator),
                         torch.randn(args.dataset_size, 1, generator=generator))
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+if args.state_mb:
+    model.register_buffer("ballast", torch.zeros(args.state_mb * 2**18))  # float32: 4 bytes each
 state = elastic.State(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                       sampler=elastic.ResumableSampler(dataset, num_replicas=1, rank=0, seed=3))
 record = open(args.record, "a", buffering=1)  # noqa: SIM115 - open for the run
