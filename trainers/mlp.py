@@ -175,7 +175,7 @@ def train(args: argparse.Namespace) -> None:
                 for i, (index, x, y) in enumerate(micro_batches):
                     # Gradients are all-reduced once, on the last micro-batch of the step.
                     last = i == len(micro_batches) - 1
-                    with contextlib.nullcontext() if last else group.model.no_sync():
+                    with contextlib.nullcontext() if last else getattr(group.model, "no_sync", contextlib.nullcontext)():
                         loss = nn.functional.mse_loss(group.model(x.to(device)), y.to(device)) / len(micro_batches)
                         loss.backward()
                     loss_sum += loss.item()
