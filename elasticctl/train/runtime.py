@@ -89,7 +89,8 @@ class Runtime:
 
     def __init__(self, state: State, *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  backend: str | None = None, wrap: Callable[[torch.nn.Module, Group], torch.nn.Module] | None = None,
-                 pg_timeout: float | None = None) -> None:
+                 pg_timeout: float | None = None, keep: int = 3, async_checkpoint: bool = True,
+                 on_event: Callable[..., object] | None = None) -> None:
         self.state = state
         state._runtime = self
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -105,6 +106,9 @@ class Runtime:
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout or default_timeout)
         self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
+        self.keep = keep
+        self.async_checkpoint = async_checkpoint
+        self._on_event = on_event
         self._wrap = wrap or _ddp
         self.node = os.environ.get(envvars.NODE, "") or "local"
         self.worker = f"{self.node}.{self.local_rank}"
@@ -292,13 +296,16 @@ class Runtime:
             self.state.step = restored.step
             self.state._fields.update(restored.extra.get("fields", {}))
             log.info("[%s] resumed from %s at step %d", self.worker, restored.path, restored.step)
+            self._emit("resume", step=restored.step, epoch=self._epoch(), consumed=self._consumed(),
+                       from_world_size=restored.world_size, path=str(restored.path))
         self.state.live = True
 
     def _checkpointer_for(self, rank: int) -> Checkpointer | None:
         if not self.checkpoint_dir:
             return None
         if self._checkpointer is None:
-            return Checkpointer(self.checkpoint_dir, async_save=True, device=self.device)
+            return Checkpointer(self.checkpoint_dir, keep=self.keep, async_save=self.async_checkpoint,
+                                device=self.device)
         self._checkpointer.follow_rank(rank)
         return self._checkpointer
 
@@ -320,7 +327,7 @@ class Runtime:
                 self._noticed_at = time.time()
                 raise _Boundary(leaving, group.world_size, self._leaving_sent)
         if self._checkpointer and self.checkpoint_every and state.step % self.checkpoint_every == 0:
-            self._checkpointer.save(state.step, self._epoch(), extra={"fields": state.fields}, **state.objects())
+            self._save()
         if self._progress is not None and group.rank == 0:
             began, count = self._samples_since
             count += samples * group.world_size
@@ -348,7 +355,7 @@ class Runtime:
         """This worker was told to stop (SIGTERM): a final checkpoint if the whole job stops
         (the state lives on in the others otherwise), then out of the generation."""
         if everyone or self.settings is None:
-            self._final_checkpoint()
+            self._stop_checkpoint()
         if self._generations is not None:
             self._generations.leave()
         self._teardown()
@@ -359,7 +366,7 @@ class Runtime:
         """Restart mode, a worker was told to stop: every rank saves the same final checkpoint;
         the signalled ones exit 0, the others raise PeerLeaving (their agent re-forms without
         the leaver, from that checkpoint)."""
-        self._final_checkpoint()
+        self._stop_checkpoint()
         dist.barrier()
         if not self._leaving:
             raise worker_env.PeerLeaving("A peer is leaving the job; restarting to re-form without it.")
@@ -380,8 +387,22 @@ class Runtime:
             return
         self._checkpointer.wait()
         if self._checkpointer.last_step != self.state.step:
-            self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
-                                    blocking=True, **self.state.objects())
+            self._save(blocking=True)
+
+    def _stop_checkpoint(self) -> None:
+        """The final checkpoint of a stop (SIGTERM), reported on every rank."""
+        self._final_checkpoint()
+        if self._checkpointer is not None:
+            self._emit("final_checkpoint", step=self.state.step, signalled=self._leaving)
+
+    def _save(self, blocking: bool | None = None) -> None:
+        began = time.perf_counter()
+        self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
+                                blocking=blocking, **self.state.objects())
+        if self._checkpointer.is_writer:  # blocked_ms: how long the training thread stood still for it
+            self._emit("checkpoint", step=self.state.step, epoch=self._epoch(), consumed=self._consumed(),
+                       blocked_ms=round((time.perf_counter() - began) * 1000, 2),
+                       **{"async": not blocking and self._checkpointer.async_save})
 
     def _close(self) -> None:
         if self._checkpointer is not None:
@@ -402,6 +423,14 @@ class Runtime:
 
     def _epoch(self) -> int:
         return int(getattr(self.state.sampler, "epoch", 0))
+
+    def _consumed(self) -> int | None:
+        consumed = getattr(self.state.sampler, "consumed", None)
+        return None if consumed is None else int(consumed)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, **fields)
 
     def _progress_publisher(self) -> None:
         if self._progress is None:
@@ -435,5 +464,13 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     """Train ``state`` with ``train(state, group)``, generation after generation; see the module
     docstring. ``options``: ``checkpoint_dir`` (default ``ELASTICCTL_CHECKPOINT_DIR``),
     ``checkpoint_every`` (steps; 0: only a final checkpoint), ``backend``, ``wrap``
-    (``(model, group) -> model``, default DDP), ``pg_timeout`` (seconds)."""
+    (``(model, group) -> model``, default DDP), ``pg_timeout`` (seconds), ``keep`` (checkpoints
+    kept), ``async_checkpoint`` (periodic saves written by a background thread; default on).
+
+    ``on_event(kind, **fields)``, if given, hears what the runtime did, for the script's own
+    records: ``"resume"`` after a checkpoint restore (step, epoch, consumed, from_world_size,
+    path); ``"checkpoint"`` on the writing rank after each save (step, epoch, consumed,
+    async, blocked_ms: how long the save held up training); ``"final_checkpoint"`` on every
+    rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
+    worker was the one told to stop)."""
     Runtime(state, **options).run(train)
