@@ -342,6 +342,14 @@ class Runtime:
         self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
         if group.world_size > 1:
             self._flag_work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, async_op=True)
+            if self.settings is None:
+                # Restart mode: the agent waits for these workers to stop before its node can
+                # re-form, so decide at this boundary, not the next (a blocking all-reduce).
+                self._flag_work.wait()
+                pending, leaving = (int(v) for v in self._flags.tolist())
+                self._flag_work = None
+                if leaving:
+                    raise _Boundary(leaving, group.world_size, self._leaving_sent)
         elif pending or self._leaving:
             self._noticed_at = time.time()
             raise _Boundary(int(self._leaving), 1, self._leaving)
