@@ -49,13 +49,14 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, Round
 from elasticctl.job.settings import HotSettings
-from elasticctl.train.state import State
+from elasticctl.train.state import State, StateError
 
 log = logging.getLogger(__name__)
 
 EXIT_RECOVERY_FAILED = 75  # the worker cannot recover in process: its node restarts it
 TEARDOWN_BOUND = 10.0      # seconds a process group may take to come down before the worker exits
 SAME_STEP_FAILURES = 3     # failures at one step, none lost: a bug in the script, not a peer
+FORM_ATTEMPTS = 5          # generations in a row that fail while they form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,9 @@ class Group:
     members: tuple[str, ...] = ()
 
 
-class _Boundary(Exception):
-    """Raised out of the script's function at a step boundary every worker agreed on."""
+class _Boundary(BaseException):
+    """Raised out of the script's function at a step boundary every worker agreed on (a
+    BaseException, like KeyboardInterrupt: a script's ``except Exception`` must not swallow it)."""
 
     def __init__(self, leaving: int, world_size: int, me_leaving: bool) -> None:
         super().__init__(f"{leaving} of {world_size} workers leaving" if leaving else "membership change")
@@ -197,20 +199,27 @@ class Runtime:
         return self._start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
 
     def _re_form(self, why: str) -> Group:
+        """Leave the current generation and train in the next; a generation that fails while it
+        forms (a peer lost while the group connects or the state is sent) is formed again."""
         noticed_at = self._noticed_at or time.time()
         if why:
             log.warning("[%s] generation %s ends at step %d: %s", self.worker,
                         self._group.number if self._group else "-", self.state.step, why)
-        self._teardown()
-        generation = self._generations.join()
-        rank = generation.rank_of(self.worker)
-        try:
-            self._build_process_group(generation, rank)
-        except Exception as exc:  # noqa: BLE001 - a taken port, a peer gone while connecting
-            log.warning("[%s] cannot build generation %d: %s", self.worker, generation.number, exc)
-            self._noticed_at = noticed_at
-            return self._re_form("the process group did not form")
-        return self._start_generation(generation, rank, generation.world_size, noticed_at if why else None)
+        for attempt in range(1, FORM_ATTEMPTS + 1):
+            self._teardown()
+            generation = self._generations.join()
+            rank = generation.rank_of(self.worker)
+            try:
+                self._build_process_group(generation, rank)
+                return self._start_generation(generation, rank, generation.world_size,
+                                              noticed_at if why else None)
+            except StateError:
+                raise  # what a peer sent does not fit: another generation would send the same
+            except Exception as exc:  # noqa: BLE001 - a taken port, a peer lost while connecting or sending
+                log.warning("[%s] generation %d did not form (attempt %d of %d): %s", self.worker,
+                            generation.number, attempt, FORM_ATTEMPTS, " ".join(str(exc).split())[:300])
+        raise ElasticctlError(f"The worker '{self.worker}' could not form a generation in "
+                              f"{FORM_ATTEMPTS} attempts; its node restarts it.")
 
     def _start_generation(self, generation: Round, rank: int, world_size: int, noticed_at: float | None) -> Group:
         self._checkpointer = self._checkpointer_for(rank)
