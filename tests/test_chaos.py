@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from bench import chaos
@@ -27,7 +25,6 @@ def test_the_soak_waits_for_a_generation_of_exactly_the_expected_nodes():
 
 @pytest.mark.slow
 def test_a_short_chaos_soak_passes(tmp_path):
-    began = time.monotonic()
     try:
         summary = chaos.soak(chaos.Options(events=3, seed=SEED, node_ttl=3, checkpoint_every=5), tmp_path)
     except chaos.ChaosFailure as exc:
@@ -35,4 +32,3 @@ def test_a_short_chaos_soak_passes(tmp_path):
     print(chaos.summarize(summary))
     assert [e["number"] for e in summary["events"]] == [1, 2, 3]
     assert all(e["recovered_s"] is not None for e in summary["events"])
-    assert time.monotonic() - began < 180, "the short soak took over 3 minutes"
