@@ -123,7 +123,7 @@ class Cluster:
     """
 
     def __init__(self, system: str, workdir: Path, trainer_args: list[str], etcd: EtcdClient,
-                 nnodes: str = "1:3", shared_store: bool = False) -> None:
+                 nnodes: str = "1:3", shared_store: bool = False, up_args: tuple[str, ...] = ()) -> None:
         if system not in SYSTEMS:
             raise ValueError(f"The system '{system}' is not one of {SYSTEMS}.")
         self.system, self.workdir, self.nnodes = system, workdir, nnodes
@@ -135,6 +135,7 @@ class Cluster:
         self.etcd_endpoint = etcd.settings.describe()
         self.store_port = free_port(LOOPBACK)
         self.nodes: dict[str, Node] = {}
+        self.up_args = list(up_args)  # elasticctl: options of `up` before the script (--recovery hot, ...)
         self.env = {} if system == "elasticctl" or shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
     def _command(self, name: str, first: bool) -> list[str]:
@@ -146,7 +147,7 @@ class Cluster:
         cli = [sys.executable, "-m", "elasticctl.cli"]
         if first:
             return [*cli, "up", "--node-id", name, "--etcd", self.etcd_endpoint, "--job", self.job,
-                    "--nnodes", self.nnodes, *self.trainer]
+                    "--nnodes", self.nnodes, *self.up_args, *self.trainer]
         return [*cli, "join", "--node-id", name, "--etcd", self.etcd_endpoint, "--job", self.job]
 
     def start(self, name: str, timeout: float = 60) -> Node:

@@ -8,7 +8,6 @@ on the workers' JSON record, never a sleep.
 from __future__ import annotations
 
 import collections
-import itertools
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import read_records, wait_for
 
+from bench.accounting import check_replicas, check_samples
 from elasticctl.etcd_server import EmbeddedEtcd
 from elasticctl.job.settings import HotSettings
 
@@ -59,34 +59,9 @@ class HotJob:
         return max(r["time"] for r in self.steps())
 
 
-def _lineage(steps: list[dict]) -> dict[int, dict]:
-    """Per step number, the generation that applied it last (a re-done step replaces the first)."""
-    latest: dict[int, dict] = {}
-    for r in sorted(steps, key=lambda r: (r["generation"], r["time"])):
-        latest[r["step"]] = r
-    return latest
-
-
 def check_replicas_and_samples(steps: list[dict]) -> None:
-    # Replicas are bit-identical: every worker of a generation had the same parameters at each step.
-    digests = collections.defaultdict(set)
-    for r in steps:
-        digests[(r["generation"], r["step"])].add(r["params"])
-    diverged = {k: v for k, v in digests.items() if len(v) > 1}
-    assert not diverged, f"replicas diverged at (generation, step): {sorted(diverged)[:5]}"
-    # No sample lost or trained twice: the steps' global positions tile each completed epoch.
-    lineage = _lineage(steps)
-    by_epoch = collections.defaultdict(list)
-    for step in sorted(lineage):
-        r = lineage[step]
-        by_epoch[r["epoch"]].append((r["position"], r["position"] + r["batch"] * r["world_size"], step))
-    for epoch, spans in by_epoch.items():
-        spans.sort()
-        for (_, end, step), (next_start, _, next_step) in itertools.pairwise(spans):
-            assert end == next_start, f"epoch {epoch}: step {step} ends at {end}, step {next_step} starts at {next_start}"
-    # Each step number was applied once in the lineage, and steps followed each other.
-    numbers = sorted(lineage)
-    assert numbers == list(range(numbers[0], numbers[-1] + 1)), "a step number is missing"
+    check_replicas(steps)
+    check_samples(steps)
 
 
 @pytest.fixture

@@ -15,13 +15,16 @@ and checkpoints every ``--checkpoint-every`` steps, at the end, and on SIGTERM
 ``--record FILE``: every rank appends one JSON line per step (step, epoch,
 rank, world size, restart count, loss, samples seen, the step's sample indices,
 ...) plus events (resume, checkpoint, final checkpoint, done), which tests
-assert on. ``--exit-at`` schedules a failure for fault tests.
+assert on. ``--record-params`` adds to each step line the generation and a short
+digest of the parameters before the step (equal on every replica: soaks check it).
+``--exit-at`` schedules a failure for fault tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -65,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra seconds per step, to stretch a test run")
     parser.add_argument("--log-every", type=int, default=50, help="rank 0 prints progress every N steps (0: never)")
     parser.add_argument("--record", default=None, help="append one JSON line per rank and step here")
+    parser.add_argument("--record-params", action="store_true",
+                        help="add to each step line the generation and a sha256 digest (16 hex digits) "
+                             "of the parameters before the step")
     parser.add_argument("--pg-timeout", type=float, default=None,
                         help="process-group timeout in seconds, short so a lost peer is noticed "
                              "(default: 60; with --recovery hot, the node TTL)")
@@ -101,6 +107,14 @@ def synthetic_dataset(size: int, seed: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(size, 16, generator=generator)
     return TensorDataset(torch.arange(size), x, x.sum(dim=1, keepdim=True))
+
+
+def params_digest(model: nn.Module) -> str:
+    """Short sha256 of the parameters: bit-identical replicas give the same digest."""
+    sha = hashlib.sha256()
+    for tensor in model.parameters():
+        sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return sha.hexdigest()[:16]
 
 
 def inject_failure(mode: str) -> None:
@@ -170,6 +184,8 @@ def train(args: argparse.Namespace) -> None:
                 if (args.exit_at == step and group.rank in args.exit_ranks and restart == 0 and not injected):
                     injected = True  # hot mode re-enters this function in the same process: inject once
                     inject_failure(args.exit_mode)
+                # Before the step: a replica's digest here is the state every rank starts it from.
+                extra = {"generation": group.number, "params": params_digest(model)} if args.record_params else {}
                 loss_sum, indices = 0.0, []
                 optimizer.zero_grad(set_to_none=True)  # a step a failure cut short left gradients behind
                 for i, (index, x, y) in enumerate(micro_batches):
@@ -186,7 +202,7 @@ def train(args: argparse.Namespace) -> None:
                 state.samples_seen += consumed - sampler.consumed
                 write({"step": step, "epoch": sampler.epoch, "loss": round(loss_sum, 5), "host": host,
                        "pid": os.getpid(), "node": node, "group_rank": group_rank,
-                       "samples_seen": state.samples_seen, "consumed": consumed, "indices": indices})
+                       "samples_seen": state.samples_seen, "consumed": consumed, "indices": indices, **extra})
                 if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
                     mean_loss = reduce_mean(loss_sum, device)  # a collective: every rank takes part
                     if group.rank == 0:

@@ -1,0 +1,345 @@
+"""A chaos soak of hot recovery: random kills, freezes, leaves and joins on a 4-node job.
+
+    python -m bench.chaos --events 10 --seed 1
+
+Starts a job of trainers/mlp.py with ``elasticctl up --recovery hot`` on node n1 and
+``join`` on n2..n4 (a bench-owned etcd on 127.0.0.1, checkpoints every K steps), then
+applies N events drawn by a seeded RNG, keeping 2 to 4 nodes live:
+
+* kill: SIGKILL a node's whole process tree (a machine that died);
+* freeze: SIGSTOP the tree for a while (sometimes past the node TTL), then SIGCONT;
+* leave: ``elasticctl leave`` a node (it must exit 0);
+* join: start a new node with ``join``.
+
+After each event it waits, on the record's lines and up to a cap, until the job trains at
+the expected world size with exactly the expected nodes. At the end: ``elasticctl down``,
+every node exits 0, then the checks: sample accounting and identical replicas
+(bench.accounting), no process the soak started left running, no key of the job left in
+etcd but its event history. Prints a summary; exits 1 with a one-line reason when a check
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from bench import accounting
+from bench.cluster import Cluster, Node, wait_for
+from elasticctl.etcd import EtcdClient
+from elasticctl.etcd_server import EmbeddedEtcd
+from elasticctl.job.keys import JobKeys
+
+ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
+MIN_NODES, MAX_NODES = 2, 4
+DATASET_SIZE = 2048  # with batch 16: 32 steps an epoch at world 4, so several epochs complete
+
+
+class ChaosFailure(Exception):
+    """A check failed; the message is the one-line reason."""
+
+
+@dataclasses.dataclass
+class Event:
+    number: int
+    kind: str
+    node: str
+    nodes_after: list[str]
+    at: float                    # when the fault (for a freeze: the thaw) happened
+    frozen_s: float | None = None
+    recovered_s: float | None = None  # until the first step of the expected generation
+
+    def describe(self) -> str:
+        what = f"{self.kind} {self.node}" + (f" for {self.frozen_s:.1f} s" if self.frozen_s is not None else "")
+        return f"event {self.number}: {what} -> {len(self.nodes_after)} nodes"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    events: int
+    seed: int
+    node_ttl: int = 3
+    checkpoint_every: int = 10
+    step_sleep: float = 0.05
+    cap: float = 120.0  # seconds an event may take to recover
+
+
+class Soak:
+    def __init__(self, options: Options, workdir: Path, etcd: EtcdClient) -> None:
+        self.options, self.workdir, self.etcd = options, workdir, etcd
+        self.rng = random.Random(options.seed)
+        checkpoints = workdir / "checkpoints"
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        trainer = ["--steps", "100000000", "--batch-size", "16", "--dataset-size", str(DATASET_SIZE),
+                   "--step-sleep", str(options.step_sleep), "--log-every", "0",
+                   "--checkpoint-every", str(options.checkpoint_every), "--record-params"]
+        self.cluster = Cluster("elasticctl", workdir / "job", trainer, etcd, nnodes=f"{MIN_NODES}:{MAX_NODES}",
+                               up_args=("--recovery", "hot", "--node-ttl", str(options.node_ttl),
+                                        "--checkpoint-dir", str(checkpoints)))
+        self.live: list[str] = []
+        self.started = 0
+        self.seen: dict[int, psutil.Process] = {}  # every process of every node, for the leftover check
+        self.events: list[Event] = []
+
+    # -- running -------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        for _ in range(MAX_NODES):
+            self._start_node()
+        self._wait_trained(Event(0, "start", "n1..n4", list(self.live), time.time()), after_generation=-1)
+        for number in range(1, self.options.events + 1):
+            self._event(number)
+            self._train_a_while()
+        return self._finish()
+
+    def _start_node(self) -> str:
+        self.started += 1
+        name = f"n{self.started}"
+        self.cluster.start(name)
+        self.live.append(name)
+        self._snapshot()
+        return name
+
+    def _event(self, number: int) -> None:
+        kinds = ([] if len(self.live) <= MIN_NODES else ["kill", "freeze", "leave"]) + \
+                ([] if len(self.live) >= MAX_NODES else ["join"])
+        kind = self.rng.choice(kinds)
+        generation = self._generation()
+        self._snapshot()
+        if kind == "join":
+            at = time.time()
+            name = self._start_node()
+            event = Event(number, kind, name, list(self.live), at)
+        else:
+            name = self.rng.choice(self.live)
+            node = self.cluster.nodes[name]
+            if kind == "kill":
+                at = time.time()
+                node.signal_tree(signal.SIGKILL)
+                node.process.wait(10)
+                self.live.remove(name)
+                event = Event(number, kind, name, list(self.live), at)
+            elif kind == "freeze":
+                frozen = round(self.rng.uniform(0.5, 2.0 * self.options.node_ttl), 1)
+                node.signal_tree(signal.SIGSTOP)
+                time.sleep(frozen)  # the freeze itself: an intended duration, not a synchronisation
+                node.signal_tree(signal.SIGCONT)
+                event = Event(number, kind, name, list(self.live), time.time(), frozen_s=frozen)
+                generation = -1  # a short freeze may end in the same generation
+            else:
+                at = time.time()
+                self._leave(name, number)
+                self.live.remove(name)
+                event = Event(number, kind, name, list(self.live), at)
+        print(event.describe(), flush=True)
+        self._wait_trained(event, after_generation=generation)
+
+    def _leave(self, name: str, number: int) -> None:
+        node = self.cluster.nodes[name]
+        cap = self.options.cap
+        result = subprocess.run([*ELASTICCTL, "leave", "--etcd", self.cluster.etcd_endpoint, "--job",
+                                 self.cluster.job, "--node", name, "--timeout", str(int(cap))],
+                                check=False, capture_output=True, text=True, timeout=cap + 30)
+        if result.returncode != 0:
+            raise ChaosFailure(f"event {number}: `elasticctl leave --node {name}` failed: "
+                               f"{result.stderr.strip().splitlines()[-1:]}")
+        try:
+            code = node.process.wait(60)
+        except subprocess.TimeoutExpired:
+            raise ChaosFailure(f"event {number}: node {name} did not exit within 60 s of leaving") from None
+        if code != 0:
+            raise ChaosFailure(f"event {number}: node {name} left with exit status {code} (see {node.log_path})")
+
+    def _wait_trained(self, event: Event, after_generation: int) -> None:
+        """Until exactly ``event.nodes_after`` train together, in a generation after ``after_generation``."""
+        names = set(event.nodes_after)
+
+        def reached():
+            return first_together(self.cluster.record.steps(event.at, len(names)), names, after_generation)
+
+        def give_up():
+            return any(self.cluster.nodes[n].process.poll() is not None for n in names)
+
+        first = wait_for(reached, self.options.cap, give_up=give_up)
+        if first is None:
+            gone = {n: self.cluster.nodes[n].process.poll() for n in names
+                    if self.cluster.nodes[n].process.poll() is not None}
+            why = f"node(s) exited: {gone}" if gone else f"not within {self.options.cap:g} s"
+            raise ChaosFailure(f"{event.describe()}: the job did not train at world {len(names)} "
+                               f"with {sorted(names)}: {why}")
+        event.recovered_s = round(first - event.at, 2)
+        if event.number:
+            self.events.append(event)
+            print(f"  trained at world {len(names)} with {sorted(names)} after {event.recovered_s:.2f} s",
+                  flush=True)
+        self._snapshot()
+
+    def _train_a_while(self) -> None:
+        """A random number of steps (0..2K) before the next event, so events land anywhere in the
+        checkpoint interval; waited on the record."""
+        steps = self.rng.randint(0, 2 * self.options.checkpoint_every)
+        target = self._last_step() + steps
+        if not wait_for(lambda: self._last_step() >= target, self.options.cap):
+            raise ChaosFailure(f"training stalled: no step {target} within {self.options.cap:g} s")
+
+    # -- the end and the checks ----------------------------------------------------------
+
+    def _finish(self) -> dict:
+        self._snapshot()
+        result = subprocess.run([*ELASTICCTL, "down", "--etcd", self.cluster.etcd_endpoint, "--job",
+                                 self.cluster.job, "--timeout", "60"],
+                                check=False, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise ChaosFailure(f"`elasticctl down` failed: {result.stderr.strip().splitlines()[-1:]}")
+        for name in self.live:
+            node = self.cluster.nodes[name]
+            try:
+                code = node.process.wait(60)
+            except subprocess.TimeoutExpired:
+                raise ChaosFailure(f"node {name} did not exit within 60 s of `down`") from None
+            if code != 0:
+                raise ChaosFailure(f"node {name} exited with status {code} after `down` (see {node.log_path})")
+        _, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
+        alive = [p for p in alive if _running(p)]
+        if alive:
+            raise ChaosFailure(f"{len(alive)} process(es) left running after `down`: "
+                               f"{[(p.pid, ' '.join(p.cmdline()[:4])) for p in alive[:3]]}")
+        self._check_etcd()
+        steps = self.cluster.record.steps()
+        try:
+            accounting.check_replicas(steps, across_generations=True)
+            counted = accounting.check_samples(steps, dataset_size=DATASET_SIZE)
+        except accounting.AccountingError as exc:
+            raise ChaosFailure(str(exc)) from None
+        pids = collections.defaultdict(set)
+        for r in steps:
+            pids[r["node"]].add(r["pid"])
+        return {
+            "seed": self.options.seed,
+            "events": [dataclasses.asdict(e) for e in self.events],
+            "steps": counted.steps, "redone": counted.redone, "epochs_completed": counted.epochs_completed,
+            # a node whose workers did not recover in process restarted them: more than one pid
+            "worker_restarts": sum(len(p) - 1 for p in pids.values()),
+            "processes_seen": len(self.seen),
+        }
+
+    def _check_etcd(self) -> None:
+        """Nothing of the job left but its event history (a killed node's keys go with its lease: wait for that)."""
+        keys = JobKeys(self.cluster.job)
+
+        def leftover():
+            return [kv.key.decode() for kv in self.etcd.get_prefix(keys.everything)
+                    if not kv.key.decode().startswith(keys.history)]
+
+        if not wait_for(lambda: not leftover(), 3 * self.options.node_ttl + 10):
+            left = leftover()
+            raise ChaosFailure(f"{len(left)} key(s) of the job left in etcd after `down`: {left[:5]}")
+
+    # -- the record and the processes ----------------------------------------------------
+
+    def _generation(self) -> int:
+        return max((r["generation"] for r in self.cluster.record.steps()), default=-1)
+
+    def _last_step(self) -> int:
+        return max((r["step"] for r in self.cluster.record.steps()), default=-1)
+
+    def _snapshot(self) -> None:
+        node: Node
+        for node in self.cluster.nodes.values():
+            for proc in node.tree():
+                self.seen.setdefault(proc.pid, proc)
+
+
+def first_together(lines: list[dict], names: set[str], after_generation: int) -> float | None:
+    """Time of the first step of a generation after ``after_generation`` whose lines at world
+    ``len(names)`` come from exactly ``names`` (every one of them trained in it); None if none."""
+    by_generation: dict[int, list[dict]] = collections.defaultdict(list)
+    for r in lines:
+        if r["generation"] > after_generation and r["world_size"] == len(names):
+            by_generation[r["generation"]].append(r)
+    for _, members in sorted(by_generation.items()):
+        if {r["node"] for r in members} == names:
+            return min(r["time"] for r in members)
+    return None
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def soak(options: Options, workdir: Path) -> dict:
+    """Run the soak in ``workdir``; the summary, or ChaosFailure. Nothing is left running either way."""
+    with EmbeddedEtcd(data_dir=str(workdir / "etcd"), client_port=0, peer_port=0) as server, \
+            EtcdClient(server.client_settings()) as etcd:
+        chaos = Soak(options, workdir, etcd)
+        try:
+            return chaos.run()
+        finally:
+            chaos.cluster.close()
+
+
+def summarize(summary: dict) -> str:
+    lines = [f"chaos: seed {summary['seed']}, {len(summary['events'])} events: PASSED"]
+    for e in summary["events"]:
+        frozen = f" for {e['frozen_s']:.1f} s" if e["frozen_s"] is not None else ""
+        lines.append(f"  {e['number']:>3}  {e['kind']:<6} {e['node']:<4}{frozen:<12} -> {len(e['nodes_after'])} nodes, "
+                     f"training again after {e['recovered_s']:.2f} s")
+    by_kind = collections.defaultdict(list)
+    for e in summary["events"]:
+        by_kind[e["kind"]].append(e["recovered_s"])
+    lines.append("  recovery s: " + ", ".join(f"{k} {min(v):.2f}-{max(v):.2f} (n={len(v)})"
+                                               for k, v in sorted(by_kind.items())))
+    lines.append(f"  {summary['steps']} steps, {summary['redone']} re-done, {summary['epochs_completed']} epochs "
+                 f"complete, {summary['worker_restarts']} worker restarts; samples tile every epoch, replicas "
+                 f"identical, none of {summary['processes_seen']} processes left, etcd clean")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=10, help="random events to apply")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the events, their nodes and timings")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep the logs, record and checkpoints")
+    parser.add_argument("--node-ttl", type=int, default=3, help="seconds: a frozen node is dropped after this")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="K: mlp checkpoints every K steps")
+    parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds the trainer sleeps per step")
+    parser.add_argument("--cap", type=float, default=120.0, help="seconds an event may take to recover")
+    args = parser.parse_args(argv)
+    if args.events < 0:
+        parser.error("--events must not be negative.")
+    options = Options(events=args.events, seed=args.seed, node_ttl=args.node_ttl,
+                      checkpoint_every=args.checkpoint_every, step_sleep=args.step_sleep, cap=args.cap)
+    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
+    try:
+        summary = soak(options, workdir)
+        if args.keep_workdir:
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    except ChaosFailure as exc:
+        print(f"chaos: seed {args.seed}: FAILED: {exc}", flush=True)
+        return 1
+    finally:
+        if args.keep_workdir:
+            print(f"chaos: workdir kept: {workdir}", flush=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(summarize(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
