@@ -93,13 +93,15 @@ def _admission(cluster: Cluster, added: float) -> dict:
     """
     lines = cluster.record.read()
     steps = [r for r in lines if "event" not in r]
-    first3 = min((r for r in steps if r["rank"] == 0 and r["world_size"] == 3 and r["time"] > added),
-                 key=lambda r: r["time"])
-    before = [r["time"] for r in steps if r["rank"] == 0 and r["world_size"] == 2 and r["time"] < first3["time"]]
-    joiner = min((r for r in steps if r.get("node") == "d" and r["world_size"] == 3), key=lambda r: r["time"])
-    starts = [r for r in lines if r.get("event") == "start" and r["rank"] == joiner["rank"]
+    by_time = {"key": lambda r: r["time"], "default": None}  # a line lost to interleaved writes: no value
+    first3 = min((r for r in steps if r["rank"] == 0 and r["world_size"] == 3 and r["time"] > added), **by_time)
+    joiner = min((r for r in steps if r.get("node") == "d" and r["world_size"] == 3 and r["time"] > added),
+                 **by_time)
+    before = [r["time"] for r in steps if first3 and r["rank"] == 0 and r["world_size"] == 2
+              and r["time"] < first3["time"]]
+    starts = [r for r in lines if joiner and r.get("event") == "start" and r["rank"] == joiner["rank"]
               and r["world_size"] == 3 and added < r["time"] <= joiner["time"]]
-    start = max(starts, key=lambda r: r["time"]) if starts else {}
+    start = max(starts, **by_time)
     return {"pause_s": first3["time"] - max(before) if before else None,
             "joiner_after_initialized_s": joiner["time"] - start["initialized"] if start else None,
             "joiner_after_process_start_s": joiner["time"] - start["process_started"] if start else None}
