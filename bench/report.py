@@ -57,7 +57,7 @@ def _cell(samples: list[float | None], cap: float | None, unit: str = "s", digit
 def _ratio(ours: list[float | None], theirs: list[float | None], cap: float | None) -> str:
     ours_done = [v for v in ours if v is not None]
     theirs_done = [v for v in theirs if v is not None]
-    if not ours_done:
+    if not ours_done or not theirs:  # no samples at all: not measured, no bound either
         return "—"
     if not theirs_done:  # torchrun never got there: its time is at least the cap
         return f"< {_two_digits(statistics.median(ours_done) / cap)}" if cap else "—"
@@ -131,11 +131,11 @@ def rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
     paired("Scale-up: start node d → first step at world 3 (s)", "lifecycle", ("scale_up", "seconds"),
            ("scale_up", "cap_s"))
     paired("Scale-up: running workers' pause, rank 0's last step at world 2 → its first at world 3 (s)",
-           "lifecycle", ("scale_up", "pause_s"), digits=2)
+           "lifecycle", ("scale_up", "pause_s"), ("scale_up", "cap_s"), digits=2)
     paired("Scale-up: joiner's first step after its worker's first generation formed (`initialized`, s)",
            "lifecycle", ("scale_up", "joiner_after_initialized_s"), digits=2)
     paired("Scale-up: joiner's first step after its worker process started (s)", "lifecycle",
-           ("scale_up", "joiner_after_process_start_s"))
+           ("scale_up", "joiner_after_process_start_s"), ("scale_up", "cap_s"))
     paired("Freeze: steps re-done after resume", "lifecycle", ("freeze", "redone_steps"), digits=0,
            unit="steps")
     paired("Steady state, world 3, no events (steps/s)", "steady", ("steps_per_s",), digits=1)

@@ -103,6 +103,18 @@ def test_hot_targets_say_met_or_missed_with_the_measured_value():
     assert "pause for a joiner ≤ 1 s: 1.50 s (missed)" in missed
 
 
+def test_a_scenario_that_never_ran_has_no_ratio_and_a_scale_up_that_never_completed_is_capped():
+    results = _results(hot_crash=1.0, pause=0.5)
+    torchrun = results["scenarios"]["lifecycle"]["torchrun"][0]
+    del torchrun["freeze"]  # the job stopped at the scale-up: the freeze never ran
+    torchrun["scale_up"] = {"seconds": None, "cap_s": 60, "pause_s": None, "joiner_after_initialized_s": None,
+                            "joiner_after_process_start_s": None}
+    rows = {row[0]: row[1:] for row in report.rows(results)}
+    assert rows["Freeze: SIGSTOP node b → first step at world 2 (s)"][2:4] == ("not measured", "—")
+    pause = next(v for k, v in rows.items() if k.startswith("Scale-up: running workers' pause"))
+    assert pause[2:4] == ("none within 60 s (1/1)", "< 0.0083")
+
+
 def test_report_reads_results_from_before_hot_mode():
     old = _results(hot_crash=1.0, pause=0.5)
     for runs in old["scenarios"].values():
