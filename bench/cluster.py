@@ -1,4 +1,4 @@
-"""A 3-node training job on loopback, run by either elasticctl or plain torchrun, and its record.
+"""A 3-node training job on loopback, run by elasticctl (restart or hot recovery) or plain torchrun, and its record.
 
 Each "node" is one launcher process (``elasticctl up/join`` or ``torchrun``) with
 its whole process tree; faults are signals sent to that tree. Every rank of the
@@ -22,11 +22,14 @@ import psutil
 from elasticctl import processes
 from elasticctl.etcd import EtcdClient
 from elasticctl.etcd_server import free_port
+from elasticctl.job.settings import DEFAULT_NODE_TTL
 from elasticctl.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = str(REPO / "trainers" / "mlp.py")
-SYSTEMS = ("elasticctl", "torchrun")
+# elasticctl-hot: `up --recovery hot`, everything else as elasticctl (restart mode), node TTL included.
+SYSTEMS = ("elasticctl", "elasticctl-hot", "torchrun")
+NODE_TTL = DEFAULT_NODE_TTL  # both elasticctl systems run with it: hot mode's freeze target is TTL + 1.5 s
 LOOPBACK = "127.0.0.1"
 
 
@@ -114,7 +117,7 @@ class Cluster:
     """One job of ``system`` on loopback: ``start(name)`` adds a node; ``close()`` removes them all.
 
     elasticctl: the first node runs ``up`` (publishing the job to the shared etcd),
-    later ones ``join``. torchrun: every node runs the same c10d-rendezvous line;
+    later ones ``join``; elasticctl-hot the same with ``up --recovery hot``. torchrun: every node runs the same c10d-rendezvous line;
     the first binds the store port and so hosts the store. With ``shared_store``
     False (the default) torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
     with torch's shared agent store a node that joins a running job with rank >= 1
@@ -136,7 +139,8 @@ class Cluster:
         self.store_port = free_port(LOOPBACK)
         self.nodes: dict[str, Node] = {}
         self.up_args = list(up_args)  # elasticctl: options of `up` before the script (--recovery hot, ...)
-        self.env = {} if system == "elasticctl" or shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        self.elastic = system != "torchrun"
+        self.env = {} if self.elastic or shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
     def _command(self, name: str, first: bool) -> list[str]:
         if self.system == "torchrun":
@@ -146,8 +150,9 @@ class Cluster:
                     f"--local-addr={LOOPBACK}", *self.trainer]
         cli = [sys.executable, "-m", "elasticctl.cli"]
         if first:
+            hot = ["--recovery", "hot"] if self.system == "elasticctl-hot" else []
             return [*cli, "up", "--node-id", name, "--etcd", self.etcd_endpoint, "--job", self.job,
-                    "--nnodes", self.nnodes, *self.up_args, *self.trainer]
+                    "--nnodes", self.nnodes, *hot, *self.up_args, *self.trainer]
         return [*cli, "join", "--node-id", name, "--etcd", self.etcd_endpoint, "--job", self.job]
 
     def start(self, name: str, timeout: float = 60) -> Node:
@@ -160,7 +165,7 @@ class Cluster:
 
     def _first_node_ready(self) -> bool:
         """The job is joinable: its spec is in etcd (elasticctl), or the c10d store listens (torchrun)."""
-        if self.system == "elasticctl":
+        if self.elastic:
             return Registry(self.etcd, self.job).read_spec() is not None
         return any(c.laddr and c.laddr.port == self.store_port and c.status == psutil.CONN_LISTEN
                    for c in psutil.net_connections(kind="tcp"))  # the store listens dual-stack

@@ -1,7 +1,8 @@
-"""World size and steps/s over time around a crash, a scale-up and a freeze, both systems, one PNG.
+"""World size and steps/s over time around a crash, a scale-up and a freeze, every system, one PNG.
 
 Reads the ``timeline`` (rank 0's [seconds, step, world size]) and ``events`` of
-the first lifecycle run of each system in a results JSON.
+the first lifecycle run of each system (elasticctl restart mode, elasticctl hot
+mode, plain torchrun; older results lack the hot one) in a results JSON.
 Run: python -m bench.plot bench/results/X.json bench/results/recovery.png
 """
 
@@ -10,6 +11,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+# bench.cluster.SYSTEMS, in its order (not imported: plotting needs no cluster code).
+TITLES = {"elasticctl": "elasticctl (restart mode)", "elasticctl-hot": "elasticctl --recovery hot",
+          "torchrun": "plain torchrun"}
 
 
 def steps_per_second(timeline: list[list[float]], end: float) -> tuple[list[float], list[int]]:
@@ -49,7 +54,7 @@ def plot(results: dict, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     runs = results["scenarios"].get("lifecycle", {})
-    systems = [s for s in ("elasticctl", "torchrun") if runs.get(s) and runs[s][0].get("timeline")]
+    systems = [s for s in TITLES if runs.get(s) and runs[s][0].get("timeline")]
     if not systems:
         return None
     fig, axes = plt.subplots(2, len(systems), figsize=(6.5 * len(systems), 5.5), sharex=True, squeeze=False)
@@ -61,7 +66,7 @@ def plot(results: dict, out: Path) -> Path | None:
         world_axis.plot(*with_gaps(timeline), color="tab:blue", drawstyle="steps-post", marker=".", markersize=3)
         world_axis.set_ylim(0, 3.5)
         world_axis.set_yticks([0, 1, 2, 3])
-        world_axis.set_title(system)
+        world_axis.set_title(TITLES.get(system, system))
         centres, counts = steps_per_second(timeline, end_of(run))
         rate_axis.plot(centres, counts, color="tab:green")
         for name, t in run["events"].items():

@@ -1,8 +1,10 @@
 """Turn one run's raw results (the JSON in bench/results/) into the table of BENCHMARKS.md.
 
-Every cell is median (min–max) over the repeats; the ratio is elasticctl's
-median over torchrun's. A run that never recovered within its cap counts as
-"none within N s", and a ratio against it is an upper bound.
+Every cell is median (min–max) over the repeats; the ratios are elasticctl hot
+mode's median over plain torchrun's and over elasticctl restart mode's. A run
+that never recovered within its cap counts as "none within N s", and a ratio
+against it is an upper bound. Results from before hot mode have no elasticctl-hot
+samples: their cells say "not measured".
 
 The rendezvous scale table reads both results formats: entries with "etcd3" and
 "c10d" lists only (before the etcd3-dynamic backend; its column then says "not run"),
@@ -17,13 +19,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = ("elasticctl", "torchrun")
+RESTART, HOT, TORCHRUN = "elasticctl", "elasticctl-hot", "torchrun"
+SYSTEMS = (RESTART, HOT, TORCHRUN)
 # The rendezvous scale table: elasticctl's handler, the previous main's (torch's dynamic
 # handler on elasticctl's EtcdRendezvousBackend), torch's c10d.
 ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
 # Issue 11's targets for one round on the 2-core machine: (agents, seconds).
 ROUND_TARGETS = ((256, 3.0), (1000, 10.0))
 WRITES_TARGET = 3.0  # etcd writes per round per agent
+# Issue 12's targets for hot mode, 3 nodes x 1 process (seconds unless said).
+HOT_CRASH_TARGET = 1.5       # SIGKILL -> first step at world 2
+HOT_FREEZE_MARGIN = 1.5      # SIGSTOP -> first step at world 2, beyond the node TTL
+HOT_PAUSE_TARGET = 1.0       # running workers' pause to admit a joiner
+HOT_JOINER_TARGET = 1.0      # joiner: `initialized` -> its first step
+HOT_REDONE_TARGET = 1        # steps re-done per failure
+HOT_STEADY_TARGET = 0.98     # steady steps/s, fraction of restart mode's
 
 
 def _stats(values: list[float]) -> dict:
@@ -47,11 +57,14 @@ def _cell(samples: list[float | None], cap: float | None, unit: str = "s", digit
 def _ratio(ours: list[float | None], theirs: list[float | None], cap: float | None) -> str:
     ours_done = [v for v in ours if v is not None]
     theirs_done = [v for v in theirs if v is not None]
-    if not ours_done:
+    if not ours_done or not theirs:  # no samples at all: not measured, no bound either
         return "—"
     if not theirs_done:  # torchrun never got there: its time is at least the cap
         return f"< {_two_digits(statistics.median(ours_done) / cap)}" if cap else "—"
-    return _two_digits(statistics.median(ours_done) / statistics.median(theirs_done))
+    theirs_median = statistics.median(theirs_done)
+    if theirs_median == 0:  # e.g. no step re-done: no ratio to speak of
+        return "—"
+    return _two_digits(statistics.median(ours_done) / theirs_median)
 
 
 def _two_digits(ratio: float) -> str:
@@ -69,13 +82,27 @@ def _field(runs: list[dict], *path: str) -> list[float | None]:
     return values
 
 
+def _has(runs: list[dict], path: tuple[str, ...]) -> bool:
+    """Some run has ``path`` (a None value included: a scenario that ran and did not get there)."""
+    for run in runs:
+        value = run
+        for key in path:
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            return True
+    return False
+
+
 def _cap(runs: list[dict], *path: str) -> float | None:
     caps = [c for c in _field(runs, *path) if c is not None]
     return max(caps) if caps else None
 
 
-def rows(results: dict) -> list[tuple[str, str, str, str]]:
-    """(measurement, elasticctl, torchrun, ratio) for every scenario that ran."""
+def rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
+    """(measurement, elasticctl restart, elasticctl hot, torchrun, ratio hot/torchrun, ratio hot/restart)
+    for every scenario that ran."""
     out = []
     scenarios = results["scenarios"]
 
@@ -84,10 +111,13 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
         runs = scenarios.get(scenario)
         if not runs:
             return
-        cap = _cap(runs["elasticctl"] + runs["torchrun"], *cap_path) if cap_path else None
-        ours, theirs = _field(runs["elasticctl"], *path), _field(runs["torchrun"], *path)
-        out.append((label, _cell(ours, cap, unit, digits), _cell(theirs, cap, unit, digits),
-                    _ratio(ours, theirs, cap)))
+        samples = {system: runs.get(system, []) for system in SYSTEMS}
+        cap = _cap([run for system in SYSTEMS for run in samples[system]], *cap_path) if cap_path else None
+        # A field no sample has was not measured (results from before it existed): no "failed" cell.
+        restart, hot, torchrun = (_field(samples[system], *path) if _has(samples[system], path) else []
+                                  for system in SYSTEMS)
+        out.append((label, *(_cell(values, cap, unit, digits) for values in (restart, hot, torchrun)),
+                    _ratio(hot, torchrun, cap), _ratio(hot, restart, cap)))
 
     every = results["settings"]["checkpoint_every"]
     paired("Crash: SIGKILL node c → first step at world 2 (s)", "lifecycle", ("crash", "seconds"),
@@ -100,10 +130,67 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
            ("freeze", "cap_s"))
     paired("Scale-up: start node d → first step at world 3 (s)", "lifecycle", ("scale_up", "seconds"),
            ("scale_up", "cap_s"))
+    paired("Scale-up: running workers' pause, rank 0's last step at world 2 → its first at world 3 (s)",
+           "lifecycle", ("scale_up", "pause_s"), ("scale_up", "cap_s"), digits=2)
+    paired("Scale-up: joiner's first step after its worker's first generation formed (`initialized`, s)",
+           "lifecycle", ("scale_up", "joiner_after_initialized_s"), digits=2)
+    paired("Scale-up: joiner's first step after its worker process started (s)", "lifecycle",
+           ("scale_up", "joiner_after_process_start_s"), ("scale_up", "cap_s"))
+    paired("Freeze: steps re-done after resume", "lifecycle", ("freeze", "redone_steps"), digits=0,
+           unit="steps")
     paired("Steady state, world 3, no events (steps/s)", "steady", ("steps_per_s",), digits=1)
     paired("Cold start: 3 nodes → all training at world 3 (s)", "lifecycle", ("cold_start_s",))
 
     return out
+
+
+def _median(values: list) -> float | None:
+    done = [v for v in values if v is not None]
+    return statistics.median(done) if done else None
+
+
+def _ran_hot(results: dict) -> bool:
+    return any(runs.get(HOT) for runs in results["scenarios"].values() if isinstance(runs, dict))
+
+
+def hot_targets(results: dict) -> str:
+    """Issue 12's targets for hot mode next to what this run measured (medians; re-done steps: the most)."""
+    scenarios = results["scenarios"]
+    lifecycle = scenarios.get("lifecycle", {}).get(HOT, [])
+    ttl = results["settings"].get("node_ttl_s", 5)
+
+    def seconds(path: tuple[str, ...], target: float, label: str) -> str:
+        value = _median(_field(lifecycle, *path))
+        if not lifecycle:
+            measured = "not measured in this run"
+        elif value is None:  # the event never completed within its cap
+            measured = "no value (missed)"
+        else:
+            measured = f"{value:.2f} s ({'met' if value <= target else 'missed'})"
+        return f"{label} ≤ {target:g} s: {measured}"
+
+    parts = [seconds(("crash", "seconds"), HOT_CRASH_TARGET, "SIGKILL → world 2"),
+             seconds(("freeze", "seconds"), ttl + HOT_FREEZE_MARGIN, f"SIGSTOP → world 2 (node TTL {ttl:g} s + "
+                     f"{HOT_FREEZE_MARGIN:g})"),
+             seconds(("scale_up", "pause_s"), HOT_PAUSE_TARGET, "running workers' pause for a joiner"),
+             seconds(("scale_up", "joiner_after_initialized_s"), HOT_JOINER_TARGET,
+                     "joiner's first step after `initialized`")]
+    redone = [v for v in _field(lifecycle, "crash", "redone_steps") + _field(lifecycle, "freeze", "redone_steps")
+              + _field(scenarios.get("crash_host", {}).get(HOT, []), "redone_steps") if v is not None]
+    parts.append(f"steps re-done per failure ≤ {HOT_REDONE_TARGET}: "
+                 + (f"at most {max(redone)} over {len(redone)} failures "
+                    f"({'met' if max(redone) <= HOT_REDONE_TARGET else 'missed'})" if redone
+                    else "not measured in this run"))
+    steady = scenarios.get("steady", {})
+    hot_rate, restart_rate = (_median(_field(steady.get(system, []), "steps_per_s")) for system in (HOT, RESTART))
+    if hot_rate is None or restart_rate is None:
+        measured = "not measured in this run"
+    else:
+        ratio = hot_rate / restart_rate
+        measured = (f"{ratio:.3f} × ({hot_rate:.1f} vs {restart_rate:.1f} steps/s) "
+                    f"({'met' if ratio >= HOT_STEADY_TARGET else 'missed'})")
+    parts.append(f"steady steps/s ≥ {HOT_STEADY_TARGET:g} × restart mode: {measured}")
+    return "Targets (issue 12), elasticctl hot mode: " + "; ".join(parts) + "."
 
 
 def _rounds(entry: dict, backend: str) -> list[dict]:
@@ -229,14 +316,16 @@ def machine_line(results: dict) -> str:
 
 def markdown(results: dict, png: str | None) -> str:
     load = results["load"]
-    table = ["| measurement | elasticctl | plain torchrun | ratio elasticctl/torchrun |", "|---|---|---|---|"]
-    table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows(results)]
-    observed = [v for v in _field(results["scenarios"].get("lifecycle", {}).get("elasticctl", [])
-                                  + results["scenarios"].get("lifecycle", {}).get("torchrun", []),
+    table = [("| measurement | elasticctl restart | elasticctl hot | plain torchrun | ratio hot/torchrun "
+              "| ratio hot/restart |"), "|---|---|---|---|---|---|"]
+    table += ["| " + " | ".join(row) + " |" for row in rows(results)]
+    lifecycle = results["scenarios"].get("lifecycle", {})
+    # Hot mode does not go back to a checkpoint: its re-done steps are in the targets line.
+    observed = [v for v in _field(lifecycle.get(RESTART, []) + lifecycle.get(TORCHRUN, []),
                                   "crash", "redone_steps") if v is not None]
     every = results["settings"]["checkpoint_every"]
     parts = [
-        "# Benchmarks: elasticctl next to plain torchrun",
+        "# Benchmarks: elasticctl (restart mode, hot recovery) next to plain torchrun",
         "",
         "<!-- generated by `python -m bench.run`; edit bench/report.py, not this file -->",
         "",
@@ -255,12 +344,14 @@ def markdown(results: dict, png: str | None) -> str:
         "",
         ("3 nodes × 1 worker, each node a process tree on 127.0.0.1, CPU, gloo, `trainers/mlp.py` "
         f"(`{' '.join(results['settings']['event_training'])}`, checkpoint every {every} steps in the "
-        "event scenarios; the trainer's own `--pg-timeout` default of 60 s for both systems). "
+        "event scenarios; the trainer's own `--pg-timeout` default: 60 s in restart mode and under "
+        f"torchrun, the node TTL ({results['settings'].get('node_ttl_s', 5):g} s) in hot mode). "
         "Cells: median (min–max, n). Recovery times run from the signal (or node start) to the first "
         "completed step at the new world size, from the trainer's record."),
         "",
         *table,
         "",
+        *([hot_targets(results), ""] if _ran_hot(results) else []),
         ("Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
         "worst-case lost work per failure = the steps since the last checkpoint):"),
         "",
@@ -268,7 +359,8 @@ def markdown(results: dict, png: str | None) -> str:
         "|---|---|---|---|---|",
         *checkpoint_rows(results),
         "",
-        f"Steps re-done after a crash, observed: {sorted(observed)} (bound: {every}, the checkpoint interval)."
+        (f"Steps re-done after a crash in restart mode and under torchrun, observed: {sorted(observed)} "
+         f"(bound: {every}, the checkpoint interval).")
         if observed else "",
         "",
         *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
@@ -278,6 +370,11 @@ def markdown(results: dict, png: str | None) -> str:
         ("- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
         "`elasticctl up --etcd … --nnodes 1:3` on node a, `elasticctl join` on b, c (and d); "
         "every other setting at its default (node TTL 5 s)."),
+        ("- **elasticctl hot**: the same, with `elasticctl up --recovery hot`: `trainers/mlp.py` is "
+         "written on `elasticctl.train`, so survivors re-form the process group in process, a joiner "
+         "gets the state from a running worker, and nothing restarts; the node TTL stays 5 s, and is "
+         "the process group's timeout. The three systems run every job scenario in the same run, "
+         "the order rotated per repeat so no system always runs first."),
         ("- **plain torchrun**: `torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=c10d "
         "--rdzv-endpoint=127.0.0.1:PORT --rdzv-conf=last_call_timeout=1 --max-restarts=3 "
         "--local-addr=127.0.0.1` on each node, node a first (it binds PORT, so it hosts the c10d store), "
@@ -294,12 +391,19 @@ def markdown(results: dict, png: str | None) -> str:
         "## Reading the numbers",
         "",
         ("- A frozen peer is only noticed by plain torchrun when a collective times out: the trainer's "
-        "`--pg-timeout` (60 s here; gloo's default is 30 min). elasticctl notices the expired lease."),
+        "`--pg-timeout` (60 s here; gloo's default is 30 min). elasticctl notices the expired lease; "
+        "in hot mode the survivors' collective times out after the node TTL."),
+        ("- Scale-up pause: the gap in rank 0's step times around the change; in restart mode and under "
+         "torchrun it is the whole restart. The joiner's `initialized` is when its first generation "
+         "formed (in hot mode: after it was admitted and got the state), so that row excludes its "
+         "process start-up and `import torch`; the next row includes them."),
         ("- The runs share 2 cores with three trainers, three agents and etcd; seconds here are "
-        "dominated by process start-up and `import torch` of the restarted workers. A wide min–max "
+        "dominated by process start-up and `import torch` of the restarted workers (restart mode, torchrun). A wide min–max "
         "usually means another job ran on the machine during that sample."),
-        ("- Steps re-done: both systems meet each event at the same step of the checkpoint interval "
-         "(a pseudo-random offset per repeat), so the row checks the bound rather than comparing systems."),
+        ("- Steps re-done: all systems meet each event at the same step of the checkpoint interval "
+         "(a pseudo-random offset per repeat), so for restart mode and torchrun the row checks the bound "
+         "rather than comparing systems; hot mode does not go back to a checkpoint, at most the step in "
+         "flight is re-done."),
         "",
         "## Not measured here",
         "",
@@ -350,7 +454,11 @@ def rendezvous_section(results: dict) -> list[str]:
 
 
 def text_table(results: dict) -> str:
-    lines = [f"{a}\n    elasticctl: {b}\n    torchrun:   {c}\n    ratio:      {d}" for a, b, c, d in rows(results)]
+    names = ("elasticctl restart", "elasticctl hot", "torchrun", "ratio hot/torchrun", "ratio hot/restart")
+    lines = [row[0] + "".join(f"\n    {name + ':':20s}{value}" for name, value in zip(names, row[1:]))
+             for row in rows(results)]
+    if _ran_hot(results):
+        lines.append(hot_targets(results))
     lines += ["checkpoint: " + row for row in checkpoint_rows(results)]
     names = ("etcd3", "writes/agent", "proposals/agent etcd3 / previous", "previous main", "c10d",
              "etcd3/previous", "etcd3/c10d")

@@ -1,10 +1,13 @@
-"""elasticctl next to plain torchrun, every scenario, one command.
+"""elasticctl (restart mode and hot recovery) next to plain torchrun, every scenario, one command.
 
     python -m bench.run --quick    # < 10 min on 2 cores: 1 repeat per scenario and system
     python -m bench.run --full     # < 45 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
 
-3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Both systems run in
-the same invocation, interleaved per repeat. Writes bench/results/<date>-<mode>.json
+3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
+job scenario in the same invocation, their order rotated per repeat: elasticctl
+(restart mode: a membership change restarts every worker from the newest checkpoint),
+elasticctl-hot (`up --recovery hot`: survivors re-form in process, a joiner gets the
+state from them; the same trainer and node TTL) and plain torchrun. Writes bench/results/<date>-<mode>.json
 (every raw sample and the machine), bench/results/recovery.png and BENCHMARKS.md.
 """
 
@@ -27,7 +30,7 @@ import psutil
 
 from bench import checkpoint as checkpoint_bench
 from bench import plot, report, scenarios
-from bench.cluster import SYSTEMS
+from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
 from elasticctl.etcd import EtcdClient
 from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary
@@ -94,7 +97,7 @@ def summary(sample: dict) -> str:
 def run_jobs(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
     results: dict = {name: {system: [] for system in SYSTEMS} for name in names}
     for repeat in range(max((plan.repeats[name] for name in names), default=0)):
-        order = SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]  # neither system always runs first
+        order = SYSTEMS[repeat % len(SYSTEMS):] + SYSTEMS[:repeat % len(SYSTEMS)]  # no system always first
         for name in [n for n in names if repeat < plan.repeats[n]]:
             for system in order:
                 workdir = root / f"{name}-{system}-{repeat}"
@@ -198,6 +201,7 @@ def main() -> None:
     results: dict = {"date": now.isoformat(timespec="seconds"), "mode": args.mode, "command": command,
                      "repeats": plan.repeats, "machine": machine(), "load": {"before": os.getloadavg()},
                      "settings": {**dataclasses.asdict(plan), "checkpoint_every": plan.caps.checkpoint_every,
+                                  "node_ttl_s": NODE_TTL, "systems": list(SYSTEMS),
                                   "event_training": scenarios.EVENT_TRAINING,
                                   "steady_training": scenarios.STEADY_TRAINING},
                      "scenarios": {}, "errors": []}

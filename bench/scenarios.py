@@ -58,20 +58,53 @@ def _train_a_while(cluster: Cluster, world: int, since: float, caps: Caps, seed:
 
 
 def _recovery(cluster: Cluster, event: float, world: int, survivors: set[str], cap: float) -> dict:
-    """Seconds from ``event`` to the first step at ``world``, and the steps trained again after resuming."""
+    """Seconds from ``event`` to the first step at ``world``, and the steps trained again after resuming.
+
+    Re-done counts from the last step recorded before the resumption, not before the event: in
+    hot mode the survivors may still finish the step in flight after the signal, and a resumption
+    past it must not read as a negative count.
+    """
     def job_ended() -> bool:  # e.g. plain torchrun after losing the c10d store host: nothing to wait for
         return all(cluster.nodes[n].process.poll() is not None for n in survivors)
 
     resumed = cluster.wait_world(world, survivors, event, cap, give_up=job_ended)
     if resumed is None:
-        return {"seconds": None, "cap_s": cap,
+        return {"seconds": None, "cap_s": cap, "redone_steps": None,
                 "outcome": "job ended" if job_ended() else f"no recovery within {cap:g} s"}
     steps = cluster.record.steps()
-    last_before = max(r["step"] for r in steps if r["time"] <= event)
+    last_before = max(r["step"] for r in steps if r["time"] < resumed)
     first_after = min(r["step"] for r in steps if r["time"] > event and r["world_size"] == world)
     return {"seconds": resumed - event, "cap_s": cap, "outcome": "recovered",
             "last_step_before": last_before, "first_step_after": first_after,
             "redone_steps": last_before + 1 - first_after}
+
+
+ADMISSION = ("pause_s", "joiner_after_initialized_s", "joiner_after_process_start_s")
+
+
+def _admission(cluster: Cluster, added: float) -> dict:
+    """What a scale-up cost the running workers and the joiner, once every node trained at world 3.
+
+    ``pause_s``: the gap in rank 0's step times across the change, from its last step at world 2
+    to its first at world 3 (for a restart, the whole restart). ``joiner_*``: node d's first step
+    at world 3 minus its worker's ``start`` record (``initialized``: its first generation formed;
+    ``process_started``). The start line names no node, so it is found by d's rank at world 3:
+    the last start of that rank after ``added`` and before d's first step.
+    """
+    lines = cluster.record.read()
+    steps = [r for r in lines if "event" not in r]
+    by_time = {"key": lambda r: r["time"], "default": None}  # a line lost to interleaved writes: no value
+    first3 = min((r for r in steps if r["rank"] == 0 and r["world_size"] == 3 and r["time"] > added), **by_time)
+    joiner = min((r for r in steps if r.get("node") == "d" and r["world_size"] == 3 and r["time"] > added),
+                 **by_time)
+    before = [r["time"] for r in steps if first3 and r["rank"] == 0 and r["world_size"] == 2
+              and r["time"] < first3["time"]]
+    starts = [r for r in lines if joiner and r.get("event") == "start" and r["rank"] == joiner["rank"]
+              and r["world_size"] == 3 and added < r["time"] <= joiner["time"]]
+    start = max(starts, **by_time)
+    return {"pause_s": first3["time"] - max(before) if before else None,
+            "joiner_after_initialized_s": joiner["time"] - start["initialized"] if start else None,
+            "joiner_after_process_start_s": joiner["time"] - start["process_started"] if start else None}
 
 
 def _timeline(cluster: Cluster, origin: float) -> list[list[float]]:
@@ -85,6 +118,8 @@ def lifecycle(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
 
     Each event starts from a world of 3 (2 for the scale-up), so one cold start
     serves three measurements; the record keeps the whole story for the plot.
+    The scale-up also reports the running workers' pause and the joiner's start-up
+    (:func:`_admission`): what hot mode changes.
     """
     args = [*EVENT_TRAINING, "--checkpoint-dir", str(workdir / "checkpoints"),
             "--checkpoint-every", str(caps.checkpoint_every)]
@@ -110,7 +145,8 @@ def lifecycle(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
         cluster.start("d")
         grown = cluster.wait_world(3, {"a", "b", "d"}, added, caps.recover)
         result["scale_up"] = {"seconds": grown - added if grown else None, "cap_s": caps.recover,
-                              "outcome": "recovered" if grown else f"no world of 3 within {caps.recover:g} s"}
+                              "outcome": "recovered" if grown else f"no world of 3 within {caps.recover:g} s",
+                              **(_admission(cluster, added) if grown else dict.fromkeys(ADMISSION))}
         if grown is None:
             return result
 
