@@ -252,9 +252,13 @@ def _recovered(events: list[Event], formed: int, what: str) -> Event:
     i = _index(events, formed, lambda e: e.kind is EventKind.RECOVERY_FINISHED, what)
     recovered = events[i]
     assert recovered.round == events[formed].round and recovered.step is not None, render_line(recovered)
-    # from the first fault to the first step: the rendezvous part (round_formed's duration) and more
-    assert 0 < events[formed].duration < recovered.duration < 60, (render_line(events[formed]),
-                                                                   render_line(recovered))
+    # from the first fault to the first step: the rendezvous part (round_formed's duration) and
+    # more. The rendezvous part is missing when the fault's event (another node's, written in the
+    # background) reached etcd after rank 0 read the history for the round: a loaded machine.
+    rendezvous = events[formed].duration
+    assert 0 < recovered.duration < 120, render_line(recovered)
+    assert rendezvous is None or 0 < rendezvous < recovered.duration, (render_line(events[formed]),
+                                                                       render_line(recovered))
     return recovered
 
 
