@@ -38,9 +38,9 @@ class PrefixWatch:
 
     def start(self):
         self._reload()
-        self._thread = threading.Thread(target=self._watch_forever, name=f"elasticctl-watch {self.prefix}",
-                                        daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._watch_forever, name=f"elasticctl-watch {self.prefix}", daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: stop() on another thread may join it at once
         return self
 
     def stop(self) -> None:
