@@ -34,6 +34,10 @@ from elasticctl.registry import KeptLease
 log = logging.getLogger(__name__)
 
 
+class JoinCancelled(Exception):
+    """:meth:`RoundMember.cancel` ended a join: the node (or worker) was told to stop."""
+
+
 class RoundMember:
     """This node (``node`` at ``addr``) in the rounds of the run whose keys ``view`` watches."""
 
@@ -50,6 +54,7 @@ class RoundMember:
         self._run_lease = run_lease
         self._lease: KeptLease | None = None
         self._lease_lost = threading.Event()
+        self._cancelled = threading.Event()
         self.round: Round | None = None  # the round this node is in
 
     # -- liveness --------------------------------------------------------------------
@@ -88,11 +93,19 @@ class RoundMember:
 
     # -- joining ---------------------------------------------------------------------
 
+    def cancel(self) -> None:
+        """End a join in progress, now or whenever one starts, with :class:`JoinCancelled`
+        (safe from a signal handler)."""
+        self._cancelled.set()
+        self.view.interrupt()
+
     def join(self) -> Round:
         """Declare for the next round and return it once it is sealed with this node in it."""
         deadline = time.monotonic() + self.join_timeout
         self._lease_lost.clear()
         while True:
+            if self._cancelled.is_set():
+                raise JoinCancelled(f"{self.node} was told to stop while it waited for a round.")
             current, _, closed = self.view.snapshot()
             if closed:
                 raise RendezvousClosedError()
@@ -126,6 +139,8 @@ class RoundMember:
             claim, claim_revision = view.claim, view.claim_revision
             if closed:
                 raise RendezvousClosedError()
+            if self._cancelled.is_set():
+                raise JoinCancelled(f"{self.node} was told to stop while it waited for round {target}.")
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
             if now >= deadline:

@@ -153,6 +153,13 @@ class RoundView:
                 if entry in self._interests:
                     self._interests.remove(entry)
 
+    def interrupt(self) -> None:
+        """Wake every waiter now, whatever it waits for (each one re-checks why it waits)."""
+        with self._changed:  # a re-entrant lock: safe from a signal handler in a waiting thread
+            self._changed.notify_all()
+            for _, woken in list(self._interests):
+                woken.set()
+
     def evaluate(self, decide: Callable[[Round | None, dict[str, Declaration], bool], object]) -> object:
         """``decide(round, declarations, closed)`` under the lock, without copying the view."""
         with self._changed:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import read_records, wait_for
 
 from bench.accounting import check_replicas, check_samples
@@ -30,8 +31,9 @@ class HotJob:
         self.args = ["--record", str(self.record), *args]
         self.workers = {}
 
-    def start(self, name: str):
-        self.workers[name] = self.nodes(name, [sys.executable, HOT, *self.args], env=self.env)
+    def start(self, name: str, local_rank: int = 0):
+        env = {**self.env, "LOCAL_RANK": str(local_rank)}
+        self.workers[name] = self.nodes(name, [sys.executable, HOT, *self.args], env=env)
         return self.workers[name]
 
     def steps(self) -> list[dict]:
@@ -125,6 +127,33 @@ def test_two_failures_in_one_recovery_and_a_sender_killed_mid_transfer(hot_job):
     workers[sender].kill()
     job.wait_world({survivor, "e"}, since=joined_at)
     check_replicas_and_samples(job.steps())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3,
+                    reason=f"the NCCL path needs a GPU per worker, 3; this machine has {torch.cuda.device_count()}")
+def test_on_gpus_survivors_of_a_kill_abort_and_rebuild_their_nccl_group(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=5))
+    workers = {name: job.start(name, local_rank=i) for i, name in enumerate(("a", "b", "c"))}
+    first = job.wait_world({"a", "b", "c"})
+    killed_at = job.last_time()
+    workers["c"].kill()  # the survivors' NCCL kernels wait on c until the group is aborted
+    shrunk = job.wait_world({"a", "b"}, since=killed_at)
+    pids = {r["node"]: r["pid"] for r in first}
+    assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+    joined_at = job.last_time()
+    job.start("d", local_rank=2)  # c's GPU, now free
+    job.wait_world({"a", "b", "d"}, since=joined_at)
+    check_replicas_and_samples(job.steps())
+
+
+def test_sigterm_ends_the_wait_for_a_generation(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=2, node_ttl=5, join_timeout=600))
+    alone = job.start("a")
+    wait_for(lambda: job.declarations(), 60, "a's declaration for the first generation")
+    alone.process.send_signal(signal.SIGTERM)
+    assert alone.wait(30) == 0, alone.log()  # not join_timeout (600 s) later
+    assert "told to stop while it waited for a generation" in alone.log()
+    assert job.declarations() == set(), "the declaration is withdrawn, not left to its lease"
 
 
 def test_a_recovery_rides_out_an_etcd_restart(nodes, run_id, tmp_path):

@@ -16,6 +16,7 @@ import pytest
 from test_orchestrator import cli, job  # noqa: F401 - the fixture, and the CLI runner
 
 from elasticctl.etcd import EtcdClient
+from elasticctl.events import EventLog, render_line
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +60,9 @@ def test_a_kill_and_a_join_under_cpu_overload_reform_once_each(job, saturated_co
 
     # One round per event: a slow machine must not make rounds cycle (live leases expiring,
     # a round sealed before everybody arrived).
-    assert after_kill - before == 1, f"the kill took rounds {before} -> {after_kill}"
-    assert after_join - after_kill == 1, f"the join took rounds {after_kill} -> {after_join}"
+    history = "\n".join(render_line(e) for e in EventLog(j.client, j.registry.keys).read())
+    assert after_kill - before == 1, f"the kill took rounds {before} -> {after_kill}:\n{history}"
+    assert after_join - after_kill == 1, f"the join took rounds {after_kill} -> {after_join}:\n{history}"
     assert {r["restart"] for r in steps} == {0}
     charged = {n: m.get("restarts") for n, m in j.registry.members().items() if m.get("restarts")}
     assert not charged, f"restarts charged under load: {charged}"

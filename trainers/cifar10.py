@@ -2,11 +2,14 @@
 
 Same network as PyTorch's "Training a classifier" tutorial (conv 3->6->16,
 5x5 kernels, fc 120->84->10), trained data-parallel under ``elasticctl up`` or
-plain ``torchrun``. What the usual multi-GPU version of the tutorial gets wrong
-under elastic membership is handled by elasticctl's worker library: it always
-resumes from the newest complete checkpoint (no ``--resume``), mid-epoch and at
-any world size, without repeating or skipping samples; checkpoints load onto
-this worker's device; SIGTERM saves a final checkpoint and exits 0.
+plain ``torchrun``, on elasticctl's worker runtime (:mod:`elasticctl.train`).
+What the usual multi-GPU version of the tutorial gets wrong under elastic
+membership is handled there: it always resumes from the newest complete
+checkpoint (no ``--resume``), mid-epoch and at any world size, without repeating
+or skipping samples; checkpoints load onto this worker's device; SIGTERM saves a
+final checkpoint and exits 0. With ``elasticctl up --recovery hot`` survivors of
+a lost node keep training in their processes and joiners get the state from a
+peer.
 
 Per epoch, rank 0 reports the training loss averaged over all ranks and the
 test accuracy. ``--fake-data`` trains on torchvision's FakeData for offline use.
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import itertools
 import json
 import math
 import os
@@ -34,23 +39,12 @@ except ImportError:  # run from a source checkout without `pip install`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from elasticctl.checkpoint import Checkpointer
+import elasticctl.train as elastic
 from elasticctl.errors import ConfigError
-from elasticctl.progress import ProgressPublisher
 from elasticctl.sampler import ResumableSampler
-from elasticctl.worker import (
-    LR_POLICIES,
-    GracefulStop,
-    WorkerContext,
-    checkpoint_dir,
-    init,
-    plan_batches,
-    run,
-    shutdown,
-)
+from elasticctl.worker import LR_POLICIES, plan_batches, restart_count, run
 
 
 class Net(nn.Module):
@@ -90,7 +84,8 @@ def add_training_flags(parser: argparse.ArgumentParser, batch_size: int, lr: flo
                         help="also checkpoint every N steps within an epoch (0: only at epoch ends)")
     parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints in a background thread")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-    parser.add_argument("--pg-timeout", type=float, default=120.0, help="process-group timeout in seconds")
+    parser.add_argument("--pg-timeout", type=float, default=None,
+                        help="process-group timeout in seconds (default: 60; with --recovery hot, the node TTL)")
     parser.add_argument("--record", default=None, help="rank 0 appends one JSON line per epoch and event here")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total (for benchmarks)")
 
@@ -102,7 +97,7 @@ def check_training_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
             parser.error(f"--{name.replace('_', '-')} ({value}) must be at least {minimum}.")
     if args.lr <= 0:
         parser.error(f"--lr ({args.lr:g}) must be positive.")
-    if args.pg_timeout <= 0:
+    if args.pg_timeout is not None and args.pg_timeout <= 0:
         parser.error(f"--pg-timeout ({args.pg_timeout:g}) must be positive.")
 
 
@@ -110,149 +105,122 @@ def cosine(epochs: int):
     return lambda epoch: 0.5 * (1 + math.cos(math.pi * min(epoch, epochs) / epochs))
 
 
-def evaluate(model: nn.Module, test_set: Dataset, ctx: WorkerContext, batch_size: int, workers: int,
+def evaluate(model: nn.Module, test_set: Dataset, group: elastic.Group, batch_size: int, workers: int,
              amp: bool) -> float:
     """Top-1 accuracy over the whole test set, each rank scoring a disjoint shard."""
-    shard = Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size))
-    correct_total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    shard = Subset(test_set, range(group.rank, len(test_set), group.world_size))
+    correct_total = torch.zeros(2, dtype=torch.float64, device=group.device)
     model.eval()
-    with torch.no_grad(), torch.autocast(ctx.device.type, enabled=amp):
+    with torch.no_grad(), torch.autocast(group.device.type, enabled=amp):
         for images, labels in DataLoader(shard, batch_size=batch_size, num_workers=workers):
-            labels = labels.to(ctx.device, non_blocking=True)
-            predicted = model(images.to(ctx.device, non_blocking=True)).argmax(dim=1)
+            labels = labels.to(group.device, non_blocking=True)
+            predicted = model(images.to(group.device, non_blocking=True)).argmax(dim=1)
             correct_total += torch.tensor([(predicted == labels).sum().item(), labels.numel()],
-                                          dtype=torch.float64, device=ctx.device)
+                                          dtype=torch.float64, device=group.device)
     model.train()
     dist.all_reduce(correct_total)
     return (correct_total[0] / correct_total[1]).item()
 
 
-def fit(args: argparse.Namespace, ctx: WorkerContext, model: nn.Module, train_set: Dataset, test_set: Dataset,
-        *, amp: bool = False, name: str = "train") -> None:
-    """Train ``model`` for ``args.epochs``: resumable, elastic, checkpointed; rank 0 reports per epoch."""
+def fit(args: argparse.Namespace, model: nn.Module, train_set: Dataset, test_set: Dataset, *,
+        amp: bool = False) -> None:
+    """Train ``model`` for ``args.epochs`` on elasticctl's runtime (restart or hot recovery):
+    resumable, elastic, checkpointed; rank 0 reports per epoch."""
     from tqdm import tqdm
 
-    rank, world, device = ctx.rank, ctx.world_size, ctx.device
-    stop = GracefulStop()
-    record = open(args.record, "a", buffering=1) if args.record and rank == 0 else None  # noqa: SIM115 - open for the run
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    restart = restart_count()
+    record = open(args.record, "a", buffering=1) if args.record else None  # noqa: SIM115 - open for the run
+    where = {"rank": 0, "world_size": 1}  # the generation (hot mode: it changes)
+    before_training: list[dict] = []  # a restore happens before the first generation's ranks are known
 
     def write(entry: dict) -> None:
-        if record is not None:
-            record.write(json.dumps({**entry, "world_size": world, "restart": ctx.restart, "time": time.time()}) + "\n")
+        if record is not None and where["rank"] == 0:
+            record.write(json.dumps({**entry, "world_size": where["world_size"], "restart": restart,
+                                     "time": time.time()}) + "\n")
+
+    def on_event(kind: str, **fields) -> None:  # the runtime's resume, checkpoint, final_checkpoint
+        (before_training.append if kind == "resume" else write)({"event": kind, **fields})
 
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine(args.epochs))  # stepped per epoch
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    sampler = ResumableSampler(train_set, seed=args.seed)
-    directory = checkpoint_dir(args.checkpoint_dir)
-    checkpointer = (Checkpointer(directory, keep=args.keep, async_save=args.async_checkpoint, device=device)
-                    if directory else None)
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler}
-
-    step, global_batch = 0, args.global_batch
-    restored = checkpointer.restore(**state) if checkpointer else None
-    if restored:
-        step = restored.step
-        global_batch = global_batch or restored.extra.get("global_batch")
-        write({"event": "resume", "step": step, "epoch": sampler.epoch, "consumed": sampler.consumed,
-               "from_world_size": restored.world_size})
-    global_batch = global_batch or args.batch_size * world
-    plan = plan_batches(args.lr_policy, args.lr, args.batch_size, world, global_batch)
-    # The checkpoint's LRs belong to the world that wrote it: rebase the schedule on this one.
-    scheduler.base_lrs = [plan.lr] * len(optimizer.param_groups)
-    for group in optimizer.param_groups:
-        group["lr"] = plan.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-
-    ddp = DistributedDataParallel(model, device_ids=[ctx.local_rank] if device.type == "cuda" else None)
-    loader = DataLoader(train_set, batch_size=plan.micro_batch, sampler=sampler, num_workers=args.workers,
-                        pin_memory=device.type == "cuda", persistent_workers=False)
-    progress = ProgressPublisher.from_env(rank)
+    sampler = ResumableSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
+    # epoch_loss: this rank's loss sum and batch count over the epoch so far
+    state = elastic.State(model, optimizer, scaler=torch.amp.GradScaler(device.type, enabled=amp), sampler=sampler,
+                          global_batch=args.global_batch, epoch_loss=[0.0, 0])
     criterion = nn.CrossEntropyLoss()
+    schedule = cosine(args.epochs)  # per epoch, on top of the world size's LR
+    started = False
 
-    def save(blocking: bool | None = None) -> None:
-        began = time.perf_counter()
-        checkpointer.save(step, sampler.epoch, extra={"global_batch": global_batch}, blocking=blocking, **state)
-        write({"event": "checkpoint", "step": step, "epoch": sampler.epoch, "consumed": sampler.consumed,
-               "blocked_ms": round((time.perf_counter() - began) * 1000, 2)})
+    def end_of_epoch(group: elastic.Group) -> None:
+        """Report the epoch, then open the next; re-entered after a failure, it runs again."""
+        epoch = sampler.epoch
+        loss_sum = torch.tensor(state.epoch_loss, dtype=torch.float64, device=device)
+        dist.all_reduce(loss_sum)  # mean over every batch of every rank
+        train_loss = (loss_sum[0] / loss_sum[1]).item() if loss_sum[1] else float("nan")
+        # The bare model: shards differ in length, and DDP's forward is a collective.
+        accuracy = evaluate(model, test_set, group, args.batch_size, args.workers, amp)
+        if group.rank == 0:
+            print(f"epoch {epoch} step {state.step} loss {train_loss:.4f} test accuracy {accuracy:.4f} "
+                  f"world {group.world_size} restart {restart}", flush=True)
+        write({"event": "epoch", "epoch": epoch, "step": state.step, "train_loss": train_loss,
+               "test_accuracy": accuracy})
+        sampler.set_epoch(epoch + 1)
+        state.epoch_loss = [0.0, 0]
+        state.checkpoint()
 
-    def final_checkpoint_and_exit() -> None:
-        if checkpointer:
-            checkpointer.wait()
-            if checkpointer.last_step != step:
-                save(blocking=True)
-            write({"event": "final_checkpoint", "step": step})
-        stop.exit()
-
-    write({"event": "start", "step": step, "epoch": sampler.epoch})
-    try:
-        while sampler.epoch < args.epochs and (args.max_steps is None or step < args.max_steps):
-            epoch = sampler.epoch
-            loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # this rank's loss sum, batches
-            started, samples_before = time.monotonic(), sampler.consumed
-            batches = tqdm(loader, desc=f"epoch {epoch}", disable=rank != 0, leave=False, mininterval=1)
-            pending = 0
-            for images, labels in batches:
-                images = images.to(device, non_blocking=True)
-                labels = labels.to(device, non_blocking=True)
-                pending += 1
-                last_micro = pending == plan.accumulation or sampler.remaining <= plan.micro_batch * world
-                # Gradients are all-reduced once per step, on its last micro-batch.
-                with ddp.no_sync() if not last_micro else contextlib.nullcontext():
-                    with torch.autocast(device.type, enabled=amp):
-                        loss = criterion(ddp(images), labels)
-                    scaler.scale(loss / plan.accumulation).backward()
-                sampler.advance(len(labels))
-                loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=device)
-                if not last_micro:
-                    continue
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                pending, step = 0, step + 1
-                if rank == 0:
-                    batches.set_postfix(loss=f"{loss.item():.3f}", step=step)
-                if progress:
-                    elapsed = time.monotonic() - started
-                    progress.publish(step=step, epoch=epoch, loss=loss.item(),
-                                     samples_per_s=(sampler.consumed - samples_before) / elapsed if elapsed else None,
-                                     world_size=world, last_checkpoint_step=checkpointer and checkpointer.last_step)
-                if (checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0
-                        and not sampler.epoch_done):  # the epoch-end checkpoint follows
-                    save()
-                if stop.agreed(device):
-                    final_checkpoint_and_exit()
-                if args.max_steps is not None and step >= args.max_steps:
+    def generation(state: elastic.State, group: elastic.Group) -> None:
+        nonlocal started
+        where.update(rank=group.rank, world_size=group.world_size)
+        if not started:
+            started = True
+            for entry in before_training:
+                write(entry)
+            write({"event": "start", "step": state.step, "epoch": sampler.epoch})
+        state.global_batch = args.global_batch or state.global_batch or args.batch_size * group.world_size
+        plan = plan_batches(args.lr_policy, args.lr, args.batch_size, group.world_size, state.global_batch)
+        loader = DataLoader(train_set, batch_size=plan.micro_batch, sampler=sampler, num_workers=args.workers,
+                            pin_memory=device.type == "cuda")
+        while sampler.epoch < args.epochs and (args.max_steps is None or state.step < args.max_steps):
+            if sampler.epoch_done:
+                end_of_epoch(group)
+                continue
+            for param_group in optimizer.param_groups:  # this world size's LR, on the epoch's schedule
+                param_group["lr"] = plan.lr * schedule(sampler.epoch)
+            batches = iter(tqdm(loader, desc=f"epoch {sampler.epoch}", disable=group.rank != 0, leave=False,
+                                mininterval=1))
+            while not sampler.epoch_done and (args.max_steps is None or state.step < args.max_steps):
+                micro_batches = list(itertools.islice(batches, plan.accumulation))
+                if not micro_batches:
                     break
-            if not sampler.epoch_done:  # --max-steps cut the epoch short
-                break
-            scheduler.step()
-            dist.all_reduce(loss_sum)  # mean over every batch of every rank
-            train_loss = (loss_sum[0] / loss_sum[1]).item() if loss_sum[1] else float("nan")
-            # The bare model: shards differ in length, and DDP's forward is a collective.
-            accuracy = evaluate(model, test_set, ctx, args.batch_size, args.workers, amp)
-            sampler.set_epoch(epoch + 1)
-            if rank == 0:
-                print(f"epoch {epoch} step {step} loss {train_loss:.4f} test accuracy {accuracy:.4f} "
-                      f"world {world} restart {ctx.restart}", flush=True)
-            write({"event": "epoch", "epoch": epoch, "step": step, "train_loss": train_loss,
-                   "test_accuracy": accuracy})
-            if checkpointer:
-                save()
-            if stop.agreed(device):
-                final_checkpoint_and_exit()
-        if checkpointer:
-            checkpointer.close()
+                optimizer.zero_grad(set_to_none=True)  # a step a failure cut short left gradients behind
+                loss_sum, samples = 0.0, 0
+                for i, (images, labels) in enumerate(micro_batches):
+                    # Gradients are all-reduced once per step, on its last micro-batch.
+                    last = i == len(micro_batches) - 1
+                    with contextlib.nullcontext() if last else getattr(group.model, "no_sync", contextlib.nullcontext)():
+                        with torch.autocast(device.type, enabled=amp):
+                            loss = criterion(group.model(images.to(device, non_blocking=True)),
+                                             labels.to(device, non_blocking=True))
+                        state.scaler.scale(loss / len(micro_batches)).backward()
+                    loss_sum += loss.item()
+                    samples += len(labels)
+                state.epoch_loss = [state.epoch_loss[0] + loss_sum, state.epoch_loss[1] + len(micro_batches)]
+                state.commit(samples=samples, loss=loss_sum / len(micro_batches))
+
+    try:
+        elastic.run(state, generation, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    keep=args.keep, async_checkpoint=args.async_checkpoint, pg_timeout=args.pg_timeout,
+                    on_event=on_event)
+        if sampler.epoch >= args.epochs or (args.max_steps is not None and state.step >= args.max_steps):
+            write({"event": "done", "step": state.step, "epoch": sampler.epoch})
     finally:
-        if progress:
-            progress.close()
-    write({"event": "done", "step": step, "epoch": sampler.epoch})
-    if record is not None:
-        record.close()
-    shutdown()
+        if record is not None:
+            record.close()
 
 
-def cifar10_datasets(args: argparse.Namespace, ctx: WorkerContext) -> tuple[Dataset, Dataset]:
+def cifar10_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     import torchvision
     from torchvision import transforms
 
@@ -261,16 +229,16 @@ def cifar10_datasets(args: argparse.Namespace, ctx: WorkerContext) -> tuple[Data
         fake = torchvision.datasets.FakeData
         return (fake(args.fake_size, (3, 32, 32), 10, transform),
                 fake(max(args.fake_size // 5, 1), (3, 32, 32), 10, transform, random_offset=1 << 20))
-    if ctx.local_rank == 0:  # one download per host; the others wait and read it
-        try:
-            torchvision.datasets.CIFAR10(args.data_dir, train=True, download=True)
-            torchvision.datasets.CIFAR10(args.data_dir, train=False, download=True)
-        except Exception as exc:
-            raise ConfigError(f"CIFAR-10 is not in '{args.data_dir}' and could not be downloaded ({exc}); "
-                              "use --fake-data offline.") from exc
-    dist.barrier()
-    return (torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform),
-            torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=transform))
+    try:
+        os.makedirs(args.data_dir, exist_ok=True)
+        # One download per host: the workers of a node take turns, and the later ones find it there.
+        with open(os.path.join(args.data_dir, ".download.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return (torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform, download=True),
+                    torchvision.datasets.CIFAR10(args.data_dir, train=False, transform=transform, download=True))
+    except Exception as exc:
+        raise ConfigError(f"CIFAR-10 is not in '{args.data_dir}' and could not be downloaded ({exc}); "
+                          "use --fake-data offline.") from exc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -288,15 +256,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace) -> None:
-    ctx = init(timeout=args.pg_timeout)
     model = Net(batch_norm=args.sync_bn)
     if args.sync_bn:
-        if ctx.device.type == "cuda":
+        if torch.cuda.is_available():
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        elif ctx.rank == 0:
+        elif int(os.environ.get("RANK", "0")) == 0:
             print("warning: SyncBatchNorm needs CUDA; BatchNorm statistics stay per-worker on CPU.", file=sys.stderr)
-    train_set, test_set = cifar10_datasets(args, ctx)
-    fit(args, ctx, model, train_set, test_set)
+    train_set, test_set = cifar10_datasets(args)
+    fit(args, model, train_set, test_set)
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 
 ``--data-dir`` holds ``train/<class>/*.jpg`` and ``val/<class>/*.jpg`` (the
 ImageNet layout). Training, checkpointing, resume at any world size, SIGTERM
-handling and the LR policy are the same as trainers/cifar10.py, whose training
-loop this script reuses. Mixed precision (float16 autocast with a GradScaler)
+handling, the LR policy and hot recovery are the same as trainers/cifar10.py,
+whose training loop (on elasticctl's runtime) this script reuses. Mixed precision (float16 autocast with a GradScaler)
 is on when the worker has a GPU; ``--no-amp`` turns it off.
 """
 
@@ -18,6 +18,7 @@ try:
 except ImportError:  # run from a source checkout without `pip install`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch
 from cifar10 import (  # trainers/ is the script's directory
     add_training_flags,
     check_training_flags,
@@ -25,7 +26,7 @@ from cifar10 import (  # trainers/ is the script's directory
 )
 
 from elasticctl.errors import ConfigError
-from elasticctl.worker import init, run
+from elasticctl.worker import run
 
 ARCHS = ("resnet18", "resnet50")
 
@@ -70,9 +71,8 @@ def train(args: argparse.Namespace) -> None:
     import torchvision
 
     train_set, val_set = image_folders(args)
-    ctx = init(timeout=args.pg_timeout)
     model = getattr(torchvision.models, args.arch)(num_classes=len(train_set.classes))
-    fit(args, ctx, model, train_set, val_set, amp=ctx.device.type == "cuda" and not args.no_amp)
+    fit(args, model, train_set, val_set, amp=torch.cuda.is_available() and not args.no_amp)
 
 
 def main() -> None:

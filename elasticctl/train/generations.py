@@ -49,6 +49,10 @@ class Generations:
                                                     last_call=self._settings.reform_last_call)
         return sealed
 
+    def cancel(self) -> None:
+        """End the wait for a generation (now, or the next one) with JoinCancelled."""
+        self._member.cancel()
+
     def change_pending(self) -> bool:
         """Whether this worker's generation must re-form: a member lost or gone on, a newcomer
         waiting, a later generation sealed without it, or its own lease lost. No etcd request."""

@@ -49,6 +49,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, Round
 from elasticctl.job.settings import HotSettings
+from elasticctl.rdzv_member import JoinCancelled
 from elasticctl.train.state import State, StateError
 
 log = logging.getLogger(__name__)
@@ -135,34 +136,43 @@ class Runtime:
     def run(self, train: Callable[[State, Group], object]) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            group = self._form()
-            while True:
-                try:
-                    train(self.state, group)
-                except _Boundary as boundary:
-                    if self.settings is None:  # restart mode: the agent re-forms the job
-                        self._stop_restart_mode()
-                        return
-                    if boundary.me_leaving:
-                        self._leave(everyone=boundary.leaving >= boundary.world_size)
-                        return
-                    group = self._re_form(f"{boundary.leaving} leaving" if boundary.leaving
-                                          else self._describe_change())
-                    continue
-                except Exception as exc:
-                    if self.settings is None or not self._recoverable(exc):
-                        raise
-                    group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
-                    continue
-                self._finish()
-                return
+            self._run(train)
+        except JoinCancelled:  # told to stop while it waited for a generation: nothing to hand over
+            log.warning("[%s] told to stop while it waited for a generation; leaving at step %d",
+                        self.worker, self.state.step)
+            self._generations.leave()
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._close()
 
+    def _run(self, train: Callable[[State, Group], object]) -> None:
+        group = self._form()
+        while True:
+            try:
+                train(self.state, group)
+            except _Boundary as boundary:
+                if self.settings is None:  # restart mode: the agent re-forms the job
+                    self._stop_restart_mode()
+                    return
+                if boundary.me_leaving:
+                    self._leave(everyone=boundary.leaving >= boundary.world_size)
+                    return
+                group = self._re_form(f"{boundary.leaving} leaving" if boundary.leaving
+                                      else self._describe_change())
+                continue
+            except Exception as exc:
+                if self.settings is None or not self._recoverable(exc):
+                    raise
+                group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                continue
+            self._finish()
+            return
+
     def _on_sigterm(self, signum, frame) -> None:
         self._leaving = True  # acted on at the next step boundary every worker agrees on
         worker_entry.note_stop_request()
+        if self._generations is not None and self._group is None:
+            self._generations.cancel()  # between generations there is no boundary to wait for
 
     def _recoverable(self, exc: Exception) -> bool:
         """A failure a new generation can fix: not the same failure at the same step again
@@ -187,6 +197,12 @@ class Runtime:
         etcd = envvars.etcd_settings(retry_timeout=30.0)
         if etcd is None:
             raise ElasticctlError(f"{envvars.HOT} is set but {envvars.ETCD} or {envvars.JOB} is not.")
+        if self.backend == "nccl":
+            # A lost peer must raise in this process, not end it: waits throw on the timeout
+            # (the node TTL), and NCCL's watchdog only aborts the communicator (2: CleanUpOnly)
+            # instead of tearing the process down (torch's default).
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         addr = os.environ.get(envvars.NODE_ADDR) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         secret = os.environ.get(SECRET_ENV)
         self._generations = Generations(EtcdClient(etcd), envvars.job_keys(), self.worker, addr, self.settings,
@@ -362,6 +378,11 @@ class Runtime:
         elif pending or self._leaving:
             self._noticed_at = time.time()
             raise _Boundary(int(self._leaving), 1, self._leaving)
+
+    def checkpoint_now(self) -> None:
+        """:meth:`State.checkpoint`: a save at a point every worker reaches (not a boundary)."""
+        if self._checkpointer is not None and self._group is not None:
+            self._save()  # even at a step already saved: the state may have moved on (a new epoch)
 
     def _describe_change(self) -> str:
         return self._generations.describe_change() if self._generations else "a worker is leaving"

@@ -1,7 +1,7 @@
 """What a hot-recovery job keeps in memory and hands to joiners: :class:`State`.
 
-The state is the model, the optimizer, the LR scheduler and the sampler (anything with
-``state_dict``/``load_state_dict``), the step, and user fields. It travels between workers
+The state is the model, the optimizer, the LR scheduler, the AMP gradient scaler and the
+sampler (anything with ``state_dict``/``load_state_dict``), the step, and user fields. It travels between workers
 as one ``torch.save`` blob over the process group and is read with ``weights_only=True``
 (torch's allow-list unpickler): a peer can send wrong numbers, never code.
 """
@@ -28,14 +28,16 @@ class State:
     (``state.samples_seen += n``). ``step`` counts committed steps.
     """
 
-    _OBJECTS = ("model", "optimizer", "scheduler", "sampler")
+    _OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 scheduler: Any = None, sampler: Any = None, **fields: Any) -> None:
+                 scheduler: Any = None, scaler: torch.amp.GradScaler | None = None, sampler: Any = None,
+                 **fields: Any) -> None:
         object.__setattr__(self, "_fields", dict(fields))
         self.model = model
         self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # stepped by every commit: a per-step schedule
+        self.scaler = scaler
         self.sampler = sampler
         self.step = 0
         self.live = False  # holds trained state (restored, received, or the job's first)
@@ -64,7 +66,11 @@ class State:
         change: the runtime then leaves the script's function and re-enters it in the next
         generation, with this state."""
         if self.optimizer is not None:
-            self.optimizer.step()
+            if self.scaler is not None:  # mixed precision: unscale, skip the step on inf/NaN gradients
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -73,6 +79,13 @@ class State:
         self.step += 1
         if self._runtime is not None:
             self._runtime.step_done(samples, loss)
+
+    def checkpoint(self) -> None:
+        """Write a durable checkpoint of the state now, if the job has a checkpoint directory
+        (every worker calls it at the same point, e.g. an epoch's end; periodic ones need not:
+        the runtime writes those every ``checkpoint_every`` steps)."""
+        if self._runtime is not None:
+            self._runtime.checkpoint_now()
 
     # -- moving it -----------------------------------------------------------------------
 

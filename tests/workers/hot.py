@@ -32,9 +32,12 @@ torch.manual_seed(0)
 generator = torch.Generator().manual_seed(1)
 dataset = TensorDataset(torch.arange(args.dataset_size), torch.randn(args.dataset_size, 8, generator=generator),
                         torch.randn(args.dataset_size, 1, generator=generator))
+# NCCL on a GPU per worker where there are GPUs (the runtime picks the same device), else gloo
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 if args.state_mb:
     model.register_buffer("ballast", torch.zeros(args.state_mb * 2**18))  # float32: 4 bytes each
+model.to(device)
 state = elastic.State(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                       sampler=elastic.ResumableSampler(dataset, num_replicas=1, rank=0, seed=3))
 record = open(args.record, "a", buffering=1)  # noqa: SIM115 - open for the run
@@ -53,7 +56,7 @@ def train(state: elastic.State, group: elastic.Group) -> None:
             state.sampler.set_epoch(state.sampler.epoch + 1)
         for index, x, y in DataLoader(dataset, batch_size=args.batch_size, sampler=state.sampler):
             before = digest(model)
-            loss = nn.functional.mse_loss(group.model(x), y)
+            loss = nn.functional.mse_loss(group.model(x.to(device)), y.to(device))
             loss.backward()
             record.write(json.dumps({
                 "step": state.step, "generation": group.number, "rank": group.rank,
