@@ -6,8 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import psutil
 import pytest
-from helpers import MLP, REPO, read_records, torchrun_command
+from helpers import MLP, REPO, read_records, torchrun_command, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +44,30 @@ def test_cifar10_fake_data_trains_two_epochs_at_world_2_and_resumes(default_etcd
     (resume,) = events(records, "resume")
     assert (resume["step"], resume["epoch"], resume["consumed"], resume["world_size"]) == (16, 2, 0, 1)
     assert [(e["epoch"], e["step"]) for e in events(records, "epoch")][2:] == [(2, 32)]  # 256/16 steps at world 1
+
+
+def test_cifar10_under_hot_recovery_keeps_the_survivor_training_in_its_process(default_etcd, run_id, nodes,
+                                                                                tmp_path):
+    from test_orchestrator import Job
+
+    record = tmp_path / "record.jsonl"
+    args = [CIFAR10, "--fake-data", "--fake-size", "256", "--batch-size", "8", "--workers", "0", "--epochs", "4",
+            "--checkpoint-every", "4"]
+    job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:2",
+              extra=["--recovery", "hot", "--node-ttl", "3", "--checkpoint-dir", str(tmp_path / "ckpt")], train=args)
+    started = {"a": job.up("a")}
+    wait_for(lambda: events(read_records(record), "start"), 180, "a's worker training")
+    started["b"] = job.join("b")
+    wait_for(lambda: any(e["world_size"] == 2 for e in events(read_records(record), "epoch")), 180, "an epoch at world 2")
+    survivor = next(p for p in psutil.Process(started["a"].process.pid).children(recursive=True)
+                    if CIFAR10 in p.cmdline() and not p.children())  # the worker, not torchrun
+    started["b"].kill()
+    assert started["a"].wait(300) == 0, started["a"].log()
+    records = read_records(record)
+    assert [e["epoch"] for e in events(records, "epoch")] == [0, 1, 2, 3]  # each once, in order
+    (done,) = events(records, "done")
+    assert (done["epoch"], done["world_size"], done["pid"]) == (4, 1, survivor.pid), done
+    assert not events(records, "resume"), "the survivor never went back to a checkpoint"
 
 
 def test_resnet18_trains_on_an_image_folder_and_resumes(tmp_path):

@@ -138,7 +138,7 @@ def fit(args: argparse.Namespace, model: nn.Module, train_set: Dataset, test_set
     def write(entry: dict) -> None:
         if record is not None and where["rank"] == 0:
             record.write(json.dumps({**entry, "world_size": where["world_size"], "restart": restart,
-                                     "time": time.time()}) + "\n")
+                                     "pid": os.getpid(), "time": time.time()}) + "\n")
 
     def on_event(kind: str, **fields) -> None:  # the runtime's resume, checkpoint, final_checkpoint
         (before_training.append if kind == "resume" else write)({"event": kind, **fields})
