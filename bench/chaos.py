@@ -155,12 +155,7 @@ class Soak:
         if result.returncode != 0:
             raise ChaosFailure(f"event {number}: `elasticctl leave --node {name}` failed: "
                                f"{result.stderr.strip().splitlines()[-1:]}")
-        try:
-            code = node.process.wait(60)
-        except subprocess.TimeoutExpired:
-            raise ChaosFailure(f"event {number}: node {name} did not exit within 60 s of leaving") from None
-        if code != 0:
-            raise ChaosFailure(f"event {number}: node {name} left with exit status {code} (see {node.log_path})")
+        _wait_clean_exit(node, f"event {number}: node {name}", "leaving")
 
     def _wait_trained(self, event: Event, after_generation: int) -> None:
         """Until exactly ``event.nodes_after`` train together, in a generation after ``after_generation``."""
@@ -204,13 +199,7 @@ class Soak:
         if result.returncode != 0:
             raise ChaosFailure(f"`elasticctl down` failed: {result.stderr.strip().splitlines()[-1:]}")
         for name in self.live:
-            node = self.cluster.nodes[name]
-            try:
-                code = node.process.wait(60)
-            except subprocess.TimeoutExpired:
-                raise ChaosFailure(f"node {name} did not exit within 60 s of `down`") from None
-            if code != 0:
-                raise ChaosFailure(f"node {name} exited with status {code} after `down` (see {node.log_path})")
+            _wait_clean_exit(self.cluster.nodes[name], f"node {name}", "`down`")
         _, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
         alive = [p for p in alive if _running(p)]
         if alive:
@@ -273,6 +262,16 @@ def first_together(lines: list[dict], names: set[str], after_generation: int) ->
         if {r["node"] for r in members} == names:
             return min(r["time"] for r in members)
     return None
+
+
+def _wait_clean_exit(node, who: str, after: str) -> None:
+    """Until ``node`` exits, which it must do within 60 s of ``after`` and with status 0."""
+    try:
+        code = node.process.wait(60)
+    except subprocess.TimeoutExpired:
+        raise ChaosFailure(f"{who} did not exit within 60 s of {after}") from None
+    if code != 0:
+        raise ChaosFailure(f"{who} exited with status {code} after {after} (see {node.log_path})")
 
 
 def _running(proc: psutil.Process) -> bool:
