@@ -140,7 +140,10 @@ class Runtime:
         except JoinCancelled:  # told to stop while it waited for a generation: nothing to hand over
             log.warning("[%s] told to stop while it waited for a generation; leaving at step %d",
                         self.worker, self.state.step)
-            self._generations.leave()
+            try:
+                self._generations.leave()
+            except ElasticctlError as exc:  # etcd away: the declaration goes with its lease instead
+                log.warning("[%s] could not withdraw its declaration: %s", self.worker, exc)
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._close()

@@ -1,9 +1,9 @@
 """What a hot-recovery job keeps in memory and hands to joiners: :class:`State`.
 
 The state is the model, the optimizer, the LR scheduler, the AMP gradient scaler and the
-sampler (anything with ``state_dict``/``load_state_dict``), the step, and user fields. It travels between workers
-as one ``torch.save`` blob over the process group and is read with ``weights_only=True``
-(torch's allow-list unpickler): a peer can send wrong numbers, never code.
+sampler (anything with ``state_dict``/``load_state_dict``), the step, and user fields. It
+travels between workers as one ``torch.save`` blob over the process group and is read with
+``weights_only=True`` (torch's allow-list unpickler): a peer can send wrong numbers, never code.
 """
 
 from __future__ import annotations
