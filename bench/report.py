@@ -289,7 +289,7 @@ def _rendezvous_plan(results: dict) -> str:
                      ((DYNAMIC, "the previous main"), (C10D, "c10d")) if key in limits)
     why = ("`--full` runs each up to the largest size it completed in earlier runs on this "
            "machine (the previous main made no round of 128 agents within 120 s, c10d none of 256)"
-           if results.get("mode") == "full" else "`--quick` stops early to stay within 10 minutes")
+           if results.get("mode") == "full" else "`--quick` stops early to stay short")
     return f"{per_size} below 256 agents, 1 from 256 on" + (f"; {runs}: {why}" if runs else "")
 
 
@@ -335,7 +335,7 @@ def markdown(results: dict, png: str | None) -> str:
         + f", checkpoint {results['settings']['checkpoint_repeats']}, rendezvous "
         f"{results['settings']['rendezvous_repeats']}"
         + (" (1 from 256 agents)" if "rendezvous_max_agents" in results["settings"] else "")
-        + (" (`--quick`: fewer than 3 where needed to stay within 10 minutes)." if results["mode"] == "quick"
+        + (" (`--quick`: fewer than 3 where needed to stay short)." if results["mode"] == "quick"
            else "."),
         f"Machine: {machine_line(results)}.",
         (f"Load average (1 min) before the run: {load['before'][0]:.2f}, after: {load['after'][0]:.2f} "
