@@ -248,19 +248,29 @@ def _round(members: set[str]):
     return lambda e: e.kind is EventKind.ROUND_FORMED and set(e.members) == members
 
 
-def _recovered(events: list[Event], formed: int, what: str) -> Event:
-    """The recovery_finished that the first step after round ``events[formed]`` recorded."""
-    i = _index(events, formed, lambda e: e.kind is EventKind.RECOVERY_FINISHED, what)
-    recovered = events[i]
-    assert recovered.round == events[formed].round and recovered.step is not None, render_line(recovered)
+def _settled(events: list[Event], start: int, members: set[str], what: str) -> int:
+    """The index of the first round of exactly ``members`` after ``start`` that reached its first
+    step, checked against the recovery_finished that step recorded. A round of them that ended
+    before its first step (under load a join can cost a second round; test_overload asserts the
+    one-round property) is skipped."""
+    history = "\n".join(render_line(e) for e in events)
+    formed = _index(events, start, _round(members), what)
+    while True:
+        finished = [e for e in events[formed:]
+                    if e.kind is EventKind.RECOVERY_FINISHED and e.round >= events[formed].round]
+        assert finished, f"no {what} after event {formed}:\n{history}"
+        if finished[0].round == events[formed].round:
+            break
+        formed = _index(events, formed + 1, _round(members), what)
+    recovered = finished[0]
+    assert recovered.step is not None, render_line(recovered)
     # from the first fault to the first step: the rendezvous part (round_formed's duration) and
     # more. The rendezvous part is missing when the fault's event (another node's, written in the
     # background) reached etcd after rank 0 read the history for the round: a loaded machine.
     rendezvous = events[formed].duration
-    assert 0 < recovered.duration < 120, render_line(recovered)
-    assert rendezvous is None or 0 < rendezvous < recovered.duration, (render_line(events[formed]),
-                                                                       render_line(recovered))
-    return recovered
+    assert 0 < recovered.duration < 120, f"{render_line(recovered)}\n{history}"
+    assert rendezvous is None or 0 < rendezvous < recovered.duration, f"{render_line(recovered)}\n{history}"
+    return formed
 
 
 def test_a_kill_a_join_a_freeze_and_a_leave_leave_their_events_in_order(job):
@@ -300,25 +310,20 @@ def test_a_kill_a_join_a_freeze_and_a_leave_leave_their_events_in_order(job):
     assert {e.node for e in events if e.kind is EventKind.NODE_JOINED} == {"a", "b", "c", "d"}
     full = _index(events, 0, _round({"a", "b", "c"}), "round of a, b, c")
     lost = _index(events, full, lambda e: e.kind is EventKind.MEMBER_LOST and e.node == "c", "c lost")
-    shrunk = _index(events, lost, _round({"a", "b"}), "round of a, b")
-    _recovered(events, shrunk, "recovery from the kill")
+    shrunk = _settled(events, lost, {"a", "b"}, "recovery from the kill")
     # the survivors' failures were not their fault
     judged = [e for e in events[full:shrunk + 3] if e.kind is EventKind.FAILURE_JUDGED]
     assert all(e.charged is False for e in judged), [render_line(e) for e in judged]
 
     waiting = _index(events, shrunk, lambda e: e.kind is EventKind.NODE_WAITING and e.node == "d", "d waiting")
-    grown = _index(events, waiting, _round({"a", "b", "d"}), "round of a, b, d")
-    _recovered(events, grown, "recovery from the join")
+    grown = _settled(events, waiting, {"a", "b", "d"}, "recovery from the join")
 
     frozen = _index(events, grown, lambda e: e.kind is EventKind.MEMBER_LOST and e.node == "d", "d lost")
-    dropped = _index(events, frozen, _round({"a", "b"}), "round of a, b after the freeze")
-    _recovered(events, dropped, "recovery from the freeze")
-    thawed = _index(events, dropped, _round({"a", "b", "d"}), "round of a, b, d after the thaw")
-    _recovered(events, thawed, "recovery from the thaw")
+    dropped = _settled(events, frozen, {"a", "b"}, "recovery from the freeze")
+    thawed = _settled(events, dropped, {"a", "b", "d"}, "recovery from the thaw")
 
     leave = _index(events, thawed, lambda e: e.kind is EventKind.LEAVE_REQUESTED and e.node == "d", "d leaving")
-    again = _index(events, leave, _round({"a", "b"}), "round of a, b after the leave")
-    _recovered(events, again, "recovery from the leave")
+    again = _settled(events, leave, {"a", "b"}, "recovery from the leave")
     rounds = [events[i].round for i in (full, shrunk, grown, dropped, thawed, again)]
     assert rounds == sorted(set(rounds)), rounds
     # d's own process recorded how it ended; nobody reported d as lost when it left
