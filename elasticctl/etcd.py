@@ -131,10 +131,11 @@ class KeyValue:
     value: bytes
     mod_revision: int
     lease: int
+    create_revision: int = 0  # the revision the key was created at (a new one after a delete)
 
 
 def _kv(value: bytes, meta) -> KeyValue:
-    return KeyValue(meta.key, value, meta.mod_revision, meta.lease_id)
+    return KeyValue(meta.key, value, meta.mod_revision, meta.lease_id, meta.create_revision)
 
 
 class EtcdClient:
@@ -253,7 +254,7 @@ class EtcdClient:
 
         def read(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[list[KeyValue], int]:
             response = c.get_prefix_response(prefix)
-            kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in response.kvs]
+            kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease, kv.create_revision) for kv in response.kvs]
             return kvs, response.header.revision
 
         return self._call("read keys", read)

@@ -225,6 +225,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         self._requests.stop()
         self._view.stop()
+        self._run_lease.stop()  # renewing stops; the lease is left for the job's other processes
         shutil.rmtree(self._marks_root, ignore_errors=True)
         if self._left:
             return True

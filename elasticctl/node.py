@@ -87,11 +87,17 @@ def tls_conf(settings: EtcdSettings) -> dict[str, str]:
     return conf
 
 
-def torchrun_for(spec: JobSpec, settings: EtcdSettings, key_prefix: str, local_addr: str) -> list[str]:
-    """The exact torchrun command a node of ``spec`` runs (also what --dry-run prints)."""
+def torchrun_for(spec: JobSpec, settings: EtcdSettings, key_prefix: str, local_addr: str,
+                 run: str | None = None) -> list[str]:
+    """The exact torchrun command a node of ``spec`` runs (also what --dry-run prints).
+
+    ``run``: the run's identity (:meth:`Registry.run_identity`), so that records signed in
+    another run of the same job are refused."""
     extra = tls_conf(settings)
     if key_prefix != DEFAULT_KEY_PREFIX:
         extra["key_prefix"] = key_prefix
+    if run:
+        extra["run"] = run
     return launcher.torchrun_command(spec, settings.describe(), local_addr, extra)
 
 
@@ -120,7 +126,8 @@ class NodeSession:
         return self._request
 
     def command(self) -> list[str]:
-        return torchrun_for(self.spec, self.client.settings, self.registry.key_prefix, self.local_addr)
+        return torchrun_for(self.spec, self.client.settings, self.registry.key_prefix, self.local_addr,
+                            self.registry.run_identity())
 
     def run(self) -> Outcome:
         launcher.check_script(self.spec)

@@ -55,7 +55,9 @@ class RoundMember:
         self._lease: KeptLease | None = None
         self._lease_lost = threading.Event()
         self._cancelled = threading.Event()
+        self._left = False
         self.round: Round | None = None  # the round this node is in
+        view.on_round_missing(self._restore)
 
     # -- liveness --------------------------------------------------------------------
 
@@ -156,7 +158,7 @@ class RoundMember:
                 live = list(declarations.values()) if view.nodes_followed else []
                 enough = len(wanting(current, live)) >= settings.min_nodes
                 quorum_since = (quorum_since or now) if enough else None
-                if seal_due(current, live, settings, quorum_since, now):
+                if seal_due(current, live, settings, quorum_since, now, len(view.unreadable)):
                     self._seal(current, live, target)
                 elif quorum_since is not None:
                     wake_at.append(quorum_since + settings.last_call)
@@ -182,13 +184,30 @@ class RoundMember:
         by_node = {d.node: d for d in candidates}
         # Rank 0's address and port travel in the round: nobody waits in the store for them.
         sealed = Round(number=target, members=members, addrs=tuple(by_node[m].addr for m in members),
-                       master_port=by_node[members[0]].port)
+                       master_port=by_node[members[0]].port, sealed_at=round(time.time(), 6))
         run_lease = self._run_lease.id() if self._run_lease is not None else None
         try:
             if self.view.seal(sealed, token, run_lease):
                 log.info("[%s] sealed round %d: %s", self.node, target, ", ".join(members))
         except ElasticctlError as exc:
             log.warning("[%s] cannot seal round %d: %s", self.node, target, exc)
+
+    def _restore(self, known: Round, revision: int) -> None:
+        """The record of the round this node runs in is gone from etcd (deleted, expired with a
+        lease, overwritten by a forged or late record): write it back, bound to the run lease.
+        Every member tries; one compare-and-swap wins. A newcomer meanwhile waits (see
+        :func:`seal_due`) and then joins the running round's members."""
+        if self._left or self.round is None or not self.round.same_round(known):
+            return
+        lease = self._run_lease.id if self._run_lease is not None else None
+        try:
+            restored = self.view.restore(known, revision, lease() if lease else None)
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot write back the record of round %d: %s", self.node, known.number, exc)
+            return
+        if restored:
+            log.warning("[%s] wrote back the record of round %d, which etcd no longer held", self.node,
+                        known.number)
 
     # -- while in a round ------------------------------------------------------------
 
@@ -208,6 +227,7 @@ class RoundMember:
 
     def leave(self) -> None:
         """Leave gracefully: the others see this node's key go at once, not after node_ttl."""
+        self._left = True
         try:
             self.view.withdraw(self.node)
         finally:

@@ -54,10 +54,15 @@ def next_members(current: Round | None, candidates: list[Declaration], max_nodes
 
 
 def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
-             quorum_since: float | None, now: float) -> bool:
+             quorum_since: float | None, now: float, unreadable: int = 0) -> bool:
     """Whether the next round should be sealed now.
 
     ``quorum_since``: when this node first saw ``min_nodes`` nodes want the next round.
+    ``unreadable``: live declarations this node cannot read (another secret, another run).
+    Never while a live node wants a round beyond the next one: it is in a round this node
+    does not see (its record was deleted or expired; its members write it back), and a
+    round sealed now would train beside it. Never a first round beside live declarations
+    this node cannot read, for the same reason: at worst the job waits, and says why.
     Never while only newcomers want it and members of the running round are alive:
     those members re-form with the newcomers as soon as they see them waiting (a round
     of newcomers alone would supersede a training job). Otherwise sealed at once when
@@ -66,6 +71,9 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     otherwise after ``last_call`` seconds of quorum, so that nodes still starting up
     make the first round.
     """
+    target = next_number(current)
+    if any(d.wants > target for d in live) or (current is None and unreadable):
+        return False
     candidates = wanting(current, live)
     if current is not None and not any(d.node in current.members for d in candidates):
         live_names = {d.node for d in live}

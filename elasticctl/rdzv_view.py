@@ -29,7 +29,7 @@ from collections.abc import Callable
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd import EtcdClient, KeyValue
 from elasticctl.job.keys import JobKeys
-from elasticctl.job.records import Claim, Declaration, Round
+from elasticctl.job.records import Claim, Declaration, Round, preferred_round
 from elasticctl.watched import PrefixWatch
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,13 @@ class RoundView:
         self.claim: Claim | None = None  # who seals the next round, if anybody claimed it
         self.claim_revision = 0  # of the claim key as it is in etcd, readable or not
         self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
+        # Live declarations (bound to a lease) that this node cannot read: malformed, or signed
+        # with another secret or for another run. Nobody seals a round from scratch beside them.
+        self.unreadable: set[str] = set()
+        # Whether etcd holds the round this view believes (False after a delete, or while an
+        # unreadable, older or forged record is there); see on_round_missing.
+        self.round_in_etcd = True
+        self._round_missing: list[Callable[[Round, int], None]] = []
         self._ctl = _Feed(client, self._ctl_prefix, self._load_ctl, self._apply_ctl)
         self._nodes = _Feed(client, self._nodes_prefix, self._load_nodes, self._apply_nodes)
         self._nodes_state = "off"  # off -> loading -> on
@@ -188,12 +195,24 @@ class RoundView:
 
     # -- the ctl/ feed ---------------------------------------------------------------
 
+    def on_round_missing(self, callback: Callable[[Round, int], None]) -> None:
+        """``callback(round, revision)`` (on the watch thread) whenever etcd stops holding the round
+        this view believes: its key was deleted (``revision`` 0), or holds a record that is
+        unreadable, older or forged (at ``revision``). Members write their round back."""
+        self._round_missing.append(callback)
+
     def _load_ctl(self, kvs: list[KeyValue], revision: int) -> None:
         with self._changed:
             self.round_revision, self.claim, self.claim_revision, self.closed = 0, None, 0, False
+            round_seen = False
             for kv in kvs:
+                round_seen |= kv.key.decode(errors="replace") == self._round_key
                 self._ctl_key(kv.key, kv.value, kv.mod_revision, kv.lease, deleted=False)
+            if not round_seen:
+                self.round_in_etcd = self.round is None
             self._notify()
+            missing = self._missing()
+        self._report_missing(missing)
 
     def _apply_ctl(self, response) -> None:
         with self._changed:
@@ -202,12 +221,28 @@ class RoundView:
                 self._ctl_key(event.key, b"" if deleted else event.value, event.mod_revision,
                               0 if deleted else event.lease, deleted)
             self._notify()
+            missing = self._missing()
+        self._report_missing(missing)
+
+    def _missing(self) -> tuple[Round, int] | None:
+        return None if self.round_in_etcd or self.round is None else (self.round, self.round_revision)
+
+    def _report_missing(self, missing: tuple[Round, int] | None) -> None:
+        if missing is None:
+            return
+        for callback in list(self._round_missing):
+            callback(*missing)
 
     def _ctl_key(self, key: bytes, value: bytes, revision: int, lease: int, deleted: bool) -> None:
         name = key.decode(errors="replace")
         if name == self._round_key:
-            if not deleted:
-                self.round = self._newer_round(Round.from_json(value, revision, name, self._secret), revision)
+            if deleted:
+                self.round_in_etcd = self.round is None
+            else:
+                candidate = Round.from_json(value, revision, name, self._secret)
+                believed = self._believed_round(candidate, revision)
+                self.round_in_etcd = believed is candidate or (believed is None and candidate is None)
+                self.round = believed
             self.round_revision = 0 if deleted else revision
         elif name == self._closed_key:
             self.closed = not deleted
@@ -216,18 +251,25 @@ class RoundView:
             claim = None if deleted or not lease else Claim.from_json(value, name, self._secret)
             self.claim, self.claim_revision = claim, 0 if deleted else revision
 
-    def _newer_round(self, candidate: Round | None, revision: int) -> Round | None:
-        """The round to believe: ``candidate`` unless it is unreadable or older than one seen.
+    def _believed_round(self, candidate: Round | None, revision: int) -> Round | None:
+        """The round to believe: ``candidate`` unless it is unreadable, older than the round this
+        view holds, or another record of that same round sealed later (a forgery, or a round
+        sealed from scratch while the record was gone): :func:`preferred_round`.
 
-        A planted or replayed round record is never followed (rounds only go forward);
-        its revision is kept, so that the next seal overwrites it.
+        A planted or replayed round record is never followed (rounds only go forward); its
+        revision is kept, so that the next seal, or a member restoring its round, overwrites it.
         """
-        if candidate is not None and (self.round is None or candidate.number >= self.round.number):
-            return candidate
+        believed = preferred_round(self.round, candidate)
+        if believed is candidate or believed is None:
+            return believed
         if self.round is None or self.round.revision != revision:
-            log.warning("Ignoring the round record at %s (revision %d): %s", self._round_key, revision,
-                        "unreadable" if candidate is None else
-                        f"round {candidate.number} is older than round {self.round.number}")
+            if candidate is None:
+                why = "unreadable"
+            elif candidate.number < self.round.number:
+                why = f"round {candidate.number} is older than round {self.round.number}"
+            else:
+                why = f"another record of round {candidate.number}, sealed after the one its members run"
+            log.warning("Ignoring the round record at %s (revision %d): %s", self._round_key, revision, why)
         return self.round
 
     # -- the nodes/ feed -------------------------------------------------------------
@@ -241,11 +283,16 @@ class RoundView:
 
     def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
         declarations: dict[str, Declaration] = {}
+        unreadable: set[str] = set()
         for kv in kvs:
             node, declaration = self._declaration(kv.key, kv.value, kv.mod_revision)
             if declaration is not None:
                 declarations[node] = declaration
+            elif kv.lease:
+                unreadable.add(node)
+        self._warn_unreadable(unreadable - self.unreadable)
         with self._changed:
+            self.unreadable = unreadable
             now = time.monotonic()
             for node in self.declarations.keys() - declarations.keys():
                 self.gone_at[node] = now
@@ -263,6 +310,12 @@ class RoundView:
                 previous = self.declarations.pop(node, None)
                 if previous is not None:
                     self.want_counts[previous.wants] -= 1
+                if not deleted and value is None and event.lease:
+                    if node not in self.unreadable:
+                        self._warn_unreadable({node})
+                    self.unreadable.add(node)
+                else:
+                    self.unreadable.discard(node)
                 if deleted or value is None:
                     if previous is not None:
                         self.gone_at[node] = now
@@ -271,6 +324,12 @@ class RoundView:
                     self.want_counts[value.wants] += 1
                     self.gone_at.pop(node, None)
             self._notify()
+
+    def _warn_unreadable(self, nodes: set[str]) -> None:
+        if nodes:
+            log.warning("Cannot read the rendezvous declaration(s) of %s under %s (malformed, or signed "
+                        "with another secret or for another run); no round is sealed from scratch beside "
+                        "them", ", ".join(sorted(nodes)), self._nodes_prefix)
 
     # -- the protocol's writes -------------------------------------------------------
 
@@ -298,6 +357,13 @@ class RoundView:
         ok, _, _ = self._client.compare_and_swap(
             self._round_key, sealed.to_json(self._round_key, self._secret), expected_revision, lease,
             also_delete=self._claim_key)
+        return ok
+
+    def restore(self, known: Round, expected_revision: int, lease: int | None = None) -> bool:
+        """Write ``known`` back over what the round key holds at ``expected_revision`` (0: absent):
+        a member of a running round puts back its record when it was deleted or replaced."""
+        ok, _, _ = self._client.compare_and_swap(
+            self._round_key, known.to_json(self._round_key, self._secret), expected_revision, lease)
         return ok
 
     def close(self, lease: int | None = None) -> None:

@@ -141,6 +141,12 @@ class Registry:
         kv = self.client.get(self.keys.spec)
         return None if kv is None else JobSpec.from_dict(json_object(kv.value))
 
+    def run_identity(self) -> str | None:
+        """This run of the job: its spec's create revision (a new one after `down` and `up`), or
+        None without a spec. Records signed with the job secret are bound to it."""
+        kv = self.client.get(self.keys.spec)
+        return None if kv is None or not kv.create_revision else f"r{kv.create_revision}"
+
     def publish_spec(self, spec: JobSpec) -> bool:
         """Publish ``spec``; True if it was new, False if an identical one was there.
 

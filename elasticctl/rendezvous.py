@@ -47,6 +47,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd import EtcdClient, EtcdSettings, connect
 from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import run_secret
+from elasticctl.job.run_lease import RunLease, with_lease
 from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_RUN_TTL,
@@ -64,52 +66,6 @@ log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
 DEFAULT_TTL = DEFAULT_RUN_TTL
-
-
-class RunLease:
-    """The lease a run's keys are bound to, so that an abandoned run's keys expire.
-
-    Renewed when used rather than by a thread: a key outlives the last write of the
-    last live writer by between ``ttl / 2`` and ``ttl`` seconds. Rendezvous
-    heartbeats rewrite the state every few seconds, so a live run never expires.
-    """
-
-    def __init__(self, client: EtcdClient, ttl: int) -> None:
-        if ttl < 2:
-            raise ConfigError(f"The rendezvous key ttl ({ttl}) must be at least 2 seconds.")
-        self._client = client
-        self._ttl = ttl
-        self._lock = threading.Lock()
-        self._id: int | None = None
-        self._renewed_at = 0.0
-
-    def id(self) -> int:
-        with self._lock:
-            now = time.monotonic()
-            if self._id is not None and now - self._renewed_at > self._ttl / 2:
-                if self._client.refresh_lease(self._id) <= 0:
-                    self._id = None
-                self._renewed_at = now
-            if self._id is None:
-                self._id = self._client.grant_lease(self._ttl)
-                self._renewed_at = now
-            return self._id
-
-    def forget(self) -> None:
-        """Drop a lease etcd no longer knows (it expired while we were away)."""
-        with self._lock:
-            self._id = None
-
-
-def _with_lease(lease: RunLease, op: Callable[[int], object]):
-    """Run a write bound to the run lease, re-granting the lease once if etcd lost it."""
-    try:
-        return op(lease.id())
-    except ElasticctlError as exc:
-        if "lease not found" not in str(exc):
-            raise
-        lease.forget()
-        return op(lease.id())
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -199,7 +155,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             seq = self._newest_seq + 1
         sealed = seal_state(state, seq, self._secret)
         try:
-            succeeded, kv, _ = _with_lease(
+            succeeded, kv, _ = with_lease(
                 self._lease,
                 lambda lease_id: self._client.compare_and_swap(self._key, sealed, expected_revision, lease_id),
             )
@@ -281,7 +237,7 @@ class EtcdStore(dist.Store):
         return self._prefix + key.encode()
 
     def _put(self, key: str, value: bytes) -> None:
-        _with_lease(self._lease, lambda lease_id: self._client.put(self._key(key), value, lease_id))
+        with_lease(self._lease, lambda lease_id: self._client.put(self._key(key), value, lease_id))
 
     def set(self, key: str, value: str | bytes) -> None:
         self._put(key, _as_bytes(value))
@@ -302,7 +258,7 @@ class EtcdStore(dist.Store):
             base = 0 if current is None else int(current.value)
             new_value = str(base + amount).encode()
             revision = 0 if current is None else current.mod_revision
-            succeeded, current, _ = _with_lease(
+            succeeded, current, _ = with_lease(
                 self._lease,
                 lambda lease_id, v=new_value, r=revision: self._client.compare_and_swap(full_key, v, r, lease_id),
             )
@@ -324,7 +280,7 @@ class EtcdStore(dist.Store):
             if current is not None and current.value != expected:
                 return current.value
             revision = 0 if current is None else current.mod_revision
-            succeeded, _, _ = _with_lease(
+            succeeded, _, _ = with_lease(
                 self._lease,
                 lambda lease_id, r=revision: self._client.compare_and_swap(full_key, desired, r, lease_id),
             )
@@ -411,7 +367,7 @@ def create_backend(
     """
     options = options or parse_rdzv_options(params.config)
     validate_name(params.run_id, "run id")
-    secret = (options.secret or os.environ.get(SECRET_ENV) or "").encode() or None
+    secret = run_secret((options.secret or os.environ.get(SECRET_ENV) or "").encode() or None, options.run)
     client = _connect(params, options)
     lease = RunLease(client, options.ttl)
     backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, lease, secret)
@@ -469,8 +425,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # rank 0; the etcd store serves the agents instead, and workers build their own.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     client = _connect(params, options)
-    lease = RunLease(client, options.ttl)
     registry = Registry(client, params.run_id, options.key_prefix)
+    # One lease for the run's shared keys, renewed by every live agent (and worker): they
+    # live as long as the job does, and expire ttl seconds after its last process.
+    lease = RunLease(client, options.ttl, registry.keys.run_lease).start()
     settings = Settings(min_nodes=params.min_nodes, max_nodes=params.max_nodes,
                         last_call=float(options.last_call_timeout or 30))
     return EtcdRendezvousHandler(
@@ -480,9 +438,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         quarantine_after=options.quarantine_after, quarantine_window=options.quarantine_window,
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
-        secret=(options.secret or os.environ.get(SECRET_ENV) or "").encode() or None,
+        secret=run_secret((options.secret or os.environ.get(SECRET_ENV) or "").encode() or None, options.run),
         hot=HotSettings(min_nodes=params.min_nodes, max_nodes=params.max_nodes, node_ttl=options.node_ttl,
-                        last_call=settings.last_call, join_timeout=float(options.join_timeout or 600))
+                        last_call=settings.last_call, join_timeout=float(options.join_timeout or 600),
+                        run_ttl=options.ttl)
         if options.recovery == "hot" else None,
     )
 

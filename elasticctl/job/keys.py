@@ -2,7 +2,9 @@
 
 Under ``<key_prefix>/<job>/``::
 
-    spec                      the JobSpec every node launches (no lease)
+    spec                      the JobSpec every node launches (no lease; its create revision is
+                              the run's identity, which signed records are bound to)
+    lease                     the id of the run lease (job/run_lease.py), bound to itself
     nodes/<node>              one record per elasticctl process, bound to its lease
     members/<node>            the round the node's torchrun agent is in (state, rank,
                               restarts), bound to the agent's rendezvous lease
@@ -62,6 +64,11 @@ class JobKeys:
     @property
     def spec(self) -> str:
         return f"{self.root}/spec"
+
+    @property
+    def run_lease(self) -> str:
+        """The id of the run lease every live agent and worker renews (job/run_lease.py)."""
+        return f"{self.root}/lease"
 
     @property
     def nodes(self) -> str:

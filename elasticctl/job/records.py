@@ -104,17 +104,28 @@ class Round:
     addrs: tuple[str, ...] = ()
     master_port: int = 0  # rank 0's free port for the workers' store (0: agree on one in the store)
     revision: int = 0  # etcd's mod_revision: the fencing token for sealing the next one
+    # When it was sealed (the sealer's wall clock). Two different records of one round number
+    # can meet only after the record was deleted or forged: the one sealed first is the round
+    # its members run, and every node settles on it (see :func:`preferred_round`).
+    sealed_at: float | None = None
 
     @property
     def world_size(self) -> int:
         return len(self.members)
 
+    def same_round(self, other: Round | None) -> bool:
+        """Whether ``other`` is this very round (its etcd revision aside: a restored copy is)."""
+        return other is not None and dataclasses.replace(other, revision=self.revision) == self
+
     def rank_of(self, node: str) -> int | None:
         return self.members.index(node) if node in self.members else None
 
     def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"round": self.number, "members": list(self.members), "addrs": list(self.addrs),
-                        "master_port": self.master_port}, key, secret)
+        fields = {"round": self.number, "members": list(self.members), "addrs": list(self.addrs),
+                  "master_port": self.master_port}
+        if self.sealed_at is not None:
+            fields["sealed_at"] = self.sealed_at
+        return _signed(fields, key, secret)
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Round | None:
@@ -125,10 +136,29 @@ class Round:
             addrs = tuple(_text(a) for a in data.get("addrs", ()))
             if len(set(members)) != len(members) or (addrs and len(addrs) != len(members)):
                 return None
+            sealed_at = data.get("sealed_at")
+            if sealed_at is not None and not (_finite(sealed_at) and 0 <= sealed_at < 1e11):
+                return None
             return cls(number=_whole(data["round"]), members=members, addrs=addrs,
-                       master_port=_port(data.get("master_port", 0)), revision=revision)
+                       master_port=_port(data.get("master_port", 0)), revision=revision,
+                       sealed_at=None if sealed_at is None else float(sealed_at))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def preferred_round(known: Round | None, candidate: Round | None) -> Round | None:
+    """Which of two records of the round key to believe: rounds only go forward, and of two
+    different records with one number the one sealed first (a record without a seal time,
+    as a forger or an older version writes it, never wins a tie). None only if both are."""
+    if candidate is None:
+        return known
+    if known is None or candidate.number > known.number or known.same_round(candidate):
+        return candidate  # a restored copy too: it carries the key's current revision
+    if candidate.number < known.number:
+        return known
+    def order(r: Round) -> tuple:
+        return (r.sealed_at is None, r.sealed_at or 0.0, r.members, r.addrs, r.master_port)
+    return candidate if order(candidate) < order(known) else known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +300,18 @@ def _finite(value: object, kind: type | tuple[type, ...] = _NUMBER) -> bool:
     if isinstance(value, bool) or not isinstance(value, kind):
         return False
     return math.isfinite(value) if isinstance(value, float) else -(2**63) <= value < 2**63
+
+
+def run_secret(secret: bytes | None, run: str | None) -> bytes | None:
+    """The key that signs one run's records: the job secret bound to the run's identity.
+
+    A record signed in an earlier run of the same job (same name, same secret) then fails
+    verification in a later one, so that it cannot be replayed into it. Without ``run`` the
+    job secret itself (plain torchrun: the rdzv id is the run's identity, as torch documents).
+    """
+    if not secret or not run:
+        return secret or None
+    return hmac.new(secret, b"elasticctl-run\n" + run.encode(), hashlib.sha256).hexdigest().encode()
 
 
 def _signature(fields: dict, key: str, secret: bytes) -> str:

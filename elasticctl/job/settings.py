@@ -52,6 +52,9 @@ class RdzvOptions:
     key_prefix: str = DEFAULT_KEY_PREFIX
     ttl: int = DEFAULT_RUN_TTL
     secret: str | None = dataclasses.field(default=None, repr=False)
+    # The run's identity: signed records of another run of the same job are refused.
+    # `elasticctl up`/`join` set it (the job spec's etcd create revision).
+    run: str | None = None
     # Liveness, restart budget, quarantine.
     node_ttl: int = DEFAULT_NODE_TTL
     max_restarts: int | None = None
@@ -141,6 +144,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "key_prefix": ("key_prefix", _key_prefix),
     "ttl": ("ttl", _whole(2, MAX_SECONDS)),
     "secret": ("secret", _text),
+    "run": ("run", _text),
     "node_ttl": ("node_ttl", _whole(2, MAX_NODE_TTL)),
     "max_restarts": ("max_restarts", _whole(0, 1_000_000)),
     "quarantine_after": ("quarantine_after", _whole(1, 1_000_000)),
@@ -197,12 +201,13 @@ class HotSettings:
     last_call: float = 1.0          # the first generation: wait for workers still starting
     reform_last_call: float = 0.5   # later ones: a live worker re-declares within ms of a fault
     join_timeout: float = 600.0
+    run_ttl: int = DEFAULT_RUN_TTL  # the run lease's ttl (job/run_lease.py), which workers renew too
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"The hot-recovery node counts ({self.min_nodes}:{self.max_nodes}) "
                               "must be 1 or more, the minimum not above the maximum.")
-        for name in ("node_ttl", "last_call", "reform_last_call", "join_timeout"):
+        for name in ("node_ttl", "last_call", "reform_last_call", "join_timeout", "run_ttl"):
             value = getattr(self, name)
             if isinstance(value, bool) or not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
                 raise ConfigError(f"The hot-recovery setting {name} ({value!r}) must be a positive "

@@ -17,6 +17,7 @@ import os
 from elasticctl.etcd import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Round
+from elasticctl.job.run_lease import RunLease
 from elasticctl.job.settings import HotSettings
 from elasticctl.rdzv_member import RoundMember
 from elasticctl.rdzv_rounds import Settings
@@ -33,15 +34,21 @@ class Generations:
         self.worker = worker
         self._settings = settings
         self.view = RoundView(client, keys.generations(), secret).start()
+        # The generation record lives on the run lease, which the workers renew as well as their
+        # agents: it stays while any worker of the job lives, and goes ttl after the last one.
+        self._run_lease = RunLease(client, settings.run_ttl, keys.run_lease).start()
+        self.previous: Round | None = None  # the generation before the one joined last
         # Members are workers: every node brings its LOCAL_WORLD_SIZE of them.
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         rounds = Settings(min_nodes=settings.min_nodes * per_node, max_nodes=settings.max_nodes * per_node,
                           last_call=settings.last_call)
         self._member = RoundMember(client, self.view, worker, addr, rounds, settings.node_ttl,
-                                   settings.join_timeout, pid=os.getpid())
+                                   settings.join_timeout, self._run_lease, pid=os.getpid())
 
     def join(self) -> Round:
-        """Declare for the next generation; return it once it is sealed with this worker in it."""
+        """Declare for the next generation; return it once it is sealed with this worker in it.
+        :attr:`previous` is then the generation this worker saw before it (None: none yet)."""
+        self.previous = self.view.round
         sealed = self._member.join()
         # Later generations re-form among running workers, which declare within milliseconds
         # of a fault: only a dead worker's declaration (its lease not yet ended) is waited for.
@@ -72,3 +79,4 @@ class Generations:
 
     def close(self) -> None:
         self.view.stop()
+        self._run_lease.stop()

@@ -51,6 +51,7 @@ from elasticctl.job.records import EventKind, Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.rdzv_member import JoinCancelled
 from elasticctl.train.state import State, StateError
+from elasticctl.train.sync import plan_state_sync
 
 log = logging.getLogger(__name__)
 
@@ -229,12 +230,15 @@ class Runtime:
             generation = self._generations.join()
             rank = generation.rank_of(self.worker)
             try:
-                self._build_process_group(generation, rank)
+                self._store = build_generation_group(generation, rank, self.backend, self.pg_timeout,
+                                                      self.device)
                 return self._start_generation(generation, rank, generation.world_size,
                                               noticed_at if why else None)
             except StateError:
                 raise  # what a peer sent does not fit: another generation would send the same
             except Exception as exc:  # noqa: BLE001 - a taken port, a peer lost while connecting or sending
+                if not dist.is_initialized():
+                    reset_group_counter()  # the failed init left torch's group counter raised
                 log.warning("[%s] generation %d did not form (attempt %d of %d): %s", self.worker,
                             generation.number, attempt, FORM_ATTEMPTS, " ".join(str(exc).split())[:300])
         raise ElasticctlError(f"The worker '{self.worker}' could not form a generation in "
@@ -242,7 +246,9 @@ class Runtime:
 
     def _start_generation(self, generation: Round, rank: int, world_size: int, noticed_at: float | None) -> Group:
         self._checkpointer = self._checkpointer_for(rank)
-        sent_from = self._sync_state(rank, world_size)
+        previous = self._generations.previous if self._generations is not None else None
+        survivors = [previous is not None and member in previous.members for member in generation.members]
+        sent_from = self._sync_state(rank, world_size, survivors or [False] * world_size)
         if self.state.sampler is not None:  # the global position stays; the deal changes
             self.state.sampler.num_replicas, self.state.sampler.rank = world_size, rank
         group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
@@ -264,14 +270,6 @@ class Runtime:
         self._samples_since = (time.monotonic(), 0)
         return group
 
-    def _build_process_group(self, generation: Round, rank: int) -> None:
-        self._store = dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
-                                    is_master=rank == 0, timeout=self.pg_timeout, wait_for_workers=False)
-        store = dist.PrefixStore(f"generation-{generation.number}", self._store)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=generation.world_size,
-                                timeout=self.pg_timeout,
-                                device_id=self.device if self.device.type == "cuda" else None)
-
     def _teardown(self) -> None:
         """Take the process group down, bounded: one that will not come down ends the worker."""
         self._flags = self._flag_work = None
@@ -289,8 +287,9 @@ class Runtime:
             stuck.cancel()
         self._store = None
 
-    def _sync_state(self, rank: int, world_size: int) -> int | None:
-        """Bring every member to the most advanced state; the rank that sent it, if one did."""
+    def _sync_state(self, rank: int, world_size: int, survivors: list[bool]) -> int | None:
+        """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);
+        the rank that sent it, if one did."""
         if world_size == 1 and self.state.live:
             return None
         flag_device = self._flag_device()
@@ -298,13 +297,16 @@ class Runtime:
         steps = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(steps, mine)
         steps = [int(t.item()) for t in steps]
-        best = max(steps)
-        if best < 0:  # nobody holds state: the job's start, or every worker was lost
+        plan = plan_state_sync(steps, survivors)
+        for refused in plan.refused:
+            log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
+                        "its state is not taken", self.worker, refused, steps[refused])
+        if plan.from_checkpoint:  # nobody holds state: the job's start, or every worker was lost
             self._restore_from_checkpoint()
             return None
-        if all(s == best for s in steps):
+        if plan.source is None:
             return None
-        source = steps.index(best)
+        source = plan.source
         size = torch.tensor([0], dtype=torch.int64, device=flag_device)
         blob = self.state.to_bytes() if rank == source else b""
         size.fill_(len(blob))
@@ -486,6 +488,34 @@ class Runtime:
             self._events = EventLog.from_env() or False
         if self._events:
             self._events.record_later(kind, self.node, **fields)
+
+
+def build_generation_group(generation: Round, rank: int, backend: str, timeout: datetime.timedelta,
+                           device: torch.device):
+    """The default process group of ``generation`` on a fresh store; returns the store.
+
+    Every key lives under ``generation-<number>`` of that generation's own TCPStore (rank 0's
+    port from the sealed record), so that nothing of an earlier attempt can meet it.
+    """
+    store = dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
+                          is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"generation-{generation.number}", store),
+                            rank=rank, world_size=generation.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    return store
+
+
+def reset_group_counter() -> None:
+    """Bring torch's default-group counter back to zero after a failed ``init_process_group``.
+
+    torch names the default group after a per-process counter and uses that name as the key
+    prefix in the store; ``init_process_group`` raises the counter before it connects, and only
+    ``destroy_process_group`` of a formed group resets it. A worker whose set-up failed would
+    otherwise wait under ``<generation>/1/`` while its peers wait under ``<generation>/0/``, in
+    every later generation. A group of one on a local store, formed and destroyed, resets it.
+    """
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
 
 
 def _ddp(model: torch.nn.Module, group: Group) -> torch.nn.Module:
