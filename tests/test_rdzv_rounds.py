@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticctl.job.records import Declaration, Round
+from elasticctl.job.records import Declaration, Round, preferred_round
 from elasticctl.rdzv_rounds import (
     Settings,
     change_for,
@@ -104,3 +104,45 @@ def test_records_round_trip():
     assert Round.from_json(sealed.to_json().encode(), 9) == sealed
     assert Round.from_json(b'{"round": 1, "members": ["a", "a"]}', 1) is None
     assert Round.from_json(b'{"round": 1, "members": ["a/b"]}', 1) is None
+
+
+# -- issue 18: a missing round record while members of the job are alive --------------------
+
+def _decl(node: str, wants: int, revision: int) -> Declaration:
+    return Declaration(node, f"addr-{node}", wants, revision=revision)
+
+
+@pytest.mark.parametrize("current, live, unreadable, due", [
+    # the record of round 4 is gone (deleted, expired) while its members live: a newcomer alone
+    # must not seal a round 1 beside them, full or not
+    (None, [_decl("a", 4, 1), _decl("b", 4, 2), _decl("c", 1, 3)], 0, False),
+    (None, [_decl("a", 2, 1), _decl("c", 1, 3)], 0, False),
+    # live declarations this node cannot read (another secret, another run): no first round
+    (None, [_decl("c", 1, 3)], 1, False),
+    # a cold start with every declaration readable: sealed once full
+    (None, [_decl("a", 1, 1), _decl("b", 1, 2), _decl("c", 1, 3)], 0, True),
+    # a running round is not held up by an unreadable declaration
+    (Round(3, ("a", "b")), [_decl("a", 4, 5), _decl("b", 4, 6)], 1, True),
+])
+def test_no_round_is_sealed_beside_live_members_it_cannot_see(current, live, unreadable, due):
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=30)
+    assert seal_due(current, live, settings, quorum_since=None, now=0.0, unreadable=unreadable) is due
+
+
+@pytest.mark.parametrize("known, candidate, believed", [
+    # rounds only go forward
+    (Round(2, ("a",), sealed_at=5.0), Round(3, ("a", "b"), sealed_at=9.0), "candidate"),
+    (Round(3, ("a",), sealed_at=5.0), Round(2, ("a", "b"), sealed_at=9.0), "known"),
+    # a restored copy of the same round is that round (at its new revision)
+    (Round(3, ("a",), sealed_at=5.0), Round(3, ("a",), sealed_at=5.0, revision=99), "candidate"),
+    # issue 23.3: a forged record of the same number (no seal time, or a later one) never wins
+    (Round(3, ("a", "b"), sealed_at=5.0), Round(3, ("x",)), "known"),
+    (Round(3, ("a", "b"), sealed_at=5.0), Round(3, ("a", "b", "c"), sealed_at=6.0), "known"),
+    # ... and a node that believed the late one settles on the round sealed first
+    (Round(3, ("a", "b", "c"), sealed_at=6.0), Round(3, ("a", "b"), sealed_at=5.0), "candidate"),
+    # unreadable
+    (Round(3, ("a",), sealed_at=5.0), None, "known"),
+    (None, Round(1, ("a",)), "candidate"),
+])
+def test_preferred_round(known, candidate, believed):
+    assert preferred_round(known, candidate) is (candidate if believed == "candidate" else known)

@@ -108,6 +108,9 @@ class RunLease:
         with self._lock:
             lease, self._renewed_at = self._id, time.monotonic()
         if lease is not None and self._client.refresh_lease(lease) > 0:
+            if self._key is not None and self._client.get(self._key) is None:
+                # Its key was deleted: put it back, so that a newcomer finds this lease.
+                self._client.compare_and_swap(self._key, str(lease), 0, lease=lease)
             return
         self.forget()
         new = self.id()
