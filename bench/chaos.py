@@ -74,6 +74,7 @@ class Options:
     checkpoint_every: int = 10
     step_sleep: float = 0.05
     cap: float = 120.0  # seconds an event may take to recover
+    ttl: int | None = None  # the run's key ttl (--rdzv-conf ttl): short, the soak crosses several
 
 
 class Soak:
@@ -87,7 +88,8 @@ class Soak:
                    "--checkpoint-every", str(options.checkpoint_every), "--record-params"]
         self.cluster = Cluster("elasticctl", workdir / "job", trainer, etcd, nnodes=f"{MIN_NODES}:{MAX_NODES}",
                                up_args=("--recovery", "hot", "--node-ttl", str(options.node_ttl),
-                                        "--checkpoint-dir", str(checkpoints)))
+                                        "--checkpoint-dir", str(checkpoints),
+                                        *(("--rdzv-conf", f"ttl={options.ttl}") if options.ttl else ())))
         self.live: list[str] = []
         self.started = 0
         self.seen: dict[int, psutil.Process] = {}  # every process of every node, for the leftover check
@@ -286,14 +288,21 @@ def soak(options: Options, workdir: Path) -> dict:
     with EmbeddedEtcd(data_dir=str(workdir / "etcd"), client_port=0, peer_port=0) as server, \
             EtcdClient(server.client_settings()) as etcd:
         chaos = Soak(options, workdir, etcd)
+        began = time.monotonic()
         try:
-            return chaos.run()
+            summary = chaos.run()
         finally:
             chaos.cluster.close()
+        summary["duration_s"] = round(time.monotonic() - began, 1)
+        summary["ttl"] = options.ttl
+        return summary
 
 
 def summarize(summary: dict) -> str:
-    lines = [f"chaos: seed {summary['seed']}, {len(summary['events'])} events: PASSED"]
+    ttl = summary.get("ttl")
+    crossed = (f", ttl {ttl} s: {summary['duration_s'] / ttl:.1f} ttl periods crossed"
+               if ttl and summary.get("duration_s") else "")
+    lines = [f"chaos: seed {summary['seed']}, {len(summary['events'])} events{crossed}: PASSED"]
     for e in summary["events"]:
         frozen = f" for {e['frozen_s']:.1f} s" if e["frozen_s"] is not None else ""
         lines.append(f"  {e['number']:>3}  {e['kind']:<6} {e['node']:<4}{frozen:<12} -> {len(e['nodes_after'])} nodes, "
@@ -318,11 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10, help="K: mlp checkpoints every K steps")
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds the trainer sleeps per step")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds an event may take to recover")
+    parser.add_argument("--ttl", type=int, default=None,
+                        help="seconds the run's keys outlive the job (default 7200): a short one, e.g. 20, "
+                             "makes a soak cross several ttl periods (a long-running job in minutes)")
     args = parser.parse_args(argv)
     if args.events < 0:
         parser.error("--events must not be negative.")
+    if args.ttl is not None and args.ttl < 2:
+        parser.error(f"--ttl ({args.ttl}) must be at least 2 seconds.")
     options = Options(events=args.events, seed=args.seed, node_ttl=args.node_ttl,
-                      checkpoint_every=args.checkpoint_every, step_sleep=args.step_sleep, cap=args.cap)
+                      checkpoint_every=args.checkpoint_every, step_sleep=args.step_sleep, cap=args.cap,
+                      ttl=args.ttl)
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     try:
         summary = soak(options, workdir)

@@ -26,9 +26,11 @@ def test_the_soak_waits_for_a_generation_of_exactly_the_expected_nodes():
 @pytest.mark.slow
 def test_a_short_chaos_soak_passes(tmp_path):
     try:
-        summary = chaos.soak(chaos.Options(events=3, seed=SEED, node_ttl=3, checkpoint_every=5), tmp_path)
+        # ttl 5: the run's keys would expire several times over if only writes renewed them
+        summary = chaos.soak(chaos.Options(events=3, seed=SEED, node_ttl=3, checkpoint_every=5, ttl=5), tmp_path)
     except chaos.ChaosFailure as exc:
         pytest.fail(f"chaos soak, seed {SEED}: {exc} (logs in {tmp_path})")
     print(chaos.summarize(summary))
     assert [e["number"] for e in summary["events"]] == [1, 2, 3]
     assert all(e["recovered_s"] is not None for e in summary["events"])
+    assert summary["duration_s"] > 2 * 5, "the soak did not cross several ttl periods"
