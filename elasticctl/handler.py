@@ -264,10 +264,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             except ElasticctlError as exc:
                 log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
             self._ignore_errors(self._member.leave)
+        for verdict in self._verdicts:  # they see _stopping within 0.25 s; they may still queue events
+            verdict.join(timeout=5)
         self._events.close(timeout=5)  # what the history writer has queued, then the writer
         self._view.stop()
-        for verdict in self._verdicts:
-            verdict.join(timeout=5)
         self._client.close()
         shutil.rmtree(self._marks_root, ignore_errors=True)
         return True
