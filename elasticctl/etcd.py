@@ -150,6 +150,9 @@ class EtcdClient:
         self.settings = settings
         self._lock = threading.Lock()
         self._raw: pyetcd.MultiEndpointEtcd3Client | None = None
+        # Threads that streaming calls started (pyetcd's watch reader, gRPC's request
+        # consumer and channel spinner): close() waits for them, see _streaming.
+        self._stream_threads: set[threading.Thread] = set()
 
     # -- connection -----------------------------------------------------------------
 
@@ -197,8 +200,33 @@ class EtcdClient:
         if raw is not None:
             raw.close()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the channels, and wait up to ``timeout`` s for the threads this client's streams
+        started to end: gRPC aborts a fork() while any thread is inside it."""
         self._reset()
+        with self._lock:
+            threads, self._stream_threads = self._stream_threads, set()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _streaming(self, op: Callable[[], _T]) -> _T:
+        """Run ``op``, a call that opens a gRPC stream, and remember the threads it started.
+
+        Neither pyetcd nor gRPC hands them out: they are the threads of theirs that appeared
+        during the call, by name (pyetcd's ``pyetcd_watch_*``; gRPC's helpers run a function
+        ``_run``, so threading names them ``Thread-N (_run)``). Another client's stream opened at
+        the same moment may be counted too: joining it costs at most close()'s timeout.
+        """
+        before = set(threading.enumerate())
+        try:
+            return op()
+        finally:
+            started = {t for t in threading.enumerate()
+                       if t not in before and (t.name.startswith("pyetcd_watch_") or t.name.endswith("(_run)"))}
+            with self._lock:
+                self._stream_threads = {t for t in self._stream_threads if t.is_alive()} | started
 
     def __enter__(self) -> EtcdClient:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self
@@ -267,9 +295,9 @@ class EtcdClient:
         stream breaks (member gone, revision compacted); the caller re-reads and
         watches again.
         """
-        return self._call(
+        return self._streaming(lambda: self._call(
             "watch keys", lambda c: c.watch_prefix_response(prefix, start_revision=start_revision)
-        )
+        ))
 
     def keys_prefix(self, prefix: bytes | str) -> list[bytes]:
         """The keys under ``prefix``, ascending, without their values."""
@@ -344,7 +372,7 @@ class EtcdClient:
             responses = list(c.refresh_lease(lease_id))
             return max((r.TTL for r in responses), default=0)
 
-        return self._call("renew a lease", refresh)
+        return self._streaming(lambda: self._call("renew a lease", refresh))
 
     def lease_ttl(self, lease_id: int) -> tuple[int, int]:
         """A lease's remaining and granted TTL in seconds; (-1, 0) when it has expired."""

@@ -52,7 +52,8 @@ class EventLog:
         self._ttl = ttl
         self._lock = threading.Lock()
         self._shared = SharedLease(client, keys.events_lease, ttl)
-        self._later: queue.SimpleQueue[Callable[[], object]] | None = None
+        self._later: queue.SimpleQueue[Callable[[], object] | None] | None = None
+        self._writer: threading.Thread | None = None
 
     # -- writing -------------------------------------------------------------------------
 
@@ -78,17 +79,30 @@ class EventLog:
         with self._lock:
             if self._later is None:
                 self._later = queue.SimpleQueue()
-                threading.Thread(target=self._write_later, args=(self._later,), name="elasticctl-history",
-                                 daemon=True).start()
+                self._writer = threading.Thread(target=self._write_later, args=(self._later,),
+                                                name="elasticctl-history", daemon=True)
+                self._writer.start()
             self._later.put(action)
 
     @staticmethod
     def _write_later(actions: queue.SimpleQueue) -> None:
-        while True:
+        while (action := actions.get()) is not None:  # None: close() asked the writer to end
             try:
-                actions.get()()
+                action()
             except Exception:  # the history must never take its writer down
                 log.exception("cannot record an event")
+
+    def close(self, timeout: float) -> bool:
+        """Write what is queued (up to ``timeout`` s), then end the writer thread; whether it
+        ended. A later :meth:`later` starts a new writer."""
+        with self._lock:
+            actions, writer = self._later, self._writer
+            self._later = self._writer = None
+        if actions is None or writer is None:
+            return True
+        actions.put(None)
+        writer.join(timeout)
+        return not writer.is_alive()
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for what was queued with :meth:`later`; whether it all ran."""

@@ -72,7 +72,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def __init__(self, *, client: EtcdClient, run_id: str, registry: Registry, run_lease, node_id: str,
                  local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
-                 max_restarts: int | None, quarantine_after: int, quarantine_window: float,
+                 max_restarts: int | None, quarantine_after: int | None, quarantine_window: float,
                  quarantine_seconds: float, store_factory, secret: bytes | None = None,
                  hot: HotSettings | None = None) -> None:
         self._client = client
@@ -105,10 +105,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._left = False
         self._crashed = False
         self._finished = False
+        self._closed = False  # this handler closed the run (its view stops at shutdown)
+        self._finished_peers: frozenset[str] = frozenset()  # members of this round that finished
+        self._stopping = threading.Event()  # shutdown() began: background work ends
+        self._shut_down = False
+        self._verdicts: list[threading.Thread] = []
         # Workers mark here which of them finished their script (see worker_entry.py).
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
-        os.environ[RESTARTS_ENV] = "0"
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
         self._requested = threading.Event()
         self._requests = WatchedKeys(client, registry.keys.control, self._on_requests).start()
@@ -126,10 +130,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return False
 
     def is_closed(self) -> bool:
-        return self._view.closed
+        # The watched view learns of a close asynchronously and stops at shutdown(): a close
+        # this handler wrote itself is known at once, also after shutdown().
+        return self._closed or self._view.closed
 
     def set_closed(self) -> None:
         self._view.close(self._run_lease.id())
+        self._closed = True
 
     @property
     def node_id(self) -> str:
@@ -208,7 +215,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 return 1
         if self._hot is not None:
             return 0  # the workers re-form by themselves
-        change = self._member.change()
+        change = self._member.change(self._finished_peers)
+        states: dict[str, str] = {}
+        if change.lost:
+            # A member whose key went: lost, left, or finished? Its record says (one read, once
+            # per such member: a finished one is remembered, a lost one ends this round).
+            states = self._member_states()
+            finished = {node for node in change.lost if states.get(node) == MemberState.DONE}
+            if finished:
+                self._finished_peers |= finished
+                log.info("[%s] round %d: %s finished; not a lost member: this node's workers keep running "
+                         "to their own end", self._node_id, self._round.number, ", ".join(sorted(finished)))
+                change = self._member.change(self._finished_peers)
         if not change.count:
             return 0
         self._changed = True
@@ -218,31 +236,41 @@ class EtcdRendezvousHandler(RendezvousHandler):
         why += ["round superseded"] if change.superseded else []
         log.warning("[%s] round %d: %s; restarting workers without spending a restart",
                     self._node_id, self._round.number, "; ".join(why))
-        if change.lost and set(change.lost) - self._departed(change.lost):
+        if any(states.get(node) != MemberState.LEFT for node in change.lost):
             self._kill_workers()
         return change.count
 
     def shutdown(self) -> bool:
-        self._requests.stop()
-        self._view.stop()
-        self._run_lease.stop()  # renewing stops; the lease is left for the job's other processes
-        shutil.rmtree(self._marks_root, ignore_errors=True)
-        if self._left:
+        """Record the end, leave, then stop every thread and close the etcd client this handler
+        started: a process that forks afterwards must find no thread inside gRPC. Idempotent."""
+        if self._shut_down:
             return True
+        self._shut_down = True
+        self._stopping.set()
+        self._requests.stop()  # no leave/down request acted on from here
         # torchrun calls shutdown from a `finally`: an exception in flight means the agent
         # crashed (a refused record, etcd gone for good), not that the workers succeeded.
         crashed = self._crashed or (sys.exc_info()[0] is not None and not self._finished)
-        try:
-            if crashed:
-                self._write_member(state=MemberState.FAILED, reason="agent crashed", lease=self._run_lease.id())
-            else:
-                self._write_member(state=MemberState.DONE, lease=self._run_lease.id())
-                self._client.put(self._keys.finished,
-                                 record_json({"node": self._node_id, "time": now()}), lease=self._run_lease.id())
-                self.set_closed()
-        except ElasticctlError as exc:
-            log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
-        self._ignore_errors(self._member.leave)
+        if not self._left:  # a node that left recorded why when it did
+            try:
+                if crashed:
+                    self._write_member(state=MemberState.FAILED, reason="agent crashed", lease=self._run_lease.id())
+                else:
+                    # DONE before the declaration goes: the others read it when they see it go.
+                    self._write_member(state=MemberState.DONE, lease=self._run_lease.id())
+                    self._client.put(self._keys.finished,
+                                     record_json({"node": self._node_id, "time": now()}), lease=self._run_lease.id())
+                    self.set_closed()
+            except ElasticctlError as exc:
+                log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
+            self._ignore_errors(self._member.leave)
+        for verdict in self._verdicts:  # they see _stopping within 0.25 s; they may still queue events
+            verdict.join(timeout=5)
+        self._events.close(timeout=5)  # what the history writer has queued, then the writer
+        self._view.stop()
+        self._run_lease.stop()  # renewing stops; the lease is left for the job's other processes
+        self._client.close()
+        shutil.rmtree(self._marks_root, ignore_errors=True)
         return True
 
     # -- hot recovery --------------------------------------------------------------------
@@ -327,8 +355,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Decided now when the evidence already is in (then the restarted workers see the
         # right count); otherwise gathered in the background while the node re-joins.
         if not self._judge(failed, prefix, failed_at, cut_off, at_failure, wait=False):
-            threading.Thread(target=self._judge, args=(failed, prefix, failed_at, cut_off, at_failure),
-                             name="elasticctl-verdict", daemon=True).start()
+            verdict = threading.Thread(target=self._judge, args=(failed, prefix, failed_at, cut_off, at_failure),
+                                       name="elasticctl-verdict", daemon=True)
+            self._verdicts = [t for t in self._verdicts if t.is_alive()] + [verdict]
+            verdict.start()
 
     def _judge(self, failed: Round, prefix: str, failed_at: float, cut_off: bool, at_failure,
                wait: bool = True) -> bool:
@@ -348,8 +378,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                 waiting=at_failure.waiting, rejoining=at_failure.moved_on)
             verdict = failure_verdict(evidence, self._node_ttl, time.monotonic())
             if verdict is None:
-                if not wait:
-                    return False
+                if not wait or self._stopping.is_set():
+                    return False  # shutting down: the agent has no next round to charge
                 self._view.wait_for(lambda: False, 0.25)  # more evidence arrives by watch; bounded
         self._events.record_later(EventKind.FAILURE_JUDGED, self._node_id, round=failed.number,
                                   charged=verdict.own, reason=verdict.reason or "")
@@ -372,7 +402,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     f"The node '{self._node_id}' stops: its workers failed {spent} times, more than the "
                     f"{self._max_restarts} restarts allowed; the other nodes continue."
                 )
-            elif quarantine_due(self._counted_at, time.monotonic(), self._quarantine_window, self._quarantine_after):
+            elif self._quarantine_after is not None and quarantine_due(
+                    self._counted_at, time.monotonic(), self._quarantine_window, self._quarantine_after):
                 self._quarantine = True
                 self._counted_at.clear()
         self._ignore_errors(lambda: self._write_member(restarts=spent))
@@ -435,10 +466,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._ignore_errors(lambda: self._write_member(state=state, lease=self._run_lease.id(), **fields))
         self._ignore_errors(self._member.leave)
 
-    def _departed(self, nodes) -> frozenset[str]:
-        """Those of ``nodes`` that left gracefully (their member record says so)."""
+    def _member_states(self) -> dict[str, str]:
+        """Every member record's state, by node (one etcd read; empty if etcd did not answer)."""
         members = self._ignore_errors(self._registry.members) or {}
-        return frozenset(n for n in nodes if members.get(n, {}).get("state") == MemberState.LEFT)
+        return {node: record.get("state") for node, record in members.items() if isinstance(record, dict)}
+
+    def _departed(self, nodes) -> frozenset[str]:
+        """Those of ``nodes`` that are gone without a fault: left gracefully, or finished."""
+        states = self._member_states()
+        return frozenset(n for n in nodes if states.get(n) in (MemberState.LEFT, MemberState.DONE))
 
     def _kill_workers(self) -> None:
         """SIGKILL this agent's workers: they wait in a collective on a peer that is gone, so

@@ -211,8 +211,9 @@ class RoundMember:
 
     # -- while in a round ------------------------------------------------------------
 
-    def change(self) -> Change:
-        """What changed since this node's round was sealed, from the watched view alone."""
+    def change(self, finished: frozenset[str] = frozenset()) -> Change:
+        """What changed since this node's round was sealed, from the watched view alone
+        (``finished``: members known to have finished, see :func:`change_for`)."""
         if self.round is None:
             return Change()
         if self._lease_lost.is_set():
@@ -223,7 +224,7 @@ class RoundMember:
             self.view.follow_nodes(background=True)
             return Change()
         return self.view.evaluate(lambda current, declarations, _closed: change_for(
-            self.node, self.round.number, current, declarations, self.settings.max_nodes))
+            self.node, self.round.number, current, declarations, self.settings.max_nodes, finished))
 
     def leave(self) -> None:
         """Leave gracefully: the others see this node's key go at once, not after node_ttl."""

@@ -103,11 +103,16 @@ class Change:
 
 
 def change_for(node: str, my_round: int, current: Round | None, live: Mapping[str, Declaration],
-               max_nodes: int) -> Change:
-    """What changed for ``node``, a member of round ``my_round``, in the watched view."""
+               max_nodes: int, finished: frozenset[str] = frozenset()) -> Change:
+    """What changed for ``node``, a member of round ``my_round``, in the watched view.
+
+    ``finished``: members whose agent ended with its workers done. Such a member withdraws
+    its declaration at shutdown, but it is not lost: the others' workers run to their own
+    end (torch's contract: nodes may finish far apart, the exit barrier never fails a job).
+    """
     if current is None or current.number != my_round or node not in current.members:
         return Change(superseded=True)
-    lost = tuple(m for m in current.members if m not in live)
+    lost = tuple(m for m in current.members if m not in live and m not in finished)
     moved_on = tuple(m for m in current.members if m in live and live[m].wants > my_round)
     room = max_nodes - current.world_size
     waiting = tuple(d.node for d in sorted(live.values(), key=lambda d: d.revision)

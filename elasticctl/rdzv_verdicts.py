@@ -64,3 +64,16 @@ def failure_verdict(evidence: Evidence, node_ttl: float, now: float) -> Verdict 
 def quarantine_due(counted_at: Sequence[float], now: float, window: float, after: int) -> bool:
     """Whether ``after`` own failures fell within the last ``window`` seconds."""
     return len([t for t in counted_at if now - t < window]) >= after
+
+
+def quarantine_by_default(own_budget: bool, min_nodes: int, max_nodes: int) -> bool:
+    """Whether quarantine applies when ``quarantine_after`` was not given.
+
+    Quarantine puts a failing node aside so that the others train on without it.
+    ``own_budget`` (``max_restarts`` in the rendezvous options, as ``elasticctl up`` always
+    passes): the handler keeps the restart budget and torchrun's is unlimited, so
+    quarantine is part of that budget: on. Under plain torchrun, ``--max-restarts`` is the
+    budget; quarantine only helps where the others can form a round without this node
+    (``min_nodes < max_nodes``). Otherwise it would only add a pause to the same restarts.
+    """
+    return own_budget or min_nodes < max_nodes

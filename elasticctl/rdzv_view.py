@@ -99,6 +99,7 @@ class RoundView:
         self._nodes = _Feed(client, self._nodes_prefix, self._load_nodes, self._apply_nodes)
         self._nodes_state = "off"  # off -> loading -> on
         self._nodes_lock = threading.Lock()
+        self._loader: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -113,8 +114,9 @@ class RoundView:
                 return
             self._nodes_state = "loading"
         if background:
-            threading.Thread(target=self._start_nodes, args=(True,), name="elasticctl-rdzv-nodes",
-                             daemon=True).start()
+            self._loader = threading.Thread(target=self._start_nodes, args=(True,), name="elasticctl-rdzv-nodes",
+                                            daemon=True)
+            self._loader.start()
         else:
             self._start_nodes(False)
 
@@ -134,8 +136,13 @@ class RoundView:
         return self._nodes_state == "on"
 
     def stop(self) -> None:
+        """Stop both watches and wait for their threads (and a background load) to end."""
         self._ctl.stop()
-        self._nodes.stop()
+        self._nodes.stop()  # a load still running starts no watch after this
+        loader = self._loader
+        if loader is not None and loader is not threading.current_thread():
+            loader.join(timeout=self._client.settings.retry_timeout)
+        self._nodes.stop()  # and joins the watch that load may have started
 
     # -- reading ---------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from elasticctl.job.records import run_secret
 from elasticctl.job.run_lease import RunLease, with_lease
 from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
+    DEFAULT_QUARANTINE_AFTER,
     DEFAULT_RUN_TTL,
     PASSWORD_ENV,
     SECRET_ENV,
@@ -402,14 +403,17 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     Besides the connection options: node_ttl (seconds a node may be silent, default 5),
     max_restarts (the real restart budget; torch's own counts every failure),
-    quarantine_after (counted failures, default 2) within quarantine_window (s, 600)
-    put the node aside for quarantine_seconds (60); join_timeout (600) and
-    last_call_timeout (30) as in torch's dynamic rendezvous.
+    quarantine_after (counted failures, default 2 where quarantine applies by default:
+    see :func:`elasticctl.rdzv_verdicts.quarantine_by_default`) within quarantine_window
+    (s, 600) put the node aside for quarantine_seconds (60); join_timeout (600) and
+    last_call_timeout (30) as in torch's dynamic rendezvous. Options of torch's other
+    backends and launchers are ignored (``TORCH_ONLY_OPTIONS``).
     """
     import socket
 
     from elasticctl.handler import NODE_ENV, EtcdRendezvousHandler
     from elasticctl.rdzv_rounds import Settings
+    from elasticctl.rdzv_verdicts import quarantine_by_default
 
     _log_with_times()
     options = parse_rdzv_options(params.config)
@@ -421,9 +425,17 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     local_addr = params.local_addr or socket.getfqdn()
     node_id = os.environ.get(NODE_ENV) or _default_node_id(local_addr)
     validate_name(node_id, "node id")
-    # torch's shared agent TCPStore deadlocks a scale-up in which the joiner is not
-    # rank 0; the etcd store serves the agents instead, and workers build their own.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # torch's shared agent TCPStore deadlocks a scale-up in which the joiner is not rank 0.
+    # This handler never shares it, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torch reads
+    # that variable only in its own DynamicRendezvousHandler (use_agent_store and
+    # next_rendezvous, dynamic_rendezvous.py); the agent asks the handler's use_agent_store
+    # (False here: the workers' TCPStore is rank 0's own) and takes MASTER_ADDR/PORT from
+    # the RendezvousStoreInfo this handler returns. Setting it would change every c10d
+    # handler made later in the process, so it is not set.
+    quarantine_after = options.quarantine_after
+    if quarantine_after is None and quarantine_by_default(options.max_restarts is not None,
+                                                         params.min_nodes, params.max_nodes):
+        quarantine_after = DEFAULT_QUARANTINE_AFTER
     client = _connect(params, options)
     registry = Registry(client, params.run_id, options.key_prefix)
     # One lease for the run's shared keys, renewed by every live agent (and worker): they
@@ -435,7 +447,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         client=client, run_id=params.run_id, registry=registry, run_lease=lease, node_id=node_id,
         local_addr=local_addr, settings=settings, node_ttl=options.node_ttl,
         join_timeout=float(options.join_timeout or 600), max_restarts=options.max_restarts,
-        quarantine_after=options.quarantine_after, quarantine_window=options.quarantine_window,
+        quarantine_after=quarantine_after, quarantine_window=options.quarantine_window,
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
         secret=run_secret((options.secret or os.environ.get(SECRET_ENV) or "").encode() or None, options.run),

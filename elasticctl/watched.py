@@ -38,6 +38,8 @@ class PrefixWatch:
 
     def start(self):
         self._reload()
+        if self._stopped.is_set():
+            return self  # stopped while it loaded: no watch to start
         thread = threading.Thread(target=self._watch_forever, name=f"elasticctl-watch {self.prefix}", daemon=True)
         thread.start()
         self._thread = thread  # only once started: stop() on another thread may join it at once
@@ -67,6 +69,9 @@ class PrefixWatch:
         while not self._stopped.is_set():
             try:
                 responses, self._cancel = self._client.watch_prefix(self.prefix, self.revision + 1)
+                if self._stopped.is_set():  # stop() ran before the cancel was there to call
+                    self._cancel()
+                    return
                 for response in responses:
                     if self._stopped.is_set():
                         return

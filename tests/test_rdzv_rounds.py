@@ -79,6 +79,23 @@ def test_change_for_a_member(live, max_nodes, expected):
     assert change.count == sum(len(v) for v in expected.values())
 
 
+@pytest.mark.parametrize(("live", "finished", "expected"), [
+    # a member that finished (its agent shut down, its declaration withdrawn) is not lost
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2)}, {"c"}, {}),
+    # ... nor counted when another member is: only that one is
+    ({"a": d("a", 1, 1)}, {"c"}, {"lost": ("b",)}),
+    # finished and still declared (it is shutting down): nothing changed
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "c": d("c", 1, 3)}, {"c"}, {}),
+    # finished members do not hide a newcomer waiting with room
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "x": d("x", 2, 9)}, {"c"}, {"waiting": ("x",)}),
+])
+def test_a_finished_member_is_never_lost(live, finished, expected):
+    change = change_for("a", 1, R1, live, 4, frozenset(finished))
+    assert (change.lost, change.moved_on, change.waiting) == (
+        expected.get("lost", ()), expected.get("moved_on", ()), expected.get("waiting", ()))
+    assert change.count == sum(len(v) for v in expected.values())
+
+
 @pytest.mark.parametrize(("my_round", "current"), [
     (1, Round(number=2, members=("b", "c"))),   # sealed without us
     (1, Round(number=1, members=("b", "c"))),   # not a member of it

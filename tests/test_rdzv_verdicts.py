@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticctl.rdzv_verdicts import Evidence, failure_verdict, quarantine_due
+from elasticctl.rdzv_verdicts import Evidence, failure_verdict, quarantine_by_default, quarantine_due
 
 MEMBERS = ("a", "b", "c")
 
@@ -52,3 +52,15 @@ def test_failure_verdict(evidence, now, own, reason):
 ])
 def test_quarantine_due(counted_at, now, due):
     assert quarantine_due(counted_at, now, window=600, after=2) is due
+
+
+@pytest.mark.parametrize(("own_budget", "min_nodes", "max_nodes", "applies"), [
+    (True, 1, 1, True),     # elasticctl up: the handler keeps the budget, quarantine is part of it
+    (True, 3, 3, True),
+    (False, 1, 1, False),   # plain torchrun, one node: no other node to train on, only a pause
+    (False, 2, 2, False),   # plain torchrun, fixed size: the others would wait for it
+    (False, 1, 2, True),    # plain torchrun, elastic: the others go on without it
+    (False, 2, 4, True),
+])
+def test_quarantine_by_default(own_budget, min_nodes, max_nodes, applies):
+    assert quarantine_by_default(own_budget, min_nodes, max_nodes) is applies

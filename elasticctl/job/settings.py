@@ -8,6 +8,7 @@ function. Imports no torch, so the CLI stays fast.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping
 from elasticctl.errors import ConfigError
 from elasticctl.job import envvars
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NODE_TTL = 5
 # Longer than this, a lost node would hold a job for an hour; etcd's own bound is 9e9 s.
@@ -27,9 +30,17 @@ PASSWORD_ENV = envvars.ETCD_PASSWORD
 
 RECOVERY_MODES = ("restart", "hot")
 
-# Keys torchrun adds on its own (the launcher's overall timeout, a static node rank):
-# accepted and ignored, as torch's dynamic handler ignores them.
-TORCHRUN_KEYS = frozenset({"timeout", "rank"})
+# Options torch's launchers pass, or torch's other backends take, that mean nothing to etcd3:
+# accepted and ignored (a debug line), as torch's own handlers ignore each other's options, so
+# that code written for c10d or etcd runs unchanged. Where each comes from, in torch's sources:
+TORCH_ONLY_OPTIONS = {
+    "timeout": "torch's launcher (launcher/api.py LaunchConfig) adds its rendezvous timeout for every backend",
+    "rank": "torchrun (run.py) passes --node-rank for the static backend",
+    "is_host": "the c10d backend's choice of store host (c10d_rendezvous_backend.py)",
+    "store_type": "the c10d backend's store kind (c10d_rendezvous_backend.py)",
+    "etcd_prefix": "torch's etcd v2 handler's key prefix (etcd_rendezvous.py); etcd3 has key_prefix",
+}
+DEFAULT_QUARANTINE_AFTER = 2
 
 _KEY_PREFIX_RE = re.compile(r"(?:/[A-Za-z0-9_.-]+)+")
 
@@ -58,7 +69,7 @@ class RdzvOptions:
     # Liveness, restart budget, quarantine.
     node_ttl: int = DEFAULT_NODE_TTL
     max_restarts: int | None = None
-    quarantine_after: int = 2
+    quarantine_after: int | None = None  # None: DEFAULT_QUARANTINE_AFTER where quarantine applies
     quarantine_window: float = 600.0
     quarantine_seconds: float = 60.0
     # torch's dynamic rendezvous timing.
@@ -171,7 +182,8 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
     values: dict[str, object] = {}
     for raw_key, raw_value in conf.items():
         key = str(raw_key)
-        if key in TORCHRUN_KEYS:
+        if key in TORCH_ONLY_OPTIONS:
+            log.debug("Ignoring the rendezvous option %s=%r: %s.", key, raw_value, TORCH_ONLY_OPTIONS[key])
             continue
         if key not in _OPTIONS:
             raise ConfigError(
