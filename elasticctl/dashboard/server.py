@@ -30,7 +30,7 @@ from elasticctl.dashboard.model import Reading, job_metrics, job_view
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd import EtcdClient
 from elasticctl.job.keys import JobKeys
-from elasticctl.spec import quote
+from elasticctl.spec import quote, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,8 @@ def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     problem = None
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    number = whole_number(port)
+    if not sep or not host or number is None or number > 65535:
         problem = "is not HOST:PORT with a port from 0 to 65535"
     else:
         try:
@@ -253,7 +254,7 @@ def parse_listen(text: str) -> tuple[str, int]:
             problem = "does not name an IP address (such as 127.0.0.1)"
     if problem:
         raise ConfigError(f"The --listen value {quote(text)} {problem}.")
-    return host, int(port)
+    return host, number
 
 
 def serve(client: EtcdClient, keys: JobKeys, host: str, port: int) -> BaseWSGIServer:
