@@ -368,6 +368,18 @@ def decide_checkpoint_marker(path: str, job: str, in_etcd: str | None, in_file: 
                  "Mount the job's shared checkpoint storage at this path on every node.")
 
 
+def decide_checkpoint_health(progress: Mapping | None) -> Check:
+    """Are the job's checkpoints being written? (``progress``: the record rank 0 publishes.)"""
+    name = "checkpoint-writes"
+    error = (progress or {}).get("checkpoint_error")
+    if not error:
+        return passed(name, "no failed checkpoint reported by the job's trainer")
+    failures = (progress or {}).get("checkpoint_failures", 1)
+    return Check(name, Status.WARN, f"the job's last {failures} checkpoint(s) failed: {error.rstrip('.')}",
+                 "Free space on (or fix) the checkpoint storage: training goes on, but a restart "
+                 "would resume from the last checkpoint written.")
+
+
 # -- gathering: the I/O behind each decision ------------------------------------------------------
 
 def wall_clock() -> float:
@@ -624,6 +636,7 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
         nodes = {n: r for n, r in registry.live_nodes().items() if r.get("pid") != os.getpid()}
         checks.append(decide_torch_agreement(installed_torch_version(),
                                              {n: r.get("torch") for n, r in nodes.items()}))
+        checks.append(decide_checkpoint_health(registry.progress()))
     if deep:
         checks.append(gather_torch_build(launcher.visible_gpu_count()))
     if not quick:

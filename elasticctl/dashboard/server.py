@@ -76,6 +76,7 @@ class JobReader:
             nodes=nodes,
             members=members,
             heartbeats=heartbeats,
+            leased_nodes=frozenset(node for node, lease in leases.items() if lease),
             progress=None if progress is None else progress.value,
             events=[kv.value for kv in events],
             samples=[kv.value for kv in samples],
@@ -179,6 +180,15 @@ class JobCollector(Collector):
             "Seconds the newest checkpoint write took.",
             m.checkpoint_write_seconds,
         )
+        if m.checkpoint_failures is not None:
+            # The error as a label: an alert can quote why ("... failed: the disk is full").
+            failing = GaugeMetricFamily(
+                "elasticctl_checkpoint_failures",
+                "Checkpoint writes failed in a row (0: the newest succeeded), with the newest error.",
+                labels=["elastic_job", "error"],
+            )
+            failing.add_metric([*job, m.checkpoint_error], m.checkpoint_failures)
+            yield failing
         yield from gauge(
             "elasticctl_progress_age_seconds",
             "Seconds since rank 0 last reported progress.",

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elasticctl import worker as worker_env
 from elasticctl import worker_entry
-from elasticctl.checkpoint import Checkpointer
+from elasticctl.checkpoint import CheckpointError, Checkpointer
 from elasticctl.errors import ElasticctlError
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, Round
@@ -58,6 +58,9 @@ EXIT_RECOVERY_FAILED = 75  # the worker cannot recover in process: its node rest
 TEARDOWN_BOUND = 10.0      # seconds a process group may take to come down before the worker exits
 SAME_STEP_FAILURES = 3     # failures at one step, none lost: a bug in the script, not a peer
 FORM_ATTEMPTS = 5          # generations in a row that fail while they form
+# Seconds to wait before each retry of a final checkpoint that failed: the last chance to keep
+# the trained state, so a few tries (space freed by a prune elsewhere, a transient error).
+FINAL_CHECKPOINT_RETRY_DELAYS = (1.0, 2.0, 4.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +367,8 @@ class Runtime:
             self._progress.publish(step=state.step, epoch=self._epoch(), loss=loss,
                                    samples_per_s=count / elapsed if elapsed > 0 and count else None,
                                    world_size=group.world_size,
-                                   last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None)
+                                   last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None,
+                                   **self._checkpoint_health())
         pending = self._generations is not None and self._generations.change_pending()
         self._leaving_sent = self._leaving
         self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
@@ -424,11 +428,22 @@ class Runtime:
         self._teardown()
 
     def _final_checkpoint(self) -> None:
+        """The checkpoint of the state training ends with, retried; a CheckpointError (naming
+        why, e.g. the disk is full) once every attempt failed: the trained steps would be lost."""
         if self._checkpointer is None:
             return
-        self._checkpointer.wait()
-        if self._checkpointer.last_step != self.state.step:
-            self._save(blocking=True)
+        self._report_background_failure()
+        for delay in (*FINAL_CHECKPOINT_RETRY_DELAYS, None):
+            if self._checkpointer.last_step == self.state.step or self._save(blocking=True):
+                return
+            if delay is None:
+                break
+            log.warning("[%s] retrying the final checkpoint of step %d in %g s", self.worker,
+                        self.state.step, delay)
+            time.sleep(delay)
+        attempts = len(FINAL_CHECKPOINT_RETRY_DELAYS) + 1
+        raise CheckpointError(f"The final checkpoint failed {attempts} times, the training of step "
+                              f"{self.state.step} is not saved: {self._checkpointer.failure}")
 
     def _stop_checkpoint(self) -> None:
         """The final checkpoint of a stop (SIGTERM), reported on every rank."""
@@ -436,18 +451,49 @@ class Runtime:
         if self._checkpointer is not None:
             self._emit("final_checkpoint", step=self.state.step, signalled=self._leaving)
 
-    def _save(self, blocking: bool | None = None) -> None:
+    def _save(self, blocking: bool | None = None) -> bool:
+        """Checkpoint the state; False if the write failed (or, async, if the previous one did).
+
+        A failed checkpoint costs training nothing: no re-formation, no restart. The
+        checkpointer logs it and records a ``checkpoint_failed`` event, the progress record
+        carries it to status, doctor and the dashboard, and the next save tries again (space
+        may have come back). Only rank 0 writes, and no collective runs here, so the other
+        ranks need not hear of it.
+        """
+        self._report_background_failure()  # else save() would raise it and skip this save
         began = time.perf_counter()
-        self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
-                                blocking=blocking, **self.state.objects())
+        try:
+            self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
+                                    blocking=blocking, **self.state.objects())
+        except CheckpointError as exc:
+            self._emit("checkpoint_failed", step=self.state.step, reason=str(exc))
+            return False
         if self._checkpointer.is_writer:  # blocked_ms: how long the training thread stood still for it
             self._emit("checkpoint", step=self.state.step, epoch=self._epoch(), consumed=self._consumed(),
                        blocked_ms=round((time.perf_counter() - began) * 1000, 2),
                        **{"async": not blocking and self._checkpointer.async_save})
+        return True
+
+    def _report_background_failure(self) -> None:
+        """Wait for a background write; a failure of it is reported like a blocking one's."""
+        try:
+            self._checkpointer.wait()
+        except CheckpointError as exc:
+            self._emit("checkpoint_failed", step=getattr(exc, "step", None), reason=str(exc))
+
+    def _checkpoint_health(self) -> dict:
+        """The progress record's checkpoint fields: set while checkpoints fail."""
+        failure = self._checkpointer.failure if self._checkpointer else None
+        if failure is None:
+            return {}
+        return {"checkpoint_error": str(failure), "checkpoint_failures": self._checkpointer.failures_in_a_row}
 
     def _close(self) -> None:
         if self._checkpointer is not None:
-            self._checkpointer.close()
+            try:
+                self._checkpointer.close()
+            except CheckpointError:
+                pass  # a write that failed while the worker stopped otherwise: logged and recorded
         if self._progress is not None:
             self._progress.close()
         if self._events is not None:
@@ -511,7 +557,9 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     ``on_event(kind, **fields)``, if given, hears what the runtime did, for the script's own
     records: ``"resume"`` after a checkpoint restore (step, epoch, consumed, from_world_size,
     path); ``"checkpoint"`` on the writing rank after each save (step, epoch, consumed,
-    async, blocked_ms: how long the save held up training); ``"final_checkpoint"`` on every
+    async, blocked_ms: how long the save held up training); ``"checkpoint_failed"`` on the
+    writing rank when a save (or the background write of the previous one) failed (step,
+    reason); training goes on; ``"final_checkpoint"`` on every
     rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
     worker was the one told to stop)."""
     Runtime(state, **options).run(train)
