@@ -170,6 +170,7 @@ class EventKind(str, enum.Enum):
     RECOVERY_FINISHED = "recovery_finished"  # the first step after a fault or change: duration, step
     CHECKPOINT_WRITTEN = "checkpoint_written"  # a checkpoint was committed: step, duration (the write)
     CHECKPOINT_FAILED = "checkpoint_failed"  # checkpoints started failing (or for a new reason): step, reason
+    NO_STEP = "no_step"                    # a worker reached no step boundary for long, or trained none: reason
     JOB_DOWN = "job_down"                  # `elasticctl down` stopped every node
 
 
