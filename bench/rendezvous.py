@@ -39,6 +39,7 @@ import psutil
 
 from elasticctl import processes as procs
 from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
+from elasticctl.spec import whole_number
 
 REPO = Path(__file__).resolve().parents[1]
 ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
@@ -64,7 +65,7 @@ def parse_max_agents(items: list[str]) -> dict[str, int]:
     limits = {}
     for item in items:
         backend, sep, value = item.partition("=")
-        if not sep or not value.isdigit():
+        if not sep or whole_number(value) is None:  # isdigit() also takes '²' and '٨'
             raise ValueError(f"--max-agents wants BACKEND=N, not {item!r}")
         limits[backend] = int(value)
     return limits

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import io
@@ -67,8 +68,8 @@ log = logging.getLogger(__name__)
 FORMAT = "elasticctl-checkpoint-1"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "elasticctl-sharded-manifest-1"
-_NAME_RE = re.compile(r"^step-(\d{8,})\.pt$")
-_DIR_RE = re.compile(r"^step-(\d{8,})$")
+_NAME_RE = re.compile(r"^step-([0-9]{8,})\.pt$")
+_DIR_RE = re.compile(r"^step-([0-9]{8,})$")
 _DIGEST_SUFFIX = ".sha256"
 _TMP_PREFIX = ".tmp-"
 _DCP_METADATA = ".metadata"
@@ -83,6 +84,35 @@ _UNFIT_STATE_ERRORS = (ArithmeticError, AttributeError, LookupError, RuntimeErro
 
 class CheckpointError(ElasticctlError):
     """A checkpoint could not be written, or the one every rank agreed on could not be read."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written; ``reason`` says why in a few words ("the disk is full")."""
+
+    def __init__(self, step: int, directory: Path, reason: str) -> None:
+        super().__init__(f"Writing the checkpoint of step {step} to '{directory}' failed: {reason}.")
+        self.step = step
+        self.directory = directory
+        self.reason = reason
+
+
+# Why a write fails, for the errors where the operator's fix is about the storage itself.
+_STORAGE_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "the storage reports an I/O error",
+}
+
+
+def write_failure_reason(exc: BaseException) -> str:
+    """Why a checkpoint write failed, in a few words: the storage's state first when that is the
+    cause ("the disk is full (No space left on device)"), else the error itself."""
+    if isinstance(exc, OSError):
+        text = exc.strerror or str(exc)
+        storage = _STORAGE_REASONS.get(exc.errno or 0)
+        return f"{storage} ({text})" if storage else text
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +205,17 @@ class _HashingWriter:
     def __init__(self, file) -> None:
         self.file = file
         self.digest = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.digest.update(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            # torch.save turns a failed write into RuntimeError("... unexpected pos ..."): keep
+            # the real cause (ENOSPC: the disk is full) for the error the caller sees.
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -209,6 +246,7 @@ def _load_error(exc: BaseException) -> str:
 def _write_atomically(directory: Path, name: str, write) -> str:
     """Write ``directory/name`` through ``write(file)`` via temp file + fsync + rename; return its sha256."""
     tmp = directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
+    writer: _HashingWriter | None = None
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
@@ -216,9 +254,11 @@ def _write_atomically(directory: Path, name: str, write) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / name)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if writer is not None and writer.error is not None and not isinstance(exc, OSError):
+            raise writer.error from exc  # what torch.save's RuntimeError hides
         raise
     return writer.digest.hexdigest()
 
@@ -270,7 +310,7 @@ class _VerificationMemo:
 
 
 class _History:
-    """Records ``checkpoint_written`` in the job's event history (under elasticctl, else nothing),
+    """Records ``checkpoint_written`` and ``checkpoint_failed`` in the job's event history (under elasticctl, else nothing),
     from a background thread: a checkpoint never waits for etcd."""
 
     def __init__(self) -> None:
@@ -289,6 +329,19 @@ class _History:
 
             self._log.record_later(EventKind.CHECKPOINT_WRITTEN, os.environ.get(envvars.NODE, ""),
                                    step=step, duration=round(seconds, 3))
+
+    def failed(self, step: int, reason: str) -> None:
+        if not self._checked:
+            self._checked = True
+            from elasticctl.events import EventLog  # grpc only under elasticctl
+
+            self._log = EventLog.from_env()
+        if self._log is not None:
+            from elasticctl.job import envvars
+            from elasticctl.job.records import EventKind
+
+            self._log.record_later(EventKind.CHECKPOINT_FAILED, os.environ.get(envvars.NODE, ""),
+                                   step=step, reason=reason)
 
     def flush(self, timeout: float = 5.0) -> None:
         if self._log is not None:
@@ -323,6 +376,10 @@ class Checkpointer:
         # one commit runs at a time, so they need no lock.
         self._memo = _VerificationMemo(keep)
         self._history = _History()
+        # The newest write failure while writes keep failing (None once one succeeds), and how
+        # many failed in a row: what the runtime publishes for status, doctor and the dashboard.
+        self.failure: CheckpointWriteError | None = None
+        self.failures_in_a_row = 0
         if self.is_writer:
             self._remove_stale_temp_files()
 
@@ -392,18 +449,37 @@ class Checkpointer:
         began = time.perf_counter()
         try:
             digest = _write_atomically(self.directory, name, lambda f: torch.save(payload, f))
-            # The digest goes last: its appearance is the commit.
-            _write_atomically(self.directory, name + _DIGEST_SUFFIX, lambda f: f.write(digest.encode()))
+            try:
+                # The digest goes last: its appearance is the commit.
+                _write_atomically(self.directory, name + _DIGEST_SUFFIX, lambda f: f.write(digest.encode()))
+            except BaseException:
+                # Without its digest the data file is ignored anyway: give its space back now
+                # (a full disk needs it) rather than at a later prune.
+                with contextlib.suppress(OSError):
+                    (self.directory / name).unlink()
+                raise
             _fsync_dir(self.directory)
-        except OSError as exc:
-            raise CheckpointError(
-                f"Writing the checkpoint of step {step} to '{self.directory}' failed: {exc.strerror or exc}."
-            ) from exc
+        except Exception as exc:  # OSError, or whatever torch.save raises for a failed write
+            error = CheckpointWriteError(step, self.directory, write_failure_reason(exc))
+            self._note_failure(error)
+            raise error from exc
+        if self.failure is not None:
+            log.warning("rank %d: checkpoints are written again (step %d, after %d failed)",
+                        self.rank, step, self.failures_in_a_row)
+        self.failure, self.failures_in_a_row = None, 0
         self.last_step = step
         log.info("rank %d saved checkpoint %s", self.rank, self.directory / name)
         self._history.written(step, time.perf_counter() - began)
         self._loadable(self.directory / name, written_digest=digest)
         self._prune()
+
+    def _note_failure(self, error: CheckpointWriteError) -> None:
+        """Log every failed write; record an event when writes start failing or fail anew."""
+        first = self.failure is None or self.failure.reason != error.reason
+        self.failure, self.failures_in_a_row = error, self.failures_in_a_row + 1
+        log.error("rank %d: %s (%d in a row)", self.rank, str(error).rstrip("."), self.failures_in_a_row)
+        if first:
+            self._history.failed(error.step, str(error))
 
     def _loadable(self, path: Path, written_digest: str | None = None) -> bool:
         """Whether ``path`` verifies as :meth:`read` would; remembered while its files are unchanged.
@@ -453,7 +529,7 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             if isinstance(error, CheckpointError):
-                raise CheckpointError(str(error)) from error
+                raise error  # the same type and reason as a blocking save would have raised
             raise CheckpointError(f"The background checkpoint write failed: {error!r}.") from error
 
     @property

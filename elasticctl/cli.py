@@ -552,7 +552,7 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
                           else launcher.primary_address())
         report = checks.run_checks(settings=settings, client=client, etcd_error=etcd_error, registry=registry,
                                    checkpoint_dir=checkpoint_dir, local_addr=local_addr, quick=False, deep=deep,
-                                   key_prefix=etcd_params["key_prefix"])
+                                   key_prefix=etcd_params["key_prefix"], prepare=False)
     finally:
         if client is not None:
             client.close()

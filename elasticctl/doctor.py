@@ -343,7 +343,10 @@ def decide_shm(total_bytes: int | None, free_bytes: int | None) -> Check:
     return passed(name, detail)
 
 
-def decide_checkpoint_dir(path: str | None, error: str | None, free_bytes: int | None = None) -> Check:
+def decide_checkpoint_dir(path: str | None, error: str | None, free_bytes: int | None = None,
+                          created_under: str | None = None) -> Check:
+    """``created_under``: the path does not exist yet, and this existing ancestor lets the job
+    create it (the doctor does not: a check must not change what it checks)."""
     name = "checkpoint-dir"
     if path is None:
         return passed(name, "no checkpoint directory given")
@@ -351,6 +354,9 @@ def decide_checkpoint_dir(path: str | None, error: str | None, free_bytes: int |
         return Check(name, Status.FAIL, f"the checkpoint directory {_quoted(path)} is not writable: {error}",
                      "Create the directory with write permission for this user, or pass another --checkpoint-dir.")
     free = "" if free_bytes is None else f", {free_bytes / GIB:.1f} GiB free"
+    if created_under is not None:
+        return passed(name, f"{_quoted(path)} does not exist yet; the job creates it in "
+                            f"{_quoted(created_under)}, which is writable{free}")
     return passed(name, f"{_quoted(path)} is writable (write, fsync, rename, delete){free}")
 
 
@@ -360,12 +366,27 @@ def decide_checkpoint_marker(path: str, job: str, in_etcd: str | None, in_file: 
     name = "checkpoint-shared"
     if claimed:
         return passed(name, f"first node of job {job}: marker written to {_quoted(path)} and etcd")
+    if in_etcd is None:
+        return passed(name, f"no node of job {job} has marked its checkpoint directory yet: "
+                            "nothing to compare with")
     if in_etcd is not None and in_file == in_etcd:
         return passed(name, f"{_quoted(path)} holds job {job}'s marker: the same directory as the other nodes")
     found = "no marker" if in_file is None else "a different marker"
     return Check(name, Status.FAIL, f"{_quoted(path)} holds {found} for job {job}: it is not the directory "
                  "the job's other nodes checkpoint to",
                  "Mount the job's shared checkpoint storage at this path on every node.")
+
+
+def decide_checkpoint_health(progress: Mapping | None) -> Check:
+    """Are the job's checkpoints being written? (``progress``: the record rank 0 publishes.)"""
+    name = "checkpoint-writes"
+    error = (progress or {}).get("checkpoint_error")
+    if not error:
+        return passed(name, "no failed checkpoint reported by the job's trainer")
+    failures = (progress or {}).get("checkpoint_failures", 1)
+    return Check(name, Status.WARN, f"the job's last {failures} checkpoint(s) failed: {error.rstrip('.')}",
+                 "Free space on (or fix) the checkpoint storage: training goes on, but a restart "
+                 "would resume from the last checkpoint written.")
 
 
 # -- gathering: the I/O behind each decision ------------------------------------------------------
@@ -481,14 +502,35 @@ def gather_shm(path: str = "/dev/shm") -> Check:
     return decide_shm(usage.total, usage.free)
 
 
-def probe_writable(path: str) -> str | None:
-    """Create ``path`` (as the checkpointer would) and write, fsync, rename and delete a file in it.
+def existing_ancestor(path: str) -> str:
+    """The nearest ancestor of ``path`` (or ``path``) that exists: where creating it starts."""
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        current = os.path.dirname(current)
+    return current
+
+
+def probe_creatable(path: str) -> tuple[str | None, str]:
+    """Whether the job could create the missing directory ``path``: (why not, or None; the
+    existing ancestor it would be created in). Nothing is created."""
+    ancestor = existing_ancestor(path)
+    if not os.path.isdir(ancestor):
+        return os.strerror(errno.ENOTDIR), ancestor
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return os.strerror(errno.EACCES), ancestor
+    return None, ancestor
+
+
+def probe_writable(path: str, create: bool = True) -> str | None:
+    """Write, fsync, rename and delete a file in ``path``; with ``create``, create ``path``
+    first (as the checkpointer would; ``up`` and ``join``), else it must exist.
 
     Returns why that failed, or None.
     """
     probe = os.path.join(path, f".elasticctl-doctor-{secrets.token_hex(4)}")
     try:
-        os.makedirs(path, exist_ok=True)
+        if create:
+            os.makedirs(path, exist_ok=True)
         with open(probe + ".tmp", "wb") as f:
             f.write(b"elasticctl doctor\n")
             f.flush()
@@ -544,6 +586,20 @@ def gather_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerO
             registry.release_checkpoint_marker(token)
             raise
         return MarkerOutcome(decide_checkpoint_marker(checkpoint_dir, registry.job, token, token, True), token)
+    return compare_checkpoint_marker(registry, checkpoint_dir, in_etcd)
+
+
+def read_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerOutcome:
+    """Compare this directory's marker with the job's in etcd, claiming nothing (``doctor``)."""
+    kv = registry.client.get(registry.keys.checkpoint_marker)
+    in_etcd = None if kv is None else kv.value.decode(errors="replace")
+    return compare_checkpoint_marker(registry, checkpoint_dir, in_etcd)
+
+
+def compare_checkpoint_marker(registry: Registry, checkpoint_dir: str, in_etcd: str | None) -> MarkerOutcome:
+    path = marker_path(checkpoint_dir, registry.job)
+    if in_etcd is None:
+        return MarkerOutcome(decide_checkpoint_marker(checkpoint_dir, registry.job, None, None, False), None)
     # The first node writes its file right after claiming: give it a moment.
     deadline = time.monotonic() + MARKER_WAIT_S
     in_file = _read_marker(path)
@@ -615,15 +671,20 @@ class Report:
 
 def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd_error: str | None,
                registry: Registry | None, checkpoint_dir: str | None, local_addr: str,
-               quick: bool, deep: bool = False, key_prefix: str = DEFAULT_KEY_PREFIX) -> Report:
+               quick: bool, deep: bool = False, key_prefix: str = DEFAULT_KEY_PREFIX,
+               prepare: bool = True) -> Report:
     """Every check this host can answer. ``client`` None: etcd is unreachable (``etcd_error``)
-    or not given; ``registry`` None: no job to compare with. ``quick``: what up/join run."""
+    or not given; ``registry`` None: no job to compare with. ``quick``: what up/join run.
+    ``prepare``: create the checkpoint directory and claim the job's marker when this is its
+    first node (up and join); without it (``elasticctl doctor``) nothing is changed but a probe
+    file, removed again."""
     checks: list[Check] = [decide_versions(sys.version_info, installed_torch_version())]
     nodes: dict[str, dict] = {}
     if registry is not None:
         nodes = {n: r for n, r in registry.live_nodes().items() if r.get("pid") != os.getpid()}
         checks.append(decide_torch_agreement(installed_torch_version(),
                                              {n: r.get("torch") for n, r in nodes.items()}))
+        checks.append(decide_checkpoint_health(registry.progress()))
     if deep:
         checks.append(gather_torch_build(launcher.visible_gpu_count()))
     if not quick:
@@ -641,12 +702,18 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     checks.append(gather_shm())
     claimed = None
     if checkpoint_dir is not None:
-        error = probe_writable(checkpoint_dir)
-        free = None if error else psutil.disk_usage(checkpoint_dir).free
-        checks.append(decide_checkpoint_dir(checkpoint_dir, error, free))
+        missing = not prepare and not os.path.isdir(checkpoint_dir)
+        created_under = None
+        if missing:
+            error, created_under = probe_creatable(checkpoint_dir)
+        else:
+            error = probe_writable(checkpoint_dir, create=prepare)
+        free = None if error else psutil.disk_usage(created_under or checkpoint_dir).free
+        checks.append(decide_checkpoint_dir(checkpoint_dir, error, free, created_under))
         if error is None and registry is not None:
             try:
-                outcome = gather_checkpoint_marker(registry, checkpoint_dir)
+                outcome = (gather_checkpoint_marker(registry, checkpoint_dir) if prepare
+                           else read_checkpoint_marker(registry, checkpoint_dir))
             except OSError as exc:
                 outcome = MarkerOutcome(decide_checkpoint_dir(checkpoint_dir, exc.strerror or str(exc)), None)
             checks.append(outcome.check)

@@ -48,7 +48,7 @@ _GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-_ENDPOINT_RE = re.compile(r"^(?:(?P<scheme>https?)://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\[\]]+)(?::(?P<port>\d+))?/?$")
+_ENDPOINT_RE = re.compile(r"^(?:(?P<scheme>https?)://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\[\]]+)(?::(?P<port>[0-9]{1,5}))?/?$")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,6 @@ import time
 import psutil
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
-    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
 )
@@ -174,7 +173,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if stop_reason:
             self._left = True  # so that torchrun's shutdown does not close the job for the others
             self._leave(MemberState.FAILED)
-            raise RendezvousError(stop_reason)
+            _stop_agent(stop_reason)
         if quarantine:
             self._sit_out_quarantine()
         os.environ[RESTARTS_ENV] = str(self._spent)
@@ -292,7 +291,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if stop_reason:
             self._left = True
             self._leave(MemberState.FAILED)
-            raise RendezvousError(stop_reason)
+            _stop_agent(stop_reason)
         if quarantine:
             self._sit_out_quarantine()
         os.environ[RESTARTS_ENV] = str(self._spent)
@@ -338,7 +337,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                   f"{', '.join(sorted(done))} had finished; the group is not started again")
         self._left = True  # the others are not told the job is over: on this node it is not
         self._leave(MemberState.FAILED, reason=reason)
-        raise RendezvousError(f"The node '{self._node_id}' stops: {reason}.")
+        _stop_agent(f"The node '{self._node_id}' stops: {reason}.")
 
     def _workers_failed(self, failed: Round) -> None:
         """Record the failure and re-join at once; the verdict follows from the evidence."""
@@ -513,3 +512,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
         except ElasticctlError as exc:
             log.warning("[%s] %s", self._node_id, exc)
             return None
+
+
+def _stop_agent(reason: str) -> None:
+    """End torchrun because this node stops (over budget, a failed group after a finish).
+
+    The reason is the line the user needs, so it is printed alone, and torchrun exits 1
+    through SystemExit: a RendezvousError would bury it under torch's traceback (about 50
+    lines here, after the workers' own). torch's launch_agent still shuts the handler down
+    (its ``finally``) and its ``record`` wrapper re-raises a non-zero SystemExit untouched.
+    """
+    log.error("%s", reason)
+    sys.stderr.flush()
+    raise SystemExit(1)
+

@@ -1,7 +1,8 @@
 """Training progress in etcd, for ``elasticctl status``.
 
 Global rank 0 writes one JSON document to ``{prefix}/{job}/progress``: step,
-epoch, loss, samples_per_s, world_size, last_checkpoint_step, time (unix), rank.
+epoch, loss, samples_per_s, world_size, last_checkpoint_step, time (unix), rank, and while
+checkpoints fail, checkpoint_error (the newest failure's sentence) and checkpoint_failures.
 Writes happen on a background thread, at most one per ``interval`` seconds,
 with only the newest update kept: an etcd that is slow or away costs training
 nothing (the update is dropped with a warning). Outside elasticctl (no
@@ -72,13 +73,17 @@ class ProgressPublisher:
                    node=os.environ.get(envvars.NODE, ""))
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,
-                world_size: int, last_checkpoint_step: int | None) -> None:
-        """Queue an update (never blocks on etcd); a newer update replaces one not yet sent."""
+                world_size: int, last_checkpoint_step: int | None, checkpoint_error: str | None = None,
+                checkpoint_failures: int = 0) -> None:
+        """Queue an update (never blocks on etcd); a newer update replaces one not yet sent.
+        ``checkpoint_error``: the newest failed checkpoint's sentence while they fail."""
         update = {
             "step": step, "epoch": epoch, "loss": loss, "samples_per_s": samples_per_s,
             "world_size": world_size, "last_checkpoint_step": last_checkpoint_step,
             "time": time.time(), "rank": self.rank,
         }
+        if checkpoint_error:
+            update.update(checkpoint_error=checkpoint_error, checkpoint_failures=checkpoint_failures)
         if self._first_step:
             self._first_step = False
             self._events.later(lambda: self._events.record_recovery_finished(

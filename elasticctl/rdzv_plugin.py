@@ -9,15 +9,36 @@ elasticctl.rendezvous`` would otherwise meet itself half-initialised and leave
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
+# The exit status of a torchrun whose etcd3 options are wrong: click's and argparse's for a
+# usage error, so a wrapper script can tell it from a training failure (1).
+EXIT_BAD_OPTIONS = 2
+
 
 def create_rdzv_handler(params: Any) -> Any:
-    """Build the handler for torchrun's ``RendezvousParameters``."""
+    """Build the handler for torchrun's ``RendezvousParameters``.
+
+    A :class:`~elasticctl.errors.ConfigError` (a bad ``--rdzv-conf``, run id, endpoint) is the
+    user's mistake, said in one sentence: it is printed alone, first, and torchrun exits 2,
+    instead of ending a 35-line traceback. Another ElasticctlError (etcd unreachable) is
+    printed the same way, exit 1.
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from elasticctl.errors import ConfigError, ElasticctlError
     from elasticctl.rendezvous import create_rdzv_handler as create
 
-    return create(params)
+    try:
+        return create(params)
+    except ConfigError as exc:
+        print(f"torchrun: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_BAD_OPTIONS) from None
+    except (ElasticctlError, RendezvousConnectionError) as exc:  # etcd unreachable: one sentence too
+        print(f"torchrun: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def handler_factory() -> Callable[[Any], Any]:

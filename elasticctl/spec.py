@@ -12,14 +12,25 @@ from elasticctl.job.settings import MAX_NODE_TTL, parse_rdzv_options
 # matched with fullmatch, so that no trailing newline slips through as it does with '$'.
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_WHOLE_NUMBER_RE = re.compile(r"[0-9]{1,18}")
+
+
+def whole_number(text: str) -> int | None:
+    """``text`` as a whole number written with the ASCII digits 0-9 only (at most 18), else None.
+
+    ``str.isdigit()`` and ``int()`` also accept other scripts' digits ('٨٠' is 80) and
+    isdigit() accepts superscripts ('²', which int() then refuses with a ValueError): neither
+    is a number a user meant to type, and the second became a traceback.
+    """
+    return int(text) if _WHOLE_NUMBER_RE.fullmatch(text) else None
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """Parse ``"N"`` or ``"MIN:MAX"`` into (min, max)."""
-    parts = str(text).split(":")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+    parts = [whole_number(p.strip()) for p in str(text).split(":")]
+    if len(parts) not in (1, 2) or None in parts:
         raise ConfigError(f"The node count '{text}' must be N or MIN:MAX with whole numbers, e.g. 1:4.")
-    low, high = int(parts[0]), int(parts[-1])
+    low, high = parts[0], parts[-1]
     if low < 1:
         raise ConfigError(f"The minimum number of nodes ({low}) in '{text}' must be at least 1.")
     if high < low:
@@ -107,7 +118,7 @@ class JobSpec:
         object.__setattr__(self, "env", tuple(sorted(dict(self.env).items())))
         object.__setattr__(self, "script_args", tuple(self.script_args))
         validate_job_name(self.name)
-        if self.nproc_per_node != "auto" and not (self.nproc_per_node.isdigit() and int(self.nproc_per_node) > 0):
+        if self.nproc_per_node != "auto" and not (whole_number(self.nproc_per_node) or 0) > 0:
             raise ConfigError(
                 f"The processes per node '{self.nproc_per_node}' must be a positive whole number or 'auto'."
             )

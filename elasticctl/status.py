@@ -62,4 +62,7 @@ def render(view: JobView) -> str:
                 fields.append(f"{label} {value:.4g}" if isinstance(value, float) else f"{label} {value}")
         lines.append("")
         lines.append("trainer   " + ", ".join(fields) + f"   ({_age(progress.get('time'))})")
+        if progress.get("checkpoint_error"):
+            lines.append(f"CHECKPOINTS FAILING ({progress.get('checkpoint_failures', 1)} in a row, "
+                         f"training goes on): {progress['checkpoint_error']}")
     return "\n".join(lines)

@@ -397,3 +397,39 @@ def test_join_warns_when_etcd_is_open_to_the_network():
     result = run_bounded("join", "--dry-run", "--etcd", endpoint, timeout=60)
     one_error(result, endpoint)
     assert result.stderr.splitlines()[0].startswith(_WARNING.format(endpoint)), result.stderr
+
+
+# -- issue 23, item 7: numbers are ASCII digits ---------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [("0", 0), ("80", 80), ("65535", 65535), ("007", 7), ("²", None), ("٨٠", None), ("８０", None),
+     ("", None), (" 80", None), ("80\n", None), ("+80", None), ("-1", None), ("1_000", None),
+     ("8" * 19, None)],
+)
+def test_whole_number_takes_ascii_digits_only(text, number):
+    from elasticctl.spec import whole_number
+
+    assert whole_number(text) == number
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["dashboard", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:²"], "'127.0.0.1:²'"),
+        (["dashboard", "--etcd", "127.0.0.1:1", "--listen", "127.0.0.1:٨٠٨٠"], "'127.0.0.1:٨٠٨٠'"),
+        (["up", "--dry-run", "--nnodes", "²", MLP], "'²'"),
+        (["up", "--dry-run", "--nnodes", "1:٢", MLP], "'1:٢'"),
+        (["up", "--dry-run", "--nnodes", "1", "--nproc-per-node", "²", MLP], "'²'"),
+        (["up", "--dry-run", "--nnodes", "1", "--nproc-per-node", "٢", MLP], "'٢'"),
+        (["status", "--etcd", "127.0.0.1:٢٣٧٩"], "'127.0.0.1:٢٣٧٩'"),
+        (["status", "--etcd", "127.0.0.1:²"], "'127.0.0.1:²'"),
+    ],
+    ids=["listen-superscript", "listen-arabic-indic", "nnodes-superscript", "nnodes-arabic-indic",
+         "nproc-superscript", "nproc-arabic-indic", "etcd-arabic-indic", "etcd-superscript"],
+)
+def test_a_number_in_another_script_is_one_sentence(args, needle):
+    result = run_bounded(*args)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr

@@ -101,7 +101,8 @@ GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000,
             {
                 "round": None,
                 "world_size": 0,
-                "live_nodes": 2,
+                # "h" names no id or host of its own: not a node's record (issue 23, item 11)
+                "live_nodes": 1,
                 "nodes": [
                     {
                         "id": "a",
@@ -111,17 +112,6 @@ GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000,
                         "rank": None,
                         "round": None,
                         "gpus": 2,
-                        "restarts": 0,
-                        "heartbeat_age": None,
-                    },
-                    {
-                        "id": "h",
-                        "host": None,
-                        "addr": None,
-                        "state": "leaving",
-                        "rank": None,
-                        "round": None,
-                        "gpus": 0,
                         "restarts": 0,
                         "heartbeat_age": None,
                     },
@@ -316,7 +306,7 @@ def test_job_metrics_from_the_same_records():
     reading = Reading(
         "j",
         NOW,
-        nodes={"a": NODE, "b": NODE.replace(b"running", b"leaving"), "z": b"junk"},
+        nodes={"a": NODE, "b": NODE.replace(b'"a"', b'"b"').replace(b"running", b"leaving"), "z": b"junk"},
         members={"a": MEMBER},
         progress=b'{"step": 120, "last_checkpoint_step": 100, "samples_per_s": 64.5, "loss": 0.5, '
         b'"time": 1699999999}',
@@ -586,3 +576,80 @@ def test_a_job_that_is_down_is_shown_from_its_history(default_etcd, run_id):
     finally:
         assert dashboard.stop() == 0
         client.close()
+
+
+# -- issue 23, item 11: planted times and node records ---------------------------------------------
+
+@pytest.mark.parametrize(
+    ("events", "lifetime"),
+    [
+        ([], (0.0, NOW + 60)),
+        ([ev(100, EventKind.NODE_JOINED), ev(50, EventKind.ROUND_FORMED)], (NOW - 160, NOW + 60)),
+        ([ev(50, EventKind.ROUND_FORMED)], (NOW - 110, NOW + 60)),  # no node_joined left
+        ([ev(-10_000, EventKind.NODE_JOINED), ev(30, EventKind.NODE_JOINED)], (NOW - 90, NOW + 60)),
+    ],
+    ids=["no-events", "first-join", "earliest-event", "a-join-in-the-future-is-no-start"],
+)
+def test_job_lifetime(events, lifetime):
+    from elasticctl.dashboard.model import job_lifetime
+
+    assert job_lifetime(sorted(map(Event.from_json, events), key=lambda e: e.time), NOW) == lifetime
+
+
+def test_a_sample_or_round_from_1970_does_not_stretch_the_time_axis():
+    reading = Reading(
+        "j", NOW,
+        events=[ev(100, EventKind.NODE_JOINED), ev(90, EventKind.ROUND_FORMED, world_size=1, round=1),
+                Event(time=1.0, kind=EventKind.ROUND_FORMED, world_size=9, round=7).to_json().encode()],
+        samples=[ProgressSample(time=1.0, step=5).to_json().encode(), sample(20, 10), sample(10, 20),
+                 sample(-100_000, 30)],  # and one from the future
+    )
+    view = job_view(reading)
+    assert view["samples"]["time"] == [NOW - 20, NOW - 10]
+    assert view["world"] == {"time": [NOW - 90], "world_size": [1]}
+    assert job_metrics(reading).steps_per_s == 1.0
+
+
+@pytest.mark.parametrize(
+    ("key", "record", "leased", "live"),
+    [
+        ("a", NODE, None, True),  # lease not known (a reading built by hand)
+        ("a", NODE, frozenset({"a"}), True),
+        ("a", NODE, frozenset(), False),  # put without a lease: outlives any process
+        ("b", NODE, frozenset({"b"}), False),  # names another node
+        ("a", NODE.replace(b'"host": "h1", ', b""), frozenset({"a"}), False),
+        ("a", NODE.replace(b'"joined_at": 1', b'"joined_at": 1800000000'), frozenset({"a"}), False),
+    ],
+    ids=["lease-unknown", "leased", "no-lease", "another-id", "no-host", "joined-in-the-future"],
+)
+def test_only_genuine_node_records_count_as_live_nodes(key, record, leased, live):
+    reading = Reading("j", NOW, nodes={key: record}, leased_nodes=leased)
+    assert job_view(reading)["live_nodes"] == int(live)
+    assert sum(job_metrics(reading).nodes_by_state.values()) == int(live)
+
+
+def test_planted_records_in_etcd_change_neither_live_nodes_nor_the_time_axis(default_etcd, run_id):
+    from werkzeug.test import Client
+
+    from elasticctl.dashboard.server import Dashboard
+    from elasticctl.registry import Registry
+
+    keys = JobKeys(run_id)
+    with EtcdClient(default_etcd.client_settings()) as client:
+        lease = client.grant_lease(30)
+        try:
+            Registry(client, run_id).register_node(
+                {"host": "h1", "addr": "127.0.0.1", "pid": 1, "state": "running", "joined_at": NOW}, lease,
+                wanted_id="real")
+            EventLog(client, keys).record(EventKind.NODE_JOINED, "real")
+            now = wait_for(lambda: [e.time for e in EventLog(client, keys).read()], 10, "the event")[0]
+            client.put(keys.progress_sample(now + 1), ProgressSample(time=now + 1, step=1).to_json())
+            # Planted: a node record without a lease, a sample from 1970.
+            client.put(keys.node("ghost"), NODE.replace(b'"a"', b'"ghost"'))
+            client.put(keys.progress_sample(1.0), ProgressSample(time=1.0, step=0).to_json())
+            view = json.loads(Client(Dashboard(client, keys)).get("/api/job").get_data(as_text=True))
+            assert [n["id"] for n in view["nodes"]] == ["real"] and view["live_nodes"] == 1
+            assert view["samples"]["time"] == [now + 1]
+        finally:
+            client.revoke_lease(lease)
+            client.delete_prefix(keys.everything)

@@ -393,8 +393,13 @@ def test_clock_offset_against_a_real_etcd(default_etcd, monkeypatch, skew, statu
 def test_checkpoint_marker_tells_a_different_directory_apart(default_etcd, job, tmp_path):
     shared, other = tmp_path / "shared", tmp_path / "other"
     args = ("--etcd", default_etcd.endpoint, "--job", job.job, "--local-addr", "127.0.0.1")
+    shared.mkdir()
+    other.mkdir()
     code, checks, _ = run_doctor(*args, "--checkpoint-dir", str(shared))
-    assert code == 0 and "first node of job" in checks["checkpoint-shared"]["detail"]
+    assert code == 0 and "no node of job" in checks["checkpoint-shared"]["detail"]  # doctor claims nothing
+    # The job's first node (`up` runs the same checks, preparing) claims the marker.
+    outcome = doctor.gather_checkpoint_marker(job, str(shared))
+    assert "first node of job" in outcome.check.detail
     marker = (shared / f".elasticctl-{job.job}.marker").read_text().strip()
     kv = job.client.get(f"{DEFAULT_KEY_PREFIX}/{job.job}/checkpoint-marker")
     assert kv is not None and kv.value.decode() == marker
@@ -498,3 +503,49 @@ def test_join_refuses_a_different_checkpoint_directory(default_etcd, client, run
         assert sorted(registry.live_nodes()) == ["first"]
     finally:
         registry.delete_job()
+
+
+# -- issue 23, item 9: a check changes nothing it checks -------------------------------------------
+
+@pytest.mark.parametrize("relative", ["ck", "deep/er/and/deeper/ck", "a name\nwith a newline/ck"],
+                         ids=["relative", "deep", "newline"])
+def test_doctor_creates_no_checkpoint_directory_and_claims_no_marker(default_etcd, job, tmp_path, relative):
+    result = subprocess.run([*ELASTICCTL, "doctor", "--json", "--etcd", default_etcd.endpoint, "--job", job.job,
+                             "--local-addr", "127.0.0.1", "--checkpoint-dir", relative],
+                            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert "Traceback" not in result.stderr, result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert checks["checkpoint-dir"]["status"] == "pass", checks["checkpoint-dir"]
+    assert "does not exist yet" in checks["checkpoint-dir"]["detail"]
+    assert str(tmp_path) in checks["checkpoint-dir"]["detail"]  # where the job would create it
+    assert checks["checkpoint-shared"]["status"] == "pass", checks["checkpoint-shared"]
+    assert list(tmp_path.iterdir()) == []  # old: the whole path was created
+    assert job.client.get(f"{DEFAULT_KEY_PREFIX}/{job.job}/checkpoint-marker") is None  # old: claimed
+
+
+def test_doctor_on_an_existing_directory_leaves_it_as_it_was(default_etcd, job, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    code, checks, _ = run_doctor("--etcd", default_etcd.endpoint, "--job", job.job, "--local-addr", "127.0.0.1",
+                                 "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert code == 0 and "is writable" in checks["checkpoint-dir"]["detail"], checks
+    assert list((tmp_path / "ckpt").iterdir()) == []  # the probe file removed, no marker written
+    assert job.client.get(f"{DEFAULT_KEY_PREFIX}/{job.job}/checkpoint-marker") is None
+
+
+def test_a_missing_directory_the_job_could_not_create_fails(default_etcd, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, checks, _ = run_doctor("--etcd", default_etcd.endpoint, "--local-addr", "127.0.0.1",
+                                 "--checkpoint-dir", str(blocker / "deep" / "ckpt"))
+    assert code == 1 and "Not a directory" in checks["checkpoint-dir"]["detail"], checks
+
+
+@pytest.mark.parametrize(("progress", "status", "needle"), [
+    (None, PASS, "no failed checkpoint"),
+    ({"step": 5}, PASS, "no failed checkpoint"),
+    ({"checkpoint_error": "Writing ... failed: the disk is full (No space left on device).",
+      "checkpoint_failures": 3}, WARN, "the job's last 3 checkpoint(s) failed: Writing ... failed: the disk is full"),
+])
+def test_checkpoint_health(progress, status, needle):  # issue 23, item 6
+    check = doctor.decide_checkpoint_health(progress)
+    assert check.status is status and needle in check.detail, check

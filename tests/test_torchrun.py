@@ -71,3 +71,38 @@ def test_two_etcd_endpoints_one_of_them_dead(default_etcd, run_id, nodes, tmp_pa
     node = nodes("a", torchrun_command(endpoints, run_id, "1", ["--steps", "3", "--record", str(record)]))
     assert node.wait(120) == 0, node.log()
     assert len(_steps_at(read_records(record), 1)) == 3
+
+
+# -- issue 23, item 8: the sentence a user needs comes alone, without torch's traceback -----------
+
+def test_a_bad_rdzv_conf_is_one_line(default_etcd, run_id, nodes, tmp_path):
+    node = nodes("bad", torchrun_command(default_etcd.endpoint, run_id, "1", ["--steps", "1"],
+                                         rdzv_conf="recovery=bogus"))
+    assert node.wait(60) == 2, node.log()
+    lines = node.log().strip().splitlines()  # old: a 35-line traceback ending in the sentence
+    assert lines == ["torchrun: error: The rendezvous option recovery ('bogus') must be one of: restart, hot."], lines
+
+
+def test_unreachable_etcd_is_one_line(run_id, nodes, tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = nodes("lonely", torchrun_command(endpoint, run_id, "1", ["--steps", "1"], rdzv_conf="connect_timeout=2"))
+    assert node.wait(90) == 1
+    assert "Traceback" not in node.log(), node.log()
+    assert node.log().strip().splitlines()[-1].startswith("torchrun: error: "), node.log()
+
+
+def test_a_hot_script_that_raises_at_import_ends_with_the_stop_sentence_alone(default_etcd, run_id, nodes, tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text('raise RuntimeError("broken at import")\n')
+    # torch's own budget unlimited (as elasticctl runs it): the handler's is the one spent.
+    command = [*torchrun_command(default_etcd.endpoint, run_id, "1", [], max_restarts=1000,
+                                 rdzv_conf="recovery=hot,max_restarts=1,quarantine_after=9")[:-1], str(script)]
+    node = nodes("broken", command)
+    assert node.wait(120) == 1, node.log()
+    log = node.log()
+    # The workers' own tracebacks stay (they say what broke); the agent's RendezvousError
+    # traceback (about 50 lines, old code) is gone, its sentence is the last line.
+    assert "RendezvousError" not in log and "ChildFailedError" not in log, log
+    assert log.count("Traceback") == log.count("RuntimeError: broken at import"), log
+    last = log.strip().splitlines()[-1]
+    assert "The node 'broken' stops: its workers failed 2 times" in last and "restarts allowed" in last, log

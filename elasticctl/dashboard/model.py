@@ -28,6 +28,8 @@ from elasticctl.spec import validate_name
 # Upper bounds (seconds) of the recovery-time histogram: from a free in-place re-form to a slow
 # restart with a checkpoint load.
 RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Seconds a time written by another host's clock may be ahead of (or before) ours and still count.
+CLOCK_SKEW = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,9 @@ class Reading:
     members: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # members/<id>
     heartbeats: Mapping[str, float] = dataclasses.field(default_factory=dict)  # seconds since a
     # node's lease was last renewed (granted TTL - remaining TTL)
+    # The nodes/<id> keys bound to a lease (a node's record always is; None: not known). A key
+    # written without one is not a live node's, whatever it says.
+    leased_nodes: frozenset[str] | None = None
     progress: bytes | None = None
     events: Sequence[bytes] = ()  # history/events/, in key (= time) order
     samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
@@ -88,10 +93,25 @@ def _state(node: dict, member: dict | None) -> str:
     return state
 
 
+def genuine_node(node: str, record: dict, leased: frozenset[str] | None, now: float) -> bool:
+    """Whether a ``nodes/<node>`` record can be a live node's: the record a node registers names
+    itself, its host and pid, its key is bound to the node's lease, and it joined before now."""
+    joined = record.get("joined_at")
+    return (
+        record.get("id") == node
+        and bool(record.get("host"))
+        and isinstance(record.get("pid"), int)
+        and (leased is None or node in leased)
+        and (joined is None or 0 < joined <= now + CLOCK_SKEW)
+    )
+
+
 def nodes_table(reading: Reading) -> list[dict]:
-    """One row per live node (a ``nodes/`` record with a readable field), sorted by id."""
+    """One row per live node (a genuine ``nodes/`` record, see :func:`genuine_node`), by id."""
     nodes = {
-        node: record for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items() if record
+        node: record
+        for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items()
+        if genuine_node(node, record, reading.leased_nodes, reading.now)
     }
     members = _valid_ids(reading.members, MEMBER_FIELDS)
     rows = []
@@ -114,12 +134,26 @@ def nodes_table(reading: Reading) -> list[dict]:
     return rows
 
 
-def samples_series(raws: Iterable[bytes]) -> dict[str, list]:
+def job_lifetime(events: Sequence[Event], now: float) -> tuple[float, float]:
+    """From when to when a time in the job's history can be: from the first ``node_joined``
+    (an ``up`` or ``join`` registered; the earliest event if none is left) to now, each widened
+    by :data:`CLOCK_SKEW`. Without events, anything up to now."""
+    past = [e.time for e in events if e.time <= now + CLOCK_SKEW]
+    joined = [e.time for e in events if e.kind is EventKind.NODE_JOINED and e.time <= now + CLOCK_SKEW]
+    start = min(joined or past) - CLOCK_SKEW if (joined or past) else 0.0
+    return start, now + CLOCK_SKEW
+
+
+def samples_series(raws: Iterable[bytes], lifetime: tuple[float, float] | None = None) -> dict[str, list]:
     """The progress samples as columns for the charts: time, step, loss, steps/s, samples/s,
     world size. Steps/s is between a sample and the one before it; None for the first one and
-    where the step went back (a restart resumed from an older checkpoint)."""
+    where the step went back (a restart resumed from an older checkpoint). Samples outside
+    ``lifetime`` (start, end) are dropped: one with a wrong time (a clock of 1970, a planted key)
+    would stretch the charts' time axis to it."""
+    start, end = lifetime or (float("-inf"), float("inf"))
     samples = sorted(
-        (s for s in map(ProgressSample.from_json, raws) if s is not None), key=lambda s: s.time
+        (s for s in map(ProgressSample.from_json, raws) if s is not None and start <= s.time <= end),
+        key=lambda s: s.time,
     )
     columns: dict[str, list] = {
         name: [] for name in ("time", "step", "loss", "steps_per_s", "samples_per_s", "world_size")
@@ -142,9 +176,12 @@ def samples_series(raws: Iterable[bytes]) -> dict[str, list]:
     return columns
 
 
-def world_series(events: Sequence[Event]) -> dict[str, list]:
-    """World size over time: a step at every ``round_formed`` that names one."""
-    formed = [e for e in events if e.kind is EventKind.ROUND_FORMED and e.world_size is not None]
+def world_series(events: Sequence[Event], lifetime: tuple[float, float] | None = None) -> dict[str, list]:
+    """World size over time: a step at every ``round_formed`` that names one (within
+    ``lifetime``, as for the samples)."""
+    start, end = lifetime or (float("-inf"), float("inf"))
+    formed = [e for e in events if e.kind is EventKind.ROUND_FORMED and e.world_size is not None
+              and start <= e.time <= end]
     return {"time": [e.time for e in formed], "world_size": [e.world_size for e in formed]}
 
 
@@ -208,6 +245,7 @@ def job_view(reading: Reading) -> dict:
     current = _current_round(members)
     progress = _progress(reading)
     nodes = nodes_table(reading)
+    lifetime = job_lifetime(events, reading.now)
     return {
         "job": reading.job,
         "now": reading.now,
@@ -218,8 +256,8 @@ def job_view(reading: Reading) -> dict:
         "progress": progress or None,
         "progress_age": _age(reading.now, (progress or {}).get("time")),
         "checkpoint": newest_checkpoint(events, reading.now),
-        "samples": samples_series(reading.samples),
-        "world": world_series(events),
+        "samples": samples_series(reading.samples, lifetime),
+        "world": world_series(events, lifetime),
         "events": [event_row(e) for e in reversed(events)],  # newest first
         "totals": totals(events),
     }
@@ -258,6 +296,8 @@ class JobMetrics:
     progress_age: float | None
     last_checkpoint_age: float | None = None  # the newest checkpoint_written event
     checkpoint_write_seconds: float | None = None  # that event's write duration
+    checkpoint_failures: int | None = None  # writes failed in a row (0: the newest succeeded)
+    checkpoint_error: str = ""  # the newest failure's sentence while they fail
 
 
 def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
@@ -282,7 +322,8 @@ def job_metrics(reading: Reading) -> JobMetrics:
         if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
     ]
     progress = _progress(reading)
-    rates = [r for r in samples_series(reading.samples)["steps_per_s"] if r is not None]
+    rates = [r for r in samples_series(reading.samples, job_lifetime(events, reading.now))["steps_per_s"]
+             if r is not None]
     checkpoint = newest_checkpoint(events, reading.now) or {}
     return JobMetrics(
         world_size=_world_size(members, current),
@@ -300,4 +341,6 @@ def job_metrics(reading: Reading) -> JobMetrics:
         progress_age=_age(reading.now, progress.get("time")),
         last_checkpoint_age=checkpoint.get("age"),
         checkpoint_write_seconds=checkpoint.get("duration"),
+        checkpoint_failures=progress.get("checkpoint_failures", 0) if progress else None,
+        checkpoint_error=progress.get("checkpoint_error", ""),
     )

@@ -30,7 +30,7 @@ from elasticctl.dashboard.model import Reading, job_metrics, job_view
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd import EtcdClient
 from elasticctl.job.keys import JobKeys
-from elasticctl.spec import quote
+from elasticctl.spec import quote, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class JobReader:
             nodes=nodes,
             members=members,
             heartbeats=heartbeats,
+            leased_nodes=frozenset(node for node, lease in leases.items() if lease),
             progress=None if progress is None else progress.value,
             events=[kv.value for kv in events],
             samples=[kv.value for kv in samples],
@@ -179,6 +180,15 @@ class JobCollector(Collector):
             "Seconds the newest checkpoint write took.",
             m.checkpoint_write_seconds,
         )
+        if m.checkpoint_failures is not None:
+            # The error as a label: an alert can quote why ("... failed: the disk is full").
+            failing = GaugeMetricFamily(
+                "elasticctl_checkpoint_failures",
+                "Checkpoint writes failed in a row (0: the newest succeeded), with the newest error.",
+                labels=["elastic_job", "error"],
+            )
+            failing.add_metric([*job, m.checkpoint_error], m.checkpoint_failures)
+            yield failing
         yield from gauge(
             "elasticctl_progress_age_seconds",
             "Seconds since rank 0 last reported progress.",
@@ -244,7 +254,8 @@ def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     problem = None
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    number = whole_number(port)
+    if not sep or not host or number is None or number > 65535:
         problem = "is not HOST:PORT with a port from 0 to 65535"
     else:
         try:
@@ -253,7 +264,7 @@ def parse_listen(text: str) -> tuple[str, int]:
             problem = "does not name an IP address (such as 127.0.0.1)"
     if problem:
         raise ConfigError(f"The --listen value {quote(text)} {problem}.")
-    return host, int(port)
+    return host, number
 
 
 def serve(client: EtcdClient, keys: JobKeys, host: str, port: int) -> BaseWSGIServer:

@@ -51,7 +51,9 @@ NODE_FIELDS = {"id": str, "host": str, "addr": str, "pid": int, "nproc": int, "g
 MEMBER_FIELDS = {"node": str, "addr": str, "pid": int, "state": str, "round": int, "rank": int,
                  "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str}
 PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": _NUMBER, "world_size": int,
-                   "last_checkpoint_step": int, "time": _NUMBER, "rank": int}
+                   "last_checkpoint_step": int, "time": _NUMBER, "rank": int,
+                   # set while checkpoints fail: the newest failure's sentence, how many in a row
+                   "checkpoint_error": str, "checkpoint_failures": int}
 
 
 def typed_record(raw: bytes, fields: dict[str, type | tuple[type, ...]]) -> dict:
@@ -197,6 +199,8 @@ class EventKind(str, enum.Enum):
     NODE_LEFT = "node_left"                # an `up`/`join` process ended: reason says how
     RECOVERY_FINISHED = "recovery_finished"  # the first step after a fault or change: duration, step
     CHECKPOINT_WRITTEN = "checkpoint_written"  # a checkpoint was committed: step, duration (the write)
+    CHECKPOINT_FAILED = "checkpoint_failed"  # checkpoints started failing (or for a new reason): step, reason
+    NO_STEP = "no_step"                    # a worker reached no step boundary for long, or trained none: reason
     JOB_DOWN = "job_down"                  # `elasticctl down` stopped every node
 
 

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elasticctl import worker as worker_env
 from elasticctl import worker_entry
-from elasticctl.checkpoint import Checkpointer
+from elasticctl.checkpoint import CheckpointError, Checkpointer
 from elasticctl.errors import ElasticctlError
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, Round
@@ -59,6 +59,21 @@ EXIT_RECOVERY_FAILED = 75  # the worker cannot recover in process: its node rest
 TEARDOWN_BOUND = 10.0      # seconds a process group may take to come down before the worker exits
 SAME_STEP_FAILURES = 3     # failures at one step, none lost: a bug in the script, not a peer
 FORM_ATTEMPTS = 5          # generations in a row that fail while they form
+# Seconds to wait before each retry of a final checkpoint that failed: the last chance to keep
+# the trained state, so a few tries (space freed by a prune elsewhere, a transient error).
+FINAL_CHECKPOINT_RETRY_DELAYS = (1.0, 2.0, 4.0)
+# A worker told to stop (SIGTERM) leaves at its next step boundary; one that reaches none in
+# this many seconds (a script that never calls state.commit) exits without one, well before
+# torch's agent SIGKILLs its workers (30 s after its SIGTERM) with a page of tracebacks.
+STOP_BOUND = 10.0
+EXIT_STOPPED_WITHOUT_BOUNDARY = 143  # 128 + SIGTERM: what the signal's default action returns
+
+
+def no_step_warning_after(node_ttl: float | None) -> float:
+    """Seconds without a step boundary after which a worker warns: twice the longer of the node
+    TTL and a minute. A joiner waits for a boundary to be admitted and a leaver to be let go;
+    a step longer than this is rare, a script that never calls ``state.commit`` is not."""
+    return 2 * max(node_ttl or 0.0, 60.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +109,7 @@ class Runtime:
     def __init__(self, state: State, *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  backend: str | None = None, wrap: Callable[[torch.nn.Module, Group], torch.nn.Module] | None = None,
                  pg_timeout: float | None = None, keep: int = 3, async_checkpoint: bool = True,
-                 on_event: Callable[..., object] | None = None) -> None:
+                 on_event: Callable[..., object] | None = None, no_step_warning: float | None = None) -> None:
         self.state = state
         state._runtime = self
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -131,11 +146,16 @@ class Runtime:
         self._events: Any = None
         self._progress: Any = None
         self._samples_since = (time.monotonic(), 0)
+        self.no_step_warning = no_step_warning or no_step_warning_after(
+            self.settings.node_ttl if self.settings else None)
+        self._last_boundary = time.monotonic()  # of this process: the last step boundary, or start
+        self._watchdog = threading.Event()  # set: the run is over
 
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, train: Callable[[State, Group], object]) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        threading.Thread(target=self._watch_steps, name="elasticctl-no-step", daemon=True).start()
         try:
             self._run(train)
         except JoinCancelled:  # told to stop while it waited for a generation: nothing to hand over
@@ -146,6 +166,7 @@ class Runtime:
             except ElasticctlError as exc:  # etcd away: the declaration goes with its lease instead
                 log.warning("[%s] could not withdraw its declaration: %s", self.worker, exc)
         finally:
+            self._watchdog.set()
             signal.signal(signal.SIGTERM, previous)
             self._close()
 
@@ -169,6 +190,9 @@ class Runtime:
                     raise
                 group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
                 continue
+            if self.state.step == 0:
+                self._warn_no_step("its training function returned at step 0: nothing was trained "
+                                   "(does it call state.commit() after each step?)")
             self._finish()
             return
 
@@ -177,6 +201,36 @@ class Runtime:
         worker_entry.note_stop_request()
         if self._generations is not None and self._group is None:
             self._generations.cancel()  # between generations there is no boundary to wait for
+        bound = threading.Timer(STOP_BOUND, self._exit_without_boundary, args=(self._last_boundary,))
+        bound.daemon = True
+        bound.start()
+
+    def _exit_without_boundary(self, boundary_at_signal: float) -> None:
+        """Still running STOP_BOUND s after SIGTERM, without a step boundary since: leave now."""
+        if self._watchdog.is_set() or self._last_boundary != boundary_at_signal:
+            return  # the run ended, or a boundary came (it acts on the stop, and may be saving)
+        log.error("[%s] told to stop, it reached no step boundary (state.commit) within %g s: "
+                  "exiting at step %d without a final checkpoint", self.worker, STOP_BOUND, self.state.step)
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED_WITHOUT_BOUNDARY)
+
+    def _watch_steps(self) -> None:
+        """Warn (log and event) each time no step boundary came for ``no_step_warning`` seconds."""
+        warned_for = None
+        while not self._watchdog.wait(min(5.0, self.no_step_warning / 4)):
+            last = self._last_boundary
+            if self._group is None or last == warned_for:
+                continue  # between generations waiting is normal; warn once per silence
+            idle = time.monotonic() - last
+            if idle >= self.no_step_warning:
+                warned_for = last
+                self._warn_no_step(f"no step boundary for {idle:.0f} s at step {self.state.step}: a joiner "
+                                   "is admitted and a leaver let go only at one (does the training "
+                                   "function call state.commit() after each step?)")
+
+    def _warn_no_step(self, what: str) -> None:
+        log.warning("[%s] %s", self.worker, what)
+        self._record(EventKind.NO_STEP, step=self.state.step, reason=what)
 
     def _recoverable(self, exc: Exception) -> bool:
         """A failure a new generation can fix: not the same failure at the same step again
@@ -343,6 +397,7 @@ class Runtime:
 
     def step_done(self, samples: int = 0, loss: float | None = None) -> None:
         """Called by :meth:`State.commit` after the step is applied; may raise _Boundary."""
+        self._last_boundary = time.monotonic()
         group, state = self._group, self.state
         if group is None:
             return
@@ -366,7 +421,8 @@ class Runtime:
             self._progress.publish(step=state.step, epoch=self._epoch(), loss=loss,
                                    samples_per_s=count / elapsed if elapsed > 0 and count else None,
                                    world_size=group.world_size,
-                                   last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None)
+                                   last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None,
+                                   **self._checkpoint_health())
         pending = self._generations is not None and self._generations.change_pending()
         self._leaving_sent = self._leaving
         self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
@@ -426,11 +482,22 @@ class Runtime:
         self._teardown()
 
     def _final_checkpoint(self) -> None:
+        """The checkpoint of the state training ends with, retried; a CheckpointError (naming
+        why, e.g. the disk is full) once every attempt failed: the trained steps would be lost."""
         if self._checkpointer is None:
             return
-        self._checkpointer.wait()
-        if self._checkpointer.last_step != self.state.step:
-            self._save(blocking=True)
+        self._report_background_failure()
+        for delay in (*FINAL_CHECKPOINT_RETRY_DELAYS, None):
+            if self._checkpointer.last_step == self.state.step or self._save(blocking=True):
+                return
+            if delay is None:
+                break
+            log.warning("[%s] retrying the final checkpoint of step %d in %g s", self.worker,
+                        self.state.step, delay)
+            time.sleep(delay)
+        attempts = len(FINAL_CHECKPOINT_RETRY_DELAYS) + 1
+        raise CheckpointError(f"The final checkpoint failed {attempts} times, the training of step "
+                              f"{self.state.step} is not saved: {self._checkpointer.failure}")
 
     def _stop_checkpoint(self) -> None:
         """The final checkpoint of a stop (SIGTERM), reported on every rank."""
@@ -438,21 +505,52 @@ class Runtime:
         if self._checkpointer is not None:
             self._emit("final_checkpoint", step=self.state.step, signalled=self._leaving)
 
-    def _save(self, blocking: bool | None = None) -> None:
+    def _save(self, blocking: bool | None = None) -> bool:
+        """Checkpoint the state; False if the write failed (or, async, if the previous one did).
+
+        A failed checkpoint costs training nothing: no re-formation, no restart. The
+        checkpointer logs it and records a ``checkpoint_failed`` event, the progress record
+        carries it to status, doctor and the dashboard, and the next save tries again (space
+        may have come back). Only rank 0 writes, and no collective runs here, so the other
+        ranks need not hear of it.
+        """
+        self._report_background_failure()  # else save() would raise it and skip this save
         began = time.perf_counter()
-        self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
-                                blocking=blocking, **self.state.objects())
+        try:
+            self._checkpointer.save(self.state.step, self._epoch(), extra={"fields": self.state.fields},
+                                    blocking=blocking, **self.state.objects())
+        except CheckpointError as exc:
+            self._emit("checkpoint_failed", step=self.state.step, reason=str(exc))
+            return False
         if self._checkpointer.is_writer:  # blocked_ms: how long the training thread stood still for it
             self._emit("checkpoint", step=self.state.step, epoch=self._epoch(), consumed=self._consumed(),
                        blocked_ms=round((time.perf_counter() - began) * 1000, 2),
                        **{"async": not blocking and self._checkpointer.async_save})
+        return True
+
+    def _report_background_failure(self) -> None:
+        """Wait for a background write; a failure of it is reported like a blocking one's."""
+        try:
+            self._checkpointer.wait()
+        except CheckpointError as exc:
+            self._emit("checkpoint_failed", step=getattr(exc, "step", None), reason=str(exc))
+
+    def _checkpoint_health(self) -> dict:
+        """The progress record's checkpoint fields: set while checkpoints fail."""
+        failure = self._checkpointer.failure if self._checkpointer else None
+        if failure is None:
+            return {}
+        return {"checkpoint_error": str(failure), "checkpoint_failures": self._checkpointer.failures_in_a_row}
 
     def _close(self) -> None:
         if self._checkpointer is not None:
-            self._checkpointer.close()
+            try:
+                self._checkpointer.close()
+            except CheckpointError:
+                pass  # a write that failed while the worker stopped otherwise: logged and recorded
         if self._progress is not None:
             self._progress.close()
-        if self._events is not None:
+        if self._events:  # None: never needed; False: not under elasticctl
             self._events.flush(5.0)
         if self._generations is not None:
             self._generations.close()
@@ -541,7 +639,10 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     ``on_event(kind, **fields)``, if given, hears what the runtime did, for the script's own
     records: ``"resume"`` after a checkpoint restore (step, epoch, consumed, from_world_size,
     path); ``"checkpoint"`` on the writing rank after each save (step, epoch, consumed,
-    async, blocked_ms: how long the save held up training); ``"final_checkpoint"`` on every
+    async, blocked_ms: how long the save held up training); ``"checkpoint_failed"`` on the
+    writing rank when a save (or the background write of the previous one) failed (step,
+    reason); training goes on; ``"final_checkpoint"`` on every
     rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
-    worker was the one told to stop)."""
+    worker was the one told to stop). ``no_step_warning``: seconds without a step boundary
+    (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`)."""
     Runtime(state, **options).run(train)
