@@ -31,6 +31,8 @@ def create_rdzv_handler(params: Any) -> Any:
     from elasticctl.errors import ConfigError, ElasticctlError
     from elasticctl.rendezvous import create_rdzv_handler as create
 
+    if not _inside_torchrun():
+        return create(params)  # a program that embeds torch's launcher gets the exception itself
     try:
         return create(params)
     except ConfigError as exc:
@@ -39,6 +41,16 @@ def create_rdzv_handler(params: Any) -> Any:
     except (ElasticctlError, RendezvousConnectionError) as exc:  # etcd unreachable: one sentence too
         print(f"torchrun: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def _inside_torchrun() -> bool:
+    """Whether this process is torchrun's command line (``torchrun`` or ``python -m
+    torch.distributed.run``), whose user reads the first lines; not a program using torch's
+    launcher API in process, which must get the exception rather than an exit."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(spec, "name", None) == "torch.distributed.run" or \
+        sys.argv[0].rsplit("/", 1)[-1] == "torchrun"
 
 
 def handler_factory() -> Callable[[Any], Any]:
