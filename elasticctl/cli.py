@@ -59,7 +59,17 @@ def _checked_name(what: str):
 
 
 # Port 0 lets the system pick a free port.
-_PORT = click.IntRange(0, 65535)
+class _Whole(click.IntRange):
+    """click's IntRange, written in ASCII digits: int() also reads other scripts' digits
+    ('٢٣٧٩' is 2379), which no one types as a port or a count on purpose."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.isascii():
+            self.fail(f"{quote(value)} is not a whole number written with the digits 0-9.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+_PORT = _Whole(0, 65535)
 
 
 class _Seconds(click.FloatRange):
@@ -271,11 +281,11 @@ def _load_config(ctx: click.Context, _param, path: str | None):
               help="The job name (torchrun's --rdzv-id).")
 @click.option("--nnodes", default=None, help="Node count: N, or MIN:MAX for an elastic job.  [required]")
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
-@click.option("--max-restarts", type=int, default=3, show_default=True,
+@click.option("--max-restarts", type=_Whole(), default=3, show_default=True,
               help="Failures of this node's own workers tolerated (a lost peer never counts).")
 @click.option("--checkpoint-dir", default=None, help="Where trainers checkpoint (handed to them as ELASTICCTL_CHECKPOINT_DIR).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
-@click.option("--node-ttl", type=int, default=5, show_default=True,
+@click.option("--node-ttl", type=_Whole(), default=5, show_default=True,
               help="Seconds a silent node is given before the others re-form without it "
                    f"(2 to {MAX_NODE_TTL}).")
 @click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, secret, quarantine).")

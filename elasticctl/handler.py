@@ -503,7 +503,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._ignore_errors(self.set_closed)
         self._leave(MemberState.LEFT)
         # The agent turns SIGTERM into a clean stop of its workers (SIGTERM first, so
-        # trainers checkpoint) and exits without closing the rendezvous.
+        # trainers checkpoint) and exits without closing the rendezvous. It does so by
+        # raising SignalException out of torchrun's main: a requested stop is no crash, so
+        # that exception is told in one line instead of a traceback.
+        sys.excepthook = _quiet_signal_exit(sys.excepthook, f"{request} requested")
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _ignore_errors(self, action):
@@ -525,4 +528,18 @@ def _stop_agent(reason: str) -> None:
     log.error("%s", reason)
     sys.stderr.flush()
     raise SystemExit(1)
+
+
+def _quiet_signal_exit(previous, why: str):
+    """An excepthook that tells torch's SignalException (the agent stopped by a signal) in one
+    line and leaves every other exception to ``previous``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def hook(kind, value, traceback) -> None:
+        if issubclass(kind, SignalException):
+            print(f"torchrun: stopped its workers and exits ({why}).", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, traceback)
+
+    return hook
 

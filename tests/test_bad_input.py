@@ -424,9 +424,15 @@ def test_whole_number_takes_ascii_digits_only(text, number):
         (["up", "--dry-run", "--nnodes", "1", "--nproc-per-node", "٢", MLP], "'٢'"),
         (["status", "--etcd", "127.0.0.1:٢٣٧٩"], "'127.0.0.1:٢٣٧٩'"),
         (["status", "--etcd", "127.0.0.1:²"], "'127.0.0.1:²'"),
+        (["up", "--dry-run", "--nnodes", "1", "--etcd-port", "٢٣٧٩", MLP], "'٢٣٧٩'"),
+        (["etcd", "--client-port", "٢٣٧٩"], "'٢٣٧٩'"),
+        (["up", "--dry-run", "--nnodes", "1", "--max-restarts", "٣", MLP], "'٣'"),
+        (["up", "--dry-run", "--nnodes", "1", "--node-ttl", "٥", MLP], "'٥'"),
     ],
     ids=["listen-superscript", "listen-arabic-indic", "nnodes-superscript", "nnodes-arabic-indic",
-         "nproc-superscript", "nproc-arabic-indic", "etcd-arabic-indic", "etcd-superscript"],
+         "nproc-superscript", "nproc-arabic-indic", "etcd-arabic-indic", "etcd-superscript",
+         "etcd-port-arabic-indic", "client-port-arabic-indic", "max-restarts-arabic-indic",
+         "node-ttl-arabic-indic"],
 )
 def test_a_number_in_another_script_is_one_sentence(args, needle):
     result = run_bounded(*args)

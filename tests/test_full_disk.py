@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MLP, Node, read_records, torchrun_command, wait_for
+from helpers import MLP, read_records, torchrun_command, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.test import Client
 
@@ -31,7 +31,6 @@ from elasticctl.etcd import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
 from elasticctl.registry import Registry
-from elasticctl.spec import JobSpec
 
 HIDDEN = 16384  # mlp.py's width: a checkpoint of about 1.2 MB, large next to the tmpfs' pages
 DISK_MB = 8     # room for keep=3 checkpoints and the one being written, once the filler is gone

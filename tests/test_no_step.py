@@ -76,3 +76,17 @@ def test_a_sigterm_no_boundary_answers_ends_the_worker_within_the_bound(tmp_path
     assert code == EXIT_STOPPED_WITHOUT_BOUNDARY, log
     assert "Traceback" not in log, log
     assert "told to stop, it reached no step boundary (state.commit) within" in log, log
+
+
+def test_down_of_a_job_whose_script_never_commits_is_bounded_and_quiet(default_etcd, run_id, nodes, tmp_path):
+    from test_orchestrator import ELASTICCTL, cli
+
+    node = nodes("a", [*ELASTICCTL, "up", "--node-id", "a", "--etcd", default_etcd.endpoint, "--job", run_id,
+                       "--nnodes", "1", NO_COMMIT, str(tmp_path / "never"), "1"])
+    wait_for(lambda: "no step boundary for" in node.log(), 120, "the worker's warning")
+    result = cli("down", "--etcd", default_etcd.endpoint, "--job", run_id, timeout=60)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    node.wait(STOP_BOUND + 20)  # old code: 31 s (torch's agent SIGKILLed the worker at 30 s)
+    log = node.log()
+    assert "Traceback" not in log, log
+    assert "told to stop, it reached no step boundary" in log, log

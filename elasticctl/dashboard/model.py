@@ -95,12 +95,12 @@ def _state(node: dict, member: dict | None) -> str:
 
 def genuine_node(node: str, record: dict, leased: frozenset[str] | None, now: float) -> bool:
     """Whether a ``nodes/<node>`` record can be a live node's: the record a node registers names
-    itself, its host and pid, its key is bound to the node's lease, and it joined before now."""
+    itself and its host, its key is bound to the node's lease (a key put without one outlives
+    any process), and it joined before now."""
     joined = record.get("joined_at")
     return (
         record.get("id") == node
         and bool(record.get("host"))
-        and isinstance(record.get("pid"), int)
         and (leased is None or node in leased)
         and (joined is None or 0 < joined <= now + CLOCK_SKEW)
     )

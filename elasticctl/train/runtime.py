@@ -149,6 +149,7 @@ class Runtime:
         self.no_step_warning = no_step_warning or no_step_warning_after(
             self.settings.node_ttl if self.settings else None)
         self._last_boundary = time.monotonic()  # of this process: the last step boundary, or start
+        self._longest_step = 0.0  # seconds between two boundaries, the longest seen
         self._watchdog = threading.Event()  # set: the run is over
 
     # -- the loop ------------------------------------------------------------------------
@@ -201,16 +202,20 @@ class Runtime:
         worker_entry.note_stop_request()
         if self._generations is not None and self._group is None:
             self._generations.cancel()  # between generations there is no boundary to wait for
-        bound = threading.Timer(STOP_BOUND, self._exit_without_boundary, args=(self._last_boundary,))
+        # A script whose steps are long gets twice its longest step to reach the boundary.
+        bound = threading.Timer(max(STOP_BOUND, 2 * self._longest_step), self._exit_without_boundary,
+                                args=(self._last_boundary,))
         bound.daemon = True
         bound.start()
 
     def _exit_without_boundary(self, boundary_at_signal: float) -> None:
-        """Still running STOP_BOUND s after SIGTERM, without a step boundary since: leave now."""
+        """Still running after SIGTERM (STOP_BOUND s, or twice the longest step) without a step
+        boundary since: leave now."""
         if self._watchdog.is_set() or self._last_boundary != boundary_at_signal:
             return  # the run ended, or a boundary came (it acts on the stop, and may be saving)
         log.error("[%s] told to stop, it reached no step boundary (state.commit) within %g s: "
-                  "exiting at step %d without a final checkpoint", self.worker, STOP_BOUND, self.state.step)
+                  "exiting at step %d without a final checkpoint", self.worker,
+                  max(STOP_BOUND, 2 * self._longest_step), self.state.step)
         sys.stderr.flush()
         os._exit(EXIT_STOPPED_WITHOUT_BOUNDARY)
 
@@ -321,6 +326,7 @@ class Runtime:
                              world_size=world_size, duration=duration, reason="workers' generation (hot)")
         self._recovery_started_at = noticed_at
         self._first_step_pending = noticed_at is not None
+        self._last_boundary = time.monotonic()  # steps (and silences) count from here
         self._samples_since = (time.monotonic(), 0)
         return group
 
@@ -397,7 +403,10 @@ class Runtime:
 
     def step_done(self, samples: int = 0, loss: float | None = None) -> None:
         """Called by :meth:`State.commit` after the step is applied; may raise _Boundary."""
-        self._last_boundary = time.monotonic()
+        now = time.monotonic()
+        if self._group is not None:  # a step within a generation (not the wait for one)
+            self._longest_step = max(self._longest_step, now - self._last_boundary)
+        self._last_boundary = now
         group, state = self._group, self.state
         if group is None:
             return
