@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers import wait_for
-from test_rdzv_protocol import Run
+from test_rdzv_protocol import run  # noqa: F401 - the fixture
 
 from elasticctl.etcd import EtcdClient
 from elasticctl.job.keys import JobKeys
@@ -51,19 +51,6 @@ def test_the_run_lease_keeps_a_live_jobs_keys_and_lets_an_abandoned_runs_expire(
 
 
 # -- a missing or forged round record --------------------------------------------------------
-
-@pytest.fixture
-def run(default_etcd, run_id):
-    runs: list[Run] = []
-
-    def make(settings: Settings, **kwargs) -> Run:
-        runs.append(Run(default_etcd, run_id, settings, **kwargs))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.close()
-
 
 def test_members_write_back_a_deleted_round_and_a_newcomer_joins_them(run):
     r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))

@@ -60,23 +60,27 @@ class SharedLease:
 
     def _find_or_grant(self) -> int:
         """The lease under the key if it is alive, else a new one put there."""
-        for _ in range(3):
-            kv = self._client.get(self._key)
-            if kv is not None:
-                try:
-                    lease_id = int(kv.value)
-                except ValueError:
-                    lease_id = 0
-                if lease_id > 0 and self._client.refresh_lease(lease_id) > 0:
-                    return lease_id
-            lease_id = self._client.grant_lease(self._ttl)
-            ok, _, _ = self._client.compare_and_swap(
-                self._key, str(lease_id), 0 if kv is None else kv.mod_revision, lease=lease_id
-            )
-            if ok:
+        return find_or_grant_lease(self._client, self._key, self._ttl)
+
+
+def find_or_grant_lease(client: EtcdClient, key: str, ttl: int) -> int:
+    """The live lease whose id is stored at ``key``, else a new one of ``ttl`` seconds put there
+    (bound to itself); shared by every process that writes the keys bound to it."""
+    for _ in range(5):
+        kv = client.get(key)
+        if kv is not None:
+            try:
+                lease_id = int(kv.value)
+            except ValueError:
+                lease_id = 0
+            if lease_id > 0 and client.refresh_lease(lease_id) > 0:
                 return lease_id
-            self._client.revoke_lease(lease_id)  # another writer put its lease there first
-        raise ElasticctlError("The history's shared lease kept changing under us.")
+        lease_id = client.grant_lease(ttl)
+        ok, _, _ = client.compare_and_swap(key, str(lease_id), 0 if kv is None else kv.mod_revision, lease=lease_id)
+        if ok:
+            return lease_id
+        client.revoke_lease(lease_id)  # another writer put its lease there first
+    raise ElasticctlError(f"The shared lease at '{key}' kept changing under us.")
 
 
 def trim_oldest(client: EtcdClient, prefix: str, keep: int) -> int:

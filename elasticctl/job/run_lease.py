@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd import EtcdClient
+from elasticctl.job.history import find_or_grant_lease
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +128,7 @@ class RunLease:
     def _grant(self) -> int:
         if self._key is None:
             return self._client.grant_lease(self._ttl)
-        for _ in range(5):
-            kv = self._client.get(self._key)
-            if kv is not None:
-                try:
-                    lease_id = int(kv.value)
-                except ValueError:
-                    lease_id = 0
-                if lease_id > 0 and self._client.refresh_lease(lease_id) > 0:
-                    return lease_id
-            lease_id = self._client.grant_lease(self._ttl)
-            ok, _, _ = self._client.compare_and_swap(
-                self._key, str(lease_id), 0 if kv is None else kv.mod_revision, lease=lease_id)
-            if ok:
-                return lease_id
-            self._client.revoke_lease(lease_id)  # another process put its lease there first
-        raise ElasticctlError(f"The run lease at '{self._key}' kept changing under us.")
+        return find_or_grant_lease(self._client, self._key, self._ttl)
 
 
 def with_lease(lease: RunLease, write: Callable[[int], object]):
