@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 from helpers import wait_for
 from test_rdzv_protocol import run  # noqa: F401 - the fixture
 
