@@ -164,6 +164,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             started, done = self._worker_marks()
             if done:
                 self._end_after_finish(started, done)
+            self._stop_if_unrecoverable()
         if self._round is not None and not self._changed:
             self._workers_failed(self._round)
         self._changed = False
@@ -282,6 +283,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             started, done = self._worker_marks()
             if done:
                 self._end_after_finish(started, done)
+            self._stop_if_unrecoverable()
             self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number,
                                       reason="could not recover in process")
             self._charge(self._round)
@@ -321,6 +323,31 @@ class EtcdRendezvousHandler(RendezvousHandler):
         started = {name.split("-", 1)[1] for name in names if name.startswith("started-")}
         done = {name.split("-", 1)[1] for name in names if name.startswith("done-")}
         return started, done
+
+    def _unrecoverable(self) -> str | None:
+        """Why a worker of this round failed in a way a restart would only repeat, if one did."""
+        try:
+            names = sorted(n for n in os.listdir(self._marks) if n.startswith("unrecoverable-")) if self._marks else []
+            for name in names:
+                with open(os.path.join(self._marks, name), encoding="utf-8", errors="replace") as mark:
+                    reason = " ".join(mark.read(2048).split())
+                if reason:
+                    return reason
+        except OSError:
+            return None
+        return None
+
+    def _stop_if_unrecoverable(self) -> None:
+        """A worker said a restart would fail the same way (its final checkpoint cannot be
+        written): the node stops, naming why, without spending a restart on it."""
+        reason = self._unrecoverable()
+        if reason is None:
+            return
+        stop = f"The node '{self._node_id}' stops without restarting its workers: {reason}"
+        self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number, reason=reason)
+        self._left = True  # so that torchrun's shutdown does not close the job for the others
+        self._leave(MemberState.FAILED, reason=reason)
+        _stop_agent(stop)
 
     def _end_after_finish(self, started: set[str], done: set[str]) -> None:
         """The agent wants a new round although workers of this one finished: end instead."""

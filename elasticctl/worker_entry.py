@@ -8,6 +8,8 @@ script in this process (like ``python SCRIPT``) and records, in the directory th
 rendezvous handler names in ``ELASTICCTL_WORKER_MARKS``:
 
 * ``started-<LOCAL_RANK>`` before the script runs;
+* ``unrecoverable-<LOCAL_RANK>``, holding one line, when the worker ends on a failure a
+  restart would only repeat (:func:`note_unrecoverable`): its node stops instead;
 * ``done-<LOCAL_RANK>`` once the script ended with status 0, on its own (not stopped by
   SIGTERM, see :func:`note_stop_request`), and every ``atexit`` callback ran: the last
   thing Python does before its teardown.
@@ -41,11 +43,17 @@ def note_stop_request() -> None:
     _stop_requested = True
 
 
-def _mark(kind: str) -> None:
+def note_unrecoverable(reason: str) -> None:
+    """The worker is about to fail in a way a restart would only repeat (its final checkpoint
+    cannot be written): its node stops, saying ``reason``, instead of restarting it."""
+    _mark("unrecoverable", " ".join(reason.split()))
+
+
+def _mark(kind: str, text: str = "") -> None:
     directory = os.environ.get(MARKS_ENV)
     if directory:
-        with open(os.path.join(directory, f"{kind}-{os.environ.get('LOCAL_RANK', '0')}"), "w"):
-            pass
+        with open(os.path.join(directory, f"{kind}-{os.environ.get('LOCAL_RANK', '0')}"), "w") as mark:
+            mark.write(text)
 
 
 def _mark_done() -> None:

@@ -264,3 +264,33 @@ def test_a_final_checkpoint_that_cannot_be_written_ends_the_run_naming_the_disk(
     assert result.stderr.count("retrying the final checkpoint") == 3, result.stderr
     assert max(r["step"] for r in read_records(record) if "loss" in r) == 19  # every step trained
     assert checkpoint_files(small_disk) == []
+
+
+@pytest.mark.parametrize("recovery", ["restart", "hot"])
+def test_a_final_checkpoint_no_rank_can_write_stops_every_node_without_a_restart(
+        default_etcd, run_id, small_disk, tmp_path, nodes, recovery):
+    """Two nodes share the full disk: rank 0 fails to write the final checkpoint, every rank learns
+    why, and each node stops naming the disk instead of restarting workers that would re-train
+    from the last good checkpoint and fail on the same disk (the restart budget is not spent)."""
+    record = tmp_path / "record.jsonl"
+    fill(small_disk, leave=0)
+    args = ["--steps", "30", "--hidden", str(HIDDEN), "--checkpoint-every", "0", "--log-every", "0",
+            "--record", str(record), "--checkpoint-dir", str(small_disk)]
+    env = {"ELASTICCTL_ETCD": default_etcd.endpoint, "ELASTICCTL_JOB": run_id}
+    conf = "recovery=hot" if recovery == "hot" else ""
+    started = [nodes(name, torchrun_command(default_etcd.endpoint, run_id, "2", args, rdzv_conf=conf), env=env)
+               for name in ("n0", "n1")]
+    for node in started:
+        assert node.wait(120) != 0, node.log()
+        lines = node.log().strip().splitlines()
+        stop = [line for line in lines if "stops without restarting its workers" in line]
+        assert stop and "the disk is full" in stop[-1] and str(small_disk) in stop[-1], node.log()[-4000:]
+        assert "Traceback" not in "\n".join(lines[lines.index(stop[-1]):]), node.log()[-4000:]
+    steps = [r for r in read_records(record) if "loss" in r]
+    assert {r["world_size"] for r in steps} == {2} and max(r["step"] for r in steps) == 29
+    assert len({r["pid"] for r in steps}) == 2 and {r["restart"] for r in steps} == {0}, "a worker restarted"
+    with EtcdClient(default_etcd.client_settings()) as client:
+        members = Registry(client, run_id).members()
+    assert {m["state"] for m in members.values()} == {"failed"}, members
+    assert all("the disk is full" in m["reason"] for m in members.values()), members
+    assert checkpoint_files(small_disk) == []

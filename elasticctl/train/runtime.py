@@ -62,6 +62,7 @@ FORM_ATTEMPTS = 5          # generations in a row that fail while they form
 # Seconds to wait before each retry of a final checkpoint that failed: the last chance to keep
 # the trained state, so a few tries (space freed by a prune elsewhere, a transient error).
 FINAL_CHECKPOINT_RETRY_DELAYS = (1.0, 2.0, 4.0)
+AGREED_FAILURE_BYTES = 1024  # the longest failure text one rank tells the others
 # A worker told to stop (SIGTERM) leaves at its next step boundary; one that reaches none in
 # this many seconds (a script that never calls state.commit) exits without one, well before
 # torch's agent SIGKILLs its workers (30 s after its SIGTERM) with a page of tracebacks.
@@ -491,22 +492,50 @@ class Runtime:
         self._teardown()
 
     def _final_checkpoint(self) -> None:
-        """The checkpoint of the state training ends with, retried; a CheckpointError (naming
-        why, e.g. the disk is full) once every attempt failed: the trained steps would be lost."""
+        """The checkpoint of the state training ends with, retried, and agreed on by every rank: if
+        it failed on any, every rank raises the same CheckpointError (naming why, e.g. the disk is
+        full) and marks its worker unrecoverable, so that no node restarts workers only to re-train
+        the steps since the last good checkpoint and fail on the same disk again."""
         if self._checkpointer is None:
             return
         self._report_background_failure()
-        for delay in (*FINAL_CHECKPOINT_RETRY_DELAYS, None):
-            if self._checkpointer.last_step == self.state.step or self._save(blocking=True):
+        # Every rank takes part in each attempt (a writer that fails, the others that wait for
+        # it): no rank waits in a collective through all the retries, longer than a timeout.
+        for attempt, delay in enumerate((*FINAL_CHECKPOINT_RETRY_DELAYS, None), start=1):
+            saved = self._checkpointer.last_step == self.state.step or self._save(blocking=True)
+            failure = self._agree_on_failure(None if saved else str(self._checkpointer.failure or "the write failed"))
+            if failure is None:
                 return
             if delay is None:
-                break
+                message = (f"The final checkpoint failed {attempt} times, the training of step "
+                           f"{self.state.step} is not saved: {failure}")
+                worker_entry.note_unrecoverable(message)
+                raise CheckpointError(message)
             log.warning("[%s] retrying the final checkpoint of step %d in %g s", self.worker,
                         self.state.step, delay)
             time.sleep(delay)
-        attempts = len(FINAL_CHECKPOINT_RETRY_DELAYS) + 1
-        raise CheckpointError(f"The final checkpoint failed {attempts} times, the training of step "
-                              f"{self.state.step} is not saved: {self._checkpointer.failure}")
+
+    def _agree_on_failure(self, failure: str | None) -> str | None:
+        """The failure of the lowest rank that had one, on every rank (None: no rank failed).
+
+        A fixed-size byte tensor rather than ``broadcast_object_list``: nothing a peer sends is
+        unpickled."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return failure
+        device = self._flag_device()
+        world = dist.get_world_size()
+        first = torch.tensor([dist.get_rank() if failure is not None else world], dtype=torch.int64, device=device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        source = int(first.item())
+        if source == world:
+            return None
+        text = torch.zeros(AGREED_FAILURE_BYTES, dtype=torch.uint8, device=device)
+        if source == dist.get_rank():
+            encoded = failure.encode()[:AGREED_FAILURE_BYTES]
+            text[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        dist.broadcast(text, source)
+        sent = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        return sent if source == dist.get_rank() else f"{sent.rstrip('.')} (on rank {source})."
 
     def _stop_checkpoint(self) -> None:
         """The final checkpoint of a stop (SIGTERM), reported on every rank."""
