@@ -31,9 +31,9 @@ class HotJob:
         self.args = ["--record", str(self.record), *args]
         self.workers = {}
 
-    def start(self, name: str, local_rank: int = 0):
+    def start(self, name: str, local_rank: int = 0, extra=()):
         env = {**self.env, "LOCAL_RANK": str(local_rank)}
-        self.workers[name] = self.nodes(name, [sys.executable, HOT, *self.args], env=env)
+        self.workers[name] = self.nodes(name, [sys.executable, HOT, *self.args, *extra], env=env)
         return self.workers[name]
 
     def steps(self) -> list[dict]:
@@ -103,6 +103,25 @@ def test_survivors_keep_their_processes_through_a_kill_a_join_a_freeze_and_a_lea
     assert {r["node"]: r["pid"] for r in after} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
 
     check_replicas_and_samples(job.steps())
+
+
+def test_a_newcomer_claiming_a_far_later_step_does_not_send_its_state(hot_job):
+    """Issue 23.2: without a job secret, any process that can write etcd can join a generation.
+    One that claims step 50,000 with constant weights must not become the sender: the state
+    comes from the members of the previous generation, which trained together."""
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    for name in ("a", "b"):
+        job.start(name)
+    before = job.wait_world({"a", "b"})
+    impostor = job.start("x", extra=["--claim-step", "50000"])
+    joined = job.wait_world({"a", "b", "x"}, since=before[-1]["time"])
+    steps = job.steps()
+    assert max(r["step"] for r in steps) < 50000, "the impostor's state was taken"
+    by_node = {r["node"]: r for r in joined}
+    assert by_node["x"]["params"] == by_node["a"]["params"] == by_node["b"]["params"]
+    assert by_node["x"]["step"] == by_node["a"]["step"] > before[-1]["step"]  # a and b's state, a step on
+    check_replicas_and_samples(steps)
+    assert impostor.process.poll() is None
 
 
 def test_two_failures_in_one_recovery_and_a_sender_killed_mid_transfer(hot_job):

@@ -26,6 +26,8 @@ parser.add_argument("--batch-size", type=int, default=4)
 parser.add_argument("--dataset-size", type=int, default=4096)
 parser.add_argument("--checkpoint-every", type=int, default=0)
 parser.add_argument("--state-mb", type=int, default=0, help="ballast in the state: a transfer that takes a while")
+parser.add_argument("--claim-step", type=int, default=None,
+                    help="an impostor for tests: constant weights, and it claims to have trained this far")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -40,6 +42,11 @@ if args.state_mb:
 model.to(device)
 state = elastic.State(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                       sampler=elastic.ResumableSampler(dataset, num_replicas=1, rank=0, seed=3))
+if args.claim_step is not None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(7.0)
+    state.step, state.live = args.claim_step, True
 record = open(args.record, "a", buffering=1)  # noqa: SIM115 - open for the run
 
 
