@@ -48,7 +48,13 @@ def end_of(run: dict) -> float:
 
 
 def plot(results: dict, out: Path) -> Path | None:
-    import matplotlib
+    """The recovery figure at ``out``; None (and a line saying why) without matplotlib, the
+    ``bench`` extra: the numbers and the report do not need it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench: no figure: matplotlib is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")  # no display on a server
     import matplotlib.pyplot as plt

@@ -237,10 +237,11 @@ def main() -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     out = args.output.resolve() / f"{now:%Y-%m-%d-%H%M}-{args.mode}.json"
     results["json"] = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)
+    out.write_text(json.dumps(results, indent=1))  # the samples first: nothing after may lose them
     if not args.no_report:
         png = plot.plot(results, PNG)
         results["png"] = str(png.relative_to(REPO)) if png else None
-    out.write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps(results, indent=1))
     if not args.no_report:
         (REPO / "BENCHMARKS.md").write_text(report.markdown(results, results.get("png")))
     print(report.text_table(results))
