@@ -75,7 +75,7 @@ def dynamic_on_etcd(params):
         RendezvousTimeout,
     )
 
-    from elasticctl.rendezvous import create_backend
+    from elasticctl.rendezvous.backend import create_backend
 
     # As the previous main: the agents' store is the etcd store, not a TCPStore in rank 0.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -24,10 +24,10 @@ import yaml
 
 from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
-from elasticctl.etcd import Endpoint, EtcdSettings, connect
+from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
 from elasticctl.job import envvars
-from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
-from elasticctl.spec import (
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
+from elasticctl.job.spec import (
     MAX_NODE_TTL,
     JobSpec,
     parse_env,
@@ -104,7 +104,7 @@ def cli(verbose: bool) -> None:
               callback=_checked_name("etcd member name"), help="The etcd member name.")
 def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
     """Run a standalone single-member etcd (v3 API only) until interrupted."""
-    from elasticctl.etcd_server import EmbeddedEtcd
+    from elasticctl.etcd.server import EmbeddedEtcd
 
     server = EmbeddedEtcd(
         data_dir=data_dir, listen_host=listen, advertise_host=advertise,
@@ -142,7 +142,7 @@ def etcd_options(func):
 
 
 def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
-    from elasticctl.etcd_server import embedded_endpoint
+    from elasticctl.etcd.server import embedded_endpoint
 
     endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
     if not endpoints:
@@ -317,7 +317,7 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     other hosts is printed.
     """
     from elasticctl import launcher
-    from elasticctl.etcd_server import EmbeddedEtcd, check_listen_host, free_port
+    from elasticctl.etcd.server import EmbeddedEtcd, check_listen_host, free_port
 
     if script is None:
         raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
@@ -386,14 +386,14 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
             raise
     finally:
         if server is not None:
-            from elasticctl.etcd_server import forget_embedded
+            from elasticctl.etcd.server import forget_embedded
 
             forget_embedded(os.getpid())
             server.stop()
 
 
 def _start_embedded(server, job: str) -> None:
-    from elasticctl.etcd_server import remember_embedded
+    from elasticctl.etcd.server import remember_embedded
 
     server.start()
     try:
@@ -535,8 +535,8 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
     """
     from elasticctl import doctor as checks
     from elasticctl import launcher
-    from elasticctl.etcd_server import embedded_endpoint
-    from elasticctl.registry import list_jobs
+    from elasticctl.etcd.server import embedded_endpoint
+    from elasticctl.job.registry import list_jobs
 
     settings = client = etcd_error = registry = None
     found: list = []
@@ -639,10 +639,10 @@ class _Since(click.ParamType):
               help="Only events from this many seconds ago, or from this ISO 8601 time, on.")
 def events(job, follow, as_json, since, **etcd_params) -> None:
     """The job's event history: rounds, lost and joining nodes, failures and their verdicts, recoveries."""
-    from elasticctl.events import render_line
+    from elasticctl.job.events import render_line
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.records import Event
-    from elasticctl.watched import PrefixWatch
+    from elasticctl.etcd.watch import PrefixWatch
 
     client = connect(_settings(etcd_params))
     if job is None:
@@ -782,7 +782,7 @@ def down(job, timeout, **etcd_params) -> None:
     client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
-    from elasticctl.events import EventLog
+    from elasticctl.job.events import EventLog
     from elasticctl.job.records import EventKind
 
     registry.request_down()

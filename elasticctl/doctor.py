@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 import psutil
 
 from elasticctl import launcher
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
 
 MIN_PYTHON = (3, 10)
 # The rendezvous does a few etcd round trips per heartbeat and per round; on a LAN

@@ -2,7 +2,7 @@
 
 The node record (``nodes/<id>``) is bound to a lease this process renews, so
 ``status`` shows exactly the nodes whose elasticctl is alive. The rendezvous
-handler inside torchrun does the fast part of leaving (see handler.py); this
+handler inside torchrun does the fast part of leaving (see elasticctl/rendezvous/handler.py); this
 process is the backstop: if torchrun has not stopped some seconds after a
 request, it is terminated with its workers.
 """
@@ -21,13 +21,13 @@ import time
 from elasticctl import launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.events import EventLog
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.job.events import EventLog
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, MemberState
-from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
-from elasticctl.spec import JobSpec
-from elasticctl.watched import WatchedKeys
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
+from elasticctl.job.spec import JobSpec
+from elasticctl.etcd.watch import WatchedKeys
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.etcd_server import free_port
-from elasticctl.rdzv_state import seal_state
-from elasticctl.rendezvous import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, RunLease
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.server import free_port
+from elasticctl.rendezvous.state import seal_state
+from elasticctl.rendezvous.backend import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, RunLease
 
 
 def torch_state(round_: int) -> bytes:

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from test_cli import ELASTICCTL
 
 from elasticctl.errors import ConfigError
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import free_port
-from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry
-from elasticctl.spec import JobSpec, validate_name
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.server import free_port
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry
+from elasticctl.job.spec import JobSpec, validate_name
 
 
 def one_error(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -408,7 +408,7 @@ def test_join_warns_when_etcd_is_open_to_the_network():
      ("8" * 19, None)],
 )
 def test_whole_number_takes_ascii_digits_only(text, number):
-    from elasticctl.spec import whole_number
+    from elasticctl.job.spec import whole_number
 
     assert whole_number(text) == number
 

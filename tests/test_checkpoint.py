@@ -17,15 +17,15 @@ import torch.distributed as dist
 from helpers import wait_for
 from torch import nn
 
-from elasticctl import checkpoint
-from elasticctl.checkpoint import (
+from elasticctl.train import checkpoint
+from elasticctl.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     ShardedCheckpointer,
     check_directory,
 )
 from elasticctl.errors import ConfigError
-from elasticctl.sampler import ResumableSampler
+from elasticctl.train.sampler import ResumableSampler
 
 
 def make_state(seed: int = 0):
@@ -113,7 +113,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
         newest.write_bytes(b"")
     else:
         (tmp_path / "step-00000002.pt.sha256").unlink()
-    with caplog.at_level(logging.WARNING, logger="elasticctl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="elasticctl.train.checkpoint"):
         restored = Checkpointer(tmp_path).restore(**make_state(seed=1))
     assert restored.step == 1
     if damage != "no-digest":  # without its digest the file never counted as a checkpoint
@@ -155,7 +155,7 @@ def test_bad_directory_and_keep_are_one_sentence_errors(tmp_path):
 SAVE_FOREVER = """
 import sys, torch
 from torch import nn
-from elasticctl.checkpoint import Checkpointer
+from elasticctl.train.checkpoint import Checkpointer
 model = nn.Linear(1024, 4096)  # 16 MB: each save takes a while
 ckpt = Checkpointer(sys.argv[1], keep=2)
 step = 0
@@ -221,7 +221,7 @@ def test_keep_n_counts_only_loadable_checkpoints_so_planted_files_never_evict_re
     planted = plant_unloadable_checkpoints(directory, marker)
     state = make_state()
     ckpt = Checkpointer(directory, keep=3)
-    with caplog.at_level(logging.WARNING, logger="elasticctl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="elasticctl.train.checkpoint"):
         for step in (10, 20, 30):
             ckpt.save(step, **state)
         restored = Checkpointer(directory).restore(**make_state(seed=1))
@@ -303,7 +303,7 @@ def test_a_planted_dcp_metadata_never_runs_and_restore_falls_back(
         if manifest == "recomputed":
             write_manifest(tampered)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="elasticctl.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="elasticctl.train.checkpoint"):
             restored = ShardedCheckpointer(directory).restore(*sharded_state(1))
         assert not marker.exists()
         assert restored == expected

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_orchestrator import ELASTICCTL, cli
 
 from elasticctl.dashboard.model import Reading, histogram, job_metrics, job_view, samples_series
-from elasticctl.etcd import EtcdClient
-from elasticctl.events import EventLog
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind, ProgressSample
 
@@ -632,7 +632,7 @@ def test_planted_records_in_etcd_change_neither_live_nodes_nor_the_time_axis(def
     from werkzeug.test import Client
 
     from elasticctl.dashboard.server import Dashboard
-    from elasticctl.registry import Registry
+    from elasticctl.job.registry import Registry
 
     keys = JobKeys(run_id)
     with EtcdClient(default_etcd.client_settings()) as client:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_dashboard import Dashboard
 from test_orchestrator import TRAIN, Job
 
-from elasticctl.events import EventLog
+from elasticctl.job.events import EventLog
 from elasticctl.job.records import Event, EventKind
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")

@@ -26,10 +26,10 @@ from elasticctl.doctor import (
     Report,
     Status,
 )
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import free_port
-from elasticctl.registry import DEFAULT_KEY_PREFIX, NODE_FIELDS, KeptLease, Registry, typed_record
-from elasticctl.spec import JobSpec
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.server import free_port
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, NODE_FIELDS, KeptLease, Registry, typed_record
+from elasticctl.job.spec import JobSpec
 
 PASS, WARN, FAIL = Status.PASS, Status.WARN, Status.FAIL
 GIB = 1 << 30

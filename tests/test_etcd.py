@@ -9,9 +9,9 @@ from helpers import start_tls_etcd, wait_for
 
 from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdRequestError, EtcdServerError, EtcdUnavailableError
-from elasticctl.etcd import EtcdClient, EtcdSettings, parse_endpoints
-from elasticctl.etcd_server import EmbeddedEtcd, find_etcd_binary, free_port
-from elasticctl.rendezvous import EtcdRendezvousBackend
+from elasticctl.etcd.client import EtcdClient, EtcdSettings, parse_endpoints
+from elasticctl.etcd.server import EmbeddedEtcd, find_etcd_binary, free_port
+from elasticctl.rendezvous.backend import EtcdRendezvousBackend
 
 
 def test_parse_endpoints_accepts_lists_schemes_and_ipv6():

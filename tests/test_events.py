@@ -19,8 +19,8 @@ import pytest
 from helpers import wait_for
 from test_orchestrator import ELASTICCTL, TRAIN, Job, cli
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.events import EventLog, recovery_start, render_line
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.events import EventLog, recovery_start, render_line
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind
 

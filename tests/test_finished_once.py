@@ -27,8 +27,8 @@ import textwrap
 import pytest
 from helpers import read_records
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.registry import Registry
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.registry import Registry
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 

@@ -25,12 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.test import Client
 
 from elasticctl import doctor, status
-from elasticctl.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, write_failure_reason
+from elasticctl.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, write_failure_reason
 from elasticctl.dashboard.server import Dashboard
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
-from elasticctl.registry import Registry
+from elasticctl.job.registry import Registry
 
 HIDDEN = 16384  # mlp.py's width: a checkpoint of about 1.2 MB, large next to the tmpfs' pages
 DISK_MB = 8     # room for keep=3 checkpoints and the one being written, once the filler is gone
@@ -191,7 +191,7 @@ def _fill_and_free(default_etcd, run_id: str, disk: Path, record: Path) -> None:
 
 
 def _events(client, run_id):
-    from elasticctl.events import EventLog
+    from elasticctl.job.events import EventLog
 
     return EventLog(client, JobKeys(run_id)).read()
 

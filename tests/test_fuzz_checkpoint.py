@@ -35,8 +35,8 @@ from test_checkpoint import (  # noqa: F401 - process_group is a fixture
 )
 from torch import nn
 
-from elasticctl import checkpoint
-from elasticctl.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
+from elasticctl.train import checkpoint
+from elasticctl.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
 
 FUZZ = settings(max_examples=50, deadline=None)
 # torch.load notes every pickle of a protocol it does not write; planted ones are the point here.

@@ -29,9 +29,9 @@ from elasticctl.job.records import (
     typed_record,
 )
 from elasticctl.job.settings import KNOWN_OPTIONS, parse_rdzv_options
-from elasticctl.rdzv_state import open_state, seal_state
-from elasticctl.registry import JobView
-from elasticctl.spec import JobSpec
+from elasticctl.rendezvous.state import open_state, seal_state
+from elasticctl.job.registry import JobView
+from elasticctl.job.spec import JobSpec
 from elasticctl.status import render
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,7 +203,7 @@ EVENT_VALUES = JSON | st.sampled_from([k.value for k in EventKind]) | st.lists(s
     lambda d: json.dumps(d).encode()))
 def test_random_events(raw):
     """An event from etcd: a valid Event or None, never a crash; what it reads it writes back the same."""
-    from elasticctl.events import render_line
+    from elasticctl.job.events import render_line
 
     event = Event.from_json(raw)
     assert event is None or isinstance(event, Event)

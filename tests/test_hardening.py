@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import torchrun_command
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.registry import Registry
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.registry import Registry
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 DOWN_THEN_DIE = str(Path(__file__).parent / "workers" / "down_then_die.py")
@@ -42,9 +42,9 @@ def test_a_crashed_agent_is_recorded_as_failed_not_done(default_etcd, run_id, no
 
 
 def test_importing_the_rendezvous_module_first_registers_etcd3(default_etcd, run_id):
-    # Item 15: `import elasticctl.rendezvous` met itself half-initialised; etcd3 stayed unregistered.
+    # Item 15: `import elasticctl.rendezvous.backend` met itself half-initialised; etcd3 stayed unregistered.
     code = (
-        "import elasticctl.rendezvous\n"
+        "import elasticctl.rendezvous.backend\n"
         "from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry\n"
         f"params = RendezvousParameters('etcd3', '{default_etcd.endpoint}', '{run_id}', 1, 1)\n"
         "handler = rendezvous_handler_registry.create_handler(params)\n"

@@ -17,7 +17,7 @@ import torch
 from helpers import read_records, wait_for
 
 from bench.accounting import check_replicas, check_samples
-from elasticctl.etcd_server import EmbeddedEtcd
+from elasticctl.etcd.server import EmbeddedEtcd
 from elasticctl.job.settings import HotSettings
 
 HOT = str(Path(__file__).parent / "workers" / "hot.py")
@@ -50,7 +50,7 @@ class HotJob:
         return wait_for(reached, timeout, f"{sorted(names)} training together")
 
     def declarations(self) -> set[str]:
-        from elasticctl.etcd import EtcdClient
+        from elasticctl.etcd.client import EtcdClient
         from elasticctl.job.keys import JobKeys
 
         with EtcdClient(self.etcd.client_settings()) as client:

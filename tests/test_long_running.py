@@ -15,13 +15,13 @@ import time
 from helpers import wait_for
 from test_rdzv_protocol import run  # noqa: F401 - the fixture
 
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Declaration, Round, run_secret
 from elasticctl.job.run_lease import RunLease
-from elasticctl.rdzv_member import JoinCancelled, RoundMember
-from elasticctl.rdzv_rounds import Settings
-from elasticctl.rdzv_view import RoundView
+from elasticctl.rendezvous.member import JoinCancelled, RoundMember
+from elasticctl.rendezvous.rounds import Settings
+from elasticctl.rendezvous.view import RoundView
 
 TTL = 3  # seconds: the run's keys of an abandoned run expire after this
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, wait_for
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.events import EventLog
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
 from elasticctl.train.runtime import EXIT_STOPPED_WITHOUT_BOUNDARY, STOP_BOUND, no_step_warning_after

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import MLP, read_records, wait_for
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.registry import Registry
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.registry import Registry
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 ALLREDUCE = str(Path(__file__).parent / "workers" / "allreduce.py")
@@ -152,7 +152,7 @@ def test_join_errors_are_one_sentence(default_etcd, run_id, tmp_path):
     assert missing.returncode != 0 and "The job 'no-such-job' does not exist" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
 
-    from elasticctl.etcd_server import free_port
+    from elasticctl.etcd.server import free_port
 
     port = free_port()
     unreachable = cli("join", "--etcd", f"127.0.0.1:{port}", timeout=60)
@@ -165,8 +165,8 @@ def test_spec_conflict_and_missing_script_on_join(default_etcd, run_id, tmp_path
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     registry = Registry(client, run_id)
-    from elasticctl.registry import KeptLease
-    from elasticctl.spec import JobSpec
+    from elasticctl.job.registry import KeptLease
+    from elasticctl.job.spec import JobSpec
 
     spec = JobSpec(name=run_id, script=str(script), min_nodes=1, max_nodes=2)
     registry.publish_spec(spec)
@@ -247,7 +247,7 @@ def test_repeatedly_failing_node_is_quarantined_while_the_others_train(job):
 
 
 def test_etcd_blip_does_not_stop_training(nodes, run_id, tmp_path):
-    from elasticctl.etcd_server import EmbeddedEtcd, free_port
+    from elasticctl.etcd.server import EmbeddedEtcd, free_port
 
     etcd = EmbeddedEtcd(data_dir=str(tmp_path / "etcd"), client_port=free_port(), peer_port=free_port())
     with etcd:

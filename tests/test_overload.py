@@ -15,8 +15,8 @@ import psutil
 import pytest
 from test_orchestrator import cli, job  # noqa: F401 - the fixture, and the CLI runner
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.events import EventLog, render_line
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.events import EventLog, render_line
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ from helpers import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.etcd_server import free_port
-from elasticctl.events import EventLog
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.server import free_port
+from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind, ProgressSample
-from elasticctl.progress import ProgressPublisher
+from elasticctl.job.progress import ProgressPublisher
 
 UPDATE = {
     "epoch": 0,

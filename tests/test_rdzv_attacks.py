@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers import read_records, torchrun_command, wait_for
 
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.settings import DEFAULT_KEY_PREFIX
 
 pytestmark = pytest.mark.slow

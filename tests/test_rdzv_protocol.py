@@ -9,13 +9,13 @@ import time
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import EmbeddedEtcd
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.server import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Declaration
-from elasticctl.rdzv_member import RoundMember
-from elasticctl.rdzv_rounds import Settings
-from elasticctl.rdzv_view import RoundView
+from elasticctl.rendezvous.member import RoundMember
+from elasticctl.rendezvous.rounds import Settings
+from elasticctl.rendezvous.view import RoundView
 
 
 class Run:

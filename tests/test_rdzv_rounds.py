@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticctl.job.records import Declaration, Round, preferred_round
-from elasticctl.rdzv_rounds import (
+from elasticctl.rendezvous.rounds import (
     Settings,
     change_for,
     next_members,

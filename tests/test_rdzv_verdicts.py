@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticctl.rdzv_verdicts import Evidence, failure_verdict, quarantine_by_default, quarantine_due
+from elasticctl.rendezvous.verdicts import Evidence, failure_verdict, quarantine_by_default, quarantine_due
 
 MEMBERS = ("a", "b", "c")
 

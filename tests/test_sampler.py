@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from torch.utils.data import DistributedSampler
 
-from elasticctl.sampler import ResumableSampler
+from elasticctl.train.sampler import ResumableSampler
 
 
 def samplers(size: int, world: int, state: dict | None = None, **options) -> list[ResumableSampler]:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from elasticctl.rendezvous import EtcdStore
+from elasticctl.rendezvous.backend import EtcdStore
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from torch import nn
 from elasticctl.errors import ConfigError
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.settings import HotSettings, parse_rdzv_options
-from elasticctl.sampler import ResumableSampler
+from elasticctl.train.sampler import ResumableSampler
 from elasticctl.train.state import State, StateError
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import MLP, read_records, torchrun_command, wait_for
 
-from elasticctl.checkpoint import Checkpointer
-from elasticctl.etcd import EtcdClient
+from elasticctl.train.checkpoint import Checkpointer
+from elasticctl.etcd.client import EtcdClient
 
 pytestmark = pytest.mark.slow
 
@@ -179,9 +179,9 @@ def test_progress_is_published_to_etcd_under_elasticctl(default_etcd, run_id, tm
 def test_progress_publisher_rate_limits_and_never_blocks_on_a_dead_etcd(default_etcd, run_id, caplog):
     import pyetcd
 
-    from elasticctl.etcd import EtcdSettings
-    from elasticctl.etcd_server import free_port
-    from elasticctl.progress import ProgressPublisher
+    from elasticctl.etcd.client import EtcdSettings
+    from elasticctl.etcd.server import free_port
+    from elasticctl.job.progress import ProgressPublisher
 
     update = {"epoch": 0, "loss": 1.0, "samples_per_s": 1.0, "world_size": 1, "last_checkpoint_step": None}
     publisher = ProgressPublisher(EtcdClient(default_etcd.client_settings()), f"/{run_id}/progress")
@@ -205,8 +205,8 @@ FSDP_SCRIPT = """
 import json, sys, torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from elasticctl.checkpoint import ShardedCheckpointer
-from elasticctl.worker import init, shutdown
+from elasticctl.train.checkpoint import ShardedCheckpointer
+from elasticctl.train.script import init, shutdown
 
 directory, step = sys.argv[1], int(sys.argv[2])
 ctx = init()
@@ -259,7 +259,7 @@ def test_sharded_fsdp_checkpoint_written_at_world_2_loads_at_world_1(tmp_path):
     ("constant-batch", 3, (0.1, 22, 1)),   # 64 over 3 workers: rounded up to 66
 ])
 def test_lr_policy_plans_lr_and_batching_for_the_world_size(policy, world, expected):
-    from elasticctl.worker import plan_batches
+    from elasticctl.train.script import plan_batches
 
     plan = plan_batches(policy, base_lr=0.1, batch_size=32, world_size=world, global_batch=64)
     assert (plan.lr, plan.micro_batch, plan.accumulation) == expected

@@ -45,7 +45,7 @@ except ImportError:  # run from a source checkout without `pip install`
 from torch.utils.data import DataLoader, TensorDataset
 
 import elasticctl.train as elastic
-from elasticctl.worker import LR_POLICIES, plan_batches, reduce_mean, restart_count, run
+from elasticctl.train.script import LR_POLICIES, plan_batches, reduce_mean, restart_count, run
 
 EXIT_MODES = ("kill", "exception", "hang")
 

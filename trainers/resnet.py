@@ -26,7 +26,7 @@ from cifar10 import (  # trainers/ is the script's directory
 )
 
 from elasticctl.errors import ConfigError
-from elasticctl.worker import run
+from elasticctl.train.script import run
 
 ARCHS = ("resnet18", "resnet50")
 

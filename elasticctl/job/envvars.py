@@ -1,14 +1,14 @@
 """Environment variables elasticctl reads or sets across a process boundary, each named once.
 
 The node (elasticctl) sets them for torchrun, the rendezvous handler inside torchrun sets
-some for the workers; trainers read them through :mod:`elasticctl.worker` and
-:mod:`elasticctl.progress`. (Every CLI flag can also come from ``ELASTICCTL_<FLAG>``:
+some for the workers; trainers read them through :mod:`elasticctl.train.script` and
+:mod:`elasticctl.job.progress`. (Every CLI flag can also come from ``ELASTICCTL_<FLAG>``:
 click derives those from the flag names.)
 """
 
 NODE = "ELASTICCTL_NODE"                  # this node's id in the job
 RESTARTS = "ELASTICCTL_RESTARTS"          # restarts this node's own failures have spent
-WORKER_MARKS = "ELASTICCTL_WORKER_MARKS"  # where workers mark started-N / done-N (worker_entry)
+WORKER_MARKS = "ELASTICCTL_WORKER_MARKS"  # where workers mark started-N / done-N (elasticctl.train.entry)
 JOB = "ELASTICCTL_JOB"
 ETCD = "ELASTICCTL_ETCD"                  # etcd endpoints, with their scheme
 KEY_PREFIX = "ELASTICCTL_KEY_PREFIX"
@@ -30,7 +30,7 @@ def etcd_settings(retry_timeout: float):
     """How a worker reaches its job's etcd (like its node does), or None outside elasticctl."""
     import os
 
-    from elasticctl.etcd import EtcdSettings  # grpc only when it is used
+    from elasticctl.etcd.client import EtcdSettings  # grpc only when it is used
 
     env = os.environ.get
     if not env(ETCD) or not env(JOB):

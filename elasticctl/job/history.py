@@ -14,7 +14,7 @@ import threading
 import time
 
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 
 HISTORY_TTL = 3600  # seconds the history outlives its job's last writer
 

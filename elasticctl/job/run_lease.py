@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.history import find_or_grant_lease
 
 log = logging.getLogger(__name__)

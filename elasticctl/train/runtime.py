@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticctl import worker as worker_env
-from elasticctl import worker_entry
-from elasticctl.checkpoint import CheckpointError, Checkpointer
+from elasticctl.train import script as worker_env
+from elasticctl.train import entry as worker_entry
+from elasticctl.train.checkpoint import CheckpointError, Checkpointer
 from elasticctl.errors import ElasticctlError
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, Round
 from elasticctl.job.settings import HotSettings
-from elasticctl.rdzv_member import JoinCancelled
+from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.train.state import State, StateError
 from elasticctl.train.sync import plan_state_sync
 
@@ -254,7 +254,7 @@ class Runtime:
     def _form(self) -> Group:
         if self.settings is None:
             return self._form_restart_mode()
-        from elasticctl.etcd import EtcdClient
+        from elasticctl.etcd.client import EtcdClient
         from elasticctl.job.settings import SECRET_ENV
         from elasticctl.train.generations import Generations
 
@@ -613,13 +613,13 @@ class Runtime:
 
     def _progress_publisher(self) -> None:
         if self._progress is None:
-            from elasticctl.progress import ProgressPublisher
+            from elasticctl.job.progress import ProgressPublisher
 
             self._progress = ProgressPublisher.from_env(0, recoveries=self.settings is None)
 
     def _record(self, kind: EventKind, **fields) -> None:
         if self._events is None:
-            from elasticctl.events import EventLog
+            from elasticctl.job.events import EventLog
 
             self._events = EventLog.from_env() or False
         if self._events:

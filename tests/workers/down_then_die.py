@@ -8,8 +8,8 @@ import os
 import signal
 import sys
 
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.registry import Registry
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.job.registry import Registry
 
 client = EtcdClient(EtcdSettings.from_string(os.environ["ELASTICCTL_ETCD"]))
 Registry(client, os.environ["ELASTICCTL_JOB"], os.environ["ELASTICCTL_KEY_PREFIX"]).request_down()

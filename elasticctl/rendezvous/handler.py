@@ -1,6 +1,6 @@
 """The ``etcd3`` rendezvous handler for torchrun, on the etcd-native protocol.
 
-Implements torch's public :class:`RendezvousHandler` on :mod:`elasticctl.rdzv_member`:
+Implements torch's public :class:`RendezvousHandler` on :mod:`elasticctl.rendezvous.member`:
 a node joins a round with one lease-bound put, the holder of the claim to seal it
 seals it with one transaction, everyone learns it by watch. On top of the protocol:
 
@@ -11,7 +11,7 @@ seals it with one transaction, everyone learns it by watch. On top of the protoc
   lost (not a graceful leave) are killed at once: their collectives wait on that peer.
 * **Nothing waits on the recovery path.** A node whose workers failed re-joins at
   once; whose fault it was is decided afterwards from the evidence in etcd
-  (:mod:`elasticctl.rdzv_verdicts`) and charged to the node's budget then. elasticctl
+  (:mod:`elasticctl.rendezvous.verdicts`) and charged to the node's budget then. elasticctl
   gives torchrun an unlimited ``--max-restarts``; this handler keeps the real one.
   Over budget, the node stops (the others continue); too many own failures in a
   window put it aside for a while (quarantine).
@@ -22,7 +22,7 @@ seals it with one transaction, everyone learns it by watch. On top of the protoc
 * **A finished group never trains again.** torch judges a worker group all or
   nothing: a worker that died after another exited 0 (an abort at interpreter exit)
   would have the whole group started again from scratch. Workers mark what they
-  did (:mod:`elasticctl.worker_entry`); a group with a finished worker is ended.
+  did (:mod:`elasticctl.train.entry`); a group with a finished worker is ended.
 """
 
 from __future__ import annotations
@@ -47,17 +47,17 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient
-from elasticctl.events import EventLog, recovery_start
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.events import EventLog, recovery_start
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, MemberState, Round, record_json
 from elasticctl.job.settings import HotSettings
-from elasticctl.rdzv_member import RoundMember
-from elasticctl.rdzv_rounds import Settings
-from elasticctl.rdzv_verdicts import Evidence, Verdict, failure_verdict, quarantine_due
-from elasticctl.rdzv_view import RoundView
-from elasticctl.registry import Registry, now, request_for
-from elasticctl.watched import WatchedKeys
+from elasticctl.rendezvous.member import RoundMember
+from elasticctl.rendezvous.rounds import Settings
+from elasticctl.rendezvous.verdicts import Evidence, Verdict, failure_verdict, quarantine_due
+from elasticctl.rendezvous.view import RoundView
+from elasticctl.job.registry import Registry, now, request_for
+from elasticctl.etcd.watch import WatchedKeys
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ NODE_ENV = envvars.NODE
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
-    """See the module docstring. Built by :func:`elasticctl.rendezvous.create_rdzv_handler`."""
+    """See the module docstring. Built by :func:`elasticctl.rendezvous.backend.create_rdzv_handler`."""
 
     def __init__(self, *, client: EtcdClient, run_id: str, registry: Registry, run_lease, node_id: str,
                  local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
@@ -109,7 +109,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._stopping = threading.Event()  # shutdown() began: background work ends
         self._shut_down = False
         self._verdicts: list[threading.Thread] = []
-        # Workers mark here which of them finished their script (see worker_entry.py).
+        # Workers mark here which of them finished their script (see elasticctl/train/entry.py).
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).

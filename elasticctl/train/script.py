@@ -3,8 +3,8 @@
 A script needs only its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 ... from torchrun; ELASTICCTL_* from elasticctl)::
 
-    ctx = elasticctl.worker.init(timeout=60)
-    sampler = ResumableSampler(dataset)                      # elasticctl.sampler
+    ctx = elasticctl.train.script.init(timeout=60)
+    sampler = ResumableSampler(dataset)                      # elasticctl.train.sampler
     ckpt = Checkpointer(checkpoint_dir(args.checkpoint_dir), device=ctx.device)
     restored = ckpt.restore(model=model, optimizer=opt, sampler=sampler)
     stop = GracefulStop()                                    # SIGTERM -> final checkpoint, exit 0
@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from elasticctl import worker_entry
+from elasticctl.train import entry as worker_entry
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.job import envvars
 

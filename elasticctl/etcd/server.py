@@ -24,7 +24,7 @@ import psutil
 
 from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
-from elasticctl.etcd import EtcdClient, EtcdSettings, wait_until_healthy
+from elasticctl.etcd.client import EtcdClient, EtcdSettings, wait_until_healthy
 from elasticctl.job import envvars
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient, KeyValue
+from elasticctl.etcd.client import EtcdClient, KeyValue
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticctl.errors import ElasticctlError, EtcdRequestError
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.records import Claim, Declaration, Round
-from elasticctl.rdzv_rounds import (
+from elasticctl.rendezvous.rounds import (
     Change,
     Settings,
     change_for,
@@ -28,8 +28,8 @@ from elasticctl.rdzv_rounds import (
     seal_due,
     wanting,
 )
-from elasticctl.rdzv_view import RoundView
-from elasticctl.registry import KeptLease
+from elasticctl.rendezvous.view import RoundView
+from elasticctl.job.registry import KeptLease
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 torch loads its out-of-tree handlers while ``torch.distributed.elastic.rendezvous``
 is being imported, so this module must not import that package (nor
-:mod:`elasticctl.rendezvous`, which does) at import time: ``import
-elasticctl.rendezvous`` would otherwise meet itself half-initialised and leave
+:mod:`elasticctl.rendezvous.backend`, which does) at import time: ``import
+elasticctl.rendezvous.backend`` would otherwise meet itself half-initialised and leave
 ``etcd3`` unregistered in that process.
 """
 
@@ -29,7 +29,7 @@ def create_rdzv_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     from elasticctl.errors import ConfigError, ElasticctlError
-    from elasticctl.rendezvous import create_rdzv_handler as create
+    from elasticctl.rendezvous.backend import create_rdzv_handler as create
 
     if not _inside_torchrun():
         return create(params)  # a program that embeds torch's launcher gets the exception itself

@@ -64,8 +64,8 @@ class ProgressPublisher:
         settings = envvars.etcd_settings(retry_timeout=max(interval * 3, 2.0))
         if rank != 0 or settings is None:
             return None
-        from elasticctl.etcd import EtcdClient  # grpc only when it is used
-        from elasticctl.events import EventLog
+        from elasticctl.etcd.client import EtcdClient  # grpc only when it is used
+        from elasticctl.job.events import EventLog
 
         client, keys = EtcdClient(settings), envvars.job_keys()
         return cls(client, keys.progress, rank=rank, interval=interval, keys=keys,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job import envvars
 from elasticctl.job.history import HISTORY_TTL, SharedLease, trim_oldest
 from elasticctl.job.keys import JobKeys

@@ -4,8 +4,8 @@ torch ships ``etcd`` and ``etcd-v2`` backends that speak etcd's v2 API, which et
 3.5 hides and 3.6 removed. This module provides, on v3:
 
 * :func:`create_rdzv_handler`: the ``etcd3`` handler torchrun builds through the
-  ``torchrun.handlers`` entry point (:mod:`elasticctl.rdzv_plugin`): elasticctl's own
-  etcd-native protocol, see :mod:`elasticctl.handler`;
+  ``torchrun.handlers`` entry point (:mod:`elasticctl.rendezvous.plugin`): elasticctl's own
+  etcd-native protocol, see :mod:`elasticctl.rendezvous.handler`;
 * :class:`EtcdStore`: a c10d ``Store`` over etcd, for the agents' bookkeeping in a round;
 * :class:`EtcdRendezvousBackend` and :func:`create_backend`: for code that wants torch's
   own ``DynamicRendezvousHandler`` on etcd — the state under one key, the fencing
@@ -16,7 +16,7 @@ abandoned run's keys disappear after ``ttl`` seconds instead of piling up.
 
 torch unpickles the state it reads, so whoever can write to etcd could run code
 on every agent of torch's handler. Every state is checked by
-:mod:`elasticctl.rdzv_state` (seal, allow-listed classes, shape, sequence) before
+:mod:`elasticctl.rendezvous.state` (seal, allow-listed classes, shape, sequence) before
 torch sees its bytes; a node that meets a refused or replayed state keeps the newest
 good state it has seen and writes it back over the bad one.
 """
@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
-from elasticctl.etcd import EtcdClient, EtcdSettings, connect
+from elasticctl.etcd.client import EtcdClient, EtcdSettings, connect
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import run_secret
 from elasticctl.job.run_lease import RunLease, with_lease
@@ -59,9 +59,9 @@ from elasticctl.job.settings import (
     RdzvOptions,
     parse_rdzv_options,
 )
-from elasticctl.rdzv_state import open_state, seal_state
-from elasticctl.registry import Registry
-from elasticctl.spec import validate_name
+from elasticctl.rendezvous.state import open_state, seal_state
+from elasticctl.job.registry import Registry
+from elasticctl.job.spec import validate_name
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     transaction: compare the revision (or absence, for ``token=None``), put on
     success, read the current value on failure.
 
-    Every state read is checked (see :mod:`elasticctl.rdzv_state`) before torch
+    Every state read is checked (see :mod:`elasticctl.rendezvous.state`) before torch
     unpickles it. A state this node refuses (forged, corrupt) or that is older than
     one it has already seen (replayed, rolled back, deleted) is never handed to
     torch: the newest good state is, with the current token, so that torch's next
@@ -399,21 +399,21 @@ def _log_with_times() -> None:
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Create the ``etcd3`` handler: elasticctl's etcd-native rendezvous (see handler.py).
+    """Create the ``etcd3`` handler: elasticctl's etcd-native rendezvous (see elasticctl/rendezvous/handler.py).
 
     Besides the connection options: node_ttl (seconds a node may be silent, default 5),
     max_restarts (the real restart budget; torch's own counts every failure),
     quarantine_after (counted failures, default 2 where quarantine applies by default:
-    see :func:`elasticctl.rdzv_verdicts.quarantine_by_default`) within quarantine_window
+    see :func:`elasticctl.rendezvous.verdicts.quarantine_by_default`) within quarantine_window
     (s, 600) put the node aside for quarantine_seconds (60); join_timeout (600) and
     last_call_timeout (30) as in torch's dynamic rendezvous. Options of torch's other
     backends and launchers are ignored (``TORCH_ONLY_OPTIONS``).
     """
     import socket
 
-    from elasticctl.handler import NODE_ENV, EtcdRendezvousHandler
-    from elasticctl.rdzv_rounds import Settings
-    from elasticctl.rdzv_verdicts import quarantine_by_default
+    from elasticctl.rendezvous.handler import NODE_ENV, EtcdRendezvousHandler
+    from elasticctl.rendezvous.rounds import Settings
+    from elasticctl.rendezvous.verdicts import quarantine_by_default
 
     _log_with_times()
     options = parse_rdzv_options(params.config)
@@ -459,5 +459,5 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """Kept for code that imports it from here; torchrun uses :mod:`elasticctl.rdzv_plugin`."""
+    """Kept for code that imports it from here; torchrun uses :mod:`elasticctl.rendezvous.plugin`."""
     return create_rdzv_handler

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JOB_CONTROL, JobKeys, jobs_root
 from elasticctl.job.records import (
     MEMBER_FIELDS,
@@ -27,7 +27,7 @@ from elasticctl.job.records import (
     typed_record,
 )
 from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
-from elasticctl.spec import JobSpec, validate_name
+from elasticctl.job.spec import JobSpec, validate_name
 
 log = logging.getLogger(__name__)
 

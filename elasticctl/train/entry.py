@@ -14,7 +14,7 @@ rendezvous handler names in ``ELASTICCTL_WORKER_MARKS``:
   SIGTERM, see :func:`note_stop_request`), and every ``atexit`` callback ran: the last
   thing Python does before its teardown.
 
-    python -m elasticctl.worker_entry [--module] [--local-rank-flag] SCRIPT [ARGS...]
+    python -m elasticctl.train.entry [--module] [--local-rank-flag] SCRIPT [ARGS...]
 
 ``--local-rank-flag`` hands the script ``--local_rank=N`` as torch.distributed.launch did.
 """
@@ -36,7 +36,7 @@ _stop_requested = False
 def note_stop_request() -> None:
     """The script was asked to stop (SIGTERM): exiting 0 then is a clean stop, not a finish.
 
-    Called by :class:`elasticctl.worker.GracefulStop`; a script that handles SIGTERM on
+    Called by :class:`elasticctl.train.script.GracefulStop`; a script that handles SIGTERM on
     its own should call it too, or a restart of its group could be taken for the end.
     """
     global _stop_requested
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
         local_rank_flag |= argv[0] == "--local-rank-flag"
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m elasticctl.worker_entry [--module] [--local-rank-flag] "
+        sys.exit("usage: python -m elasticctl.train.entry [--module] [--local-rank-flag] "
                  "SCRIPT [ARGS...]")
     script, *args = argv
     if local_rank_flag:

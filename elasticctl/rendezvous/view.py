@@ -1,6 +1,6 @@
 """A watched local copy of one run's rendezvous keys, and the few writes of the protocol.
 
-Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl.watched`):
+Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl.etcd.watch`):
 
 * ``ctl/`` — the sealed ``round``, ``closed``, and the ``sealer`` claim. Every node
   follows it: O(1) events per round, so a thousand joiners cost etcd a thousand
@@ -14,7 +14,7 @@ Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl
 Nodes answer questions such as "is anybody waiting?" from the view, with no etcd
 request. Writes per node per round: one declaration (a put bound to the node's
 lease), at most one claim to seal; per round: one transaction that seals the round
-and releases the claim. See :mod:`elasticctl.rdzv_rounds`.
+and releases the claim. See :mod:`elasticctl.rendezvous.rounds`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient, KeyValue
+from elasticctl.etcd.client import EtcdClient, KeyValue
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Claim, Declaration, Round, preferred_round
-from elasticctl.watched import PrefixWatch
+from elasticctl.etcd.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
 

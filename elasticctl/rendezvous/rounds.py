@@ -1,7 +1,7 @@
 """The etcd-native rendezvous, decided: pure functions over its records.
 
 Protocol (keys under :attr:`JobKeys.rdzv <elasticctl.job.keys.JobKeys.rdzv>`, records in
-:mod:`elasticctl.job.records`, I/O in :mod:`elasticctl.rdzv_view`):
+:mod:`elasticctl.job.records`, I/O in :mod:`elasticctl.rendezvous.view`):
 
 * ``nodes/<node>`` — a :class:`Declaration`: "this node wants to be in round ``wants``",
   one put bound to the node's own lease. Liveness is the lease (keep-alives only);

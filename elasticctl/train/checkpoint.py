@@ -18,7 +18,7 @@ push real ones out; they are left in place with a warning.
 
 The payload holds replicated (DDP) state, written by global rank 0 only: model
 (unwrapped from DDP, so it loads without DDP and at any world size), optimizer,
-LR scheduler, grad scaler, the :class:`~elasticctl.sampler.ResumableSampler`
+LR scheduler, grad scaler, the :class:`~elasticctl.train.sampler.ResumableSampler`
 position (a global sample count), RNG states, step, epoch and caller extras.
 State sharded across ranks (FSDP, ZeRO) needs every rank to write its shard;
 :class:`ShardedCheckpointer` does that with ``torch.distributed.checkpoint``
@@ -320,7 +320,7 @@ class _History:
     def written(self, step: int, seconds: float) -> None:
         if not self._checked:
             self._checked = True
-            from elasticctl.events import EventLog  # grpc only under elasticctl
+            from elasticctl.job.events import EventLog  # grpc only under elasticctl
 
             self._log = EventLog.from_env()
         if self._log is not None:
@@ -333,7 +333,7 @@ class _History:
     def failed(self, step: int, reason: str) -> None:
         if not self._checked:
             self._checked = True
-            from elasticctl.events import EventLog  # grpc only under elasticctl
+            from elasticctl.job.events import EventLog  # grpc only under elasticctl
 
             self._log = EventLog.from_env()
         if self._log is not None:
