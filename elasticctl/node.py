@@ -22,6 +22,7 @@ from elasticctl import launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.events import EventLog
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, MemberState
@@ -274,13 +275,12 @@ class NodeSession:
 
 def wait_for_other_nodes(registry: Registry, node_id: str, timeout: float) -> None:
     """Keep an embedded etcd up until the other nodes are gone (they need it to stop cleanly)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def nobody_else() -> bool:
         try:
-            others = [n for n in registry.live_nodes() if n != node_id]
+            return not [n for n in registry.live_nodes() if n != node_id]
         except ElasticctlError:
-            return
-        if not others:
-            return
-        time.sleep(0.5)  # polling etcd, bounded by the deadline
+            return True  # etcd is gone already: nobody needs it
+
+    poll(nobody_else, timeout, Backoff(0.5))
 

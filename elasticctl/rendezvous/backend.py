@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -46,6 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, connect
+from elasticctl.etcd.retry import Backoff, Deadline, poll
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import run_secret
 from elasticctl.job.run_lease import RunLease, with_lease
@@ -217,8 +217,7 @@ class EtcdStore(dist.Store):
     streams do not survive a failover between etcd members, polling does.
     """
 
-    _POLL_START = 0.005
-    _POLL_MAX = 0.1
+    _POLL = Backoff(0.005, 0.1)
 
     def __init__(
         self,
@@ -291,11 +290,9 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Wait until every key exists, or raise ``DistStoreError`` after ``timeout``."""
-        deadline_span = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + deadline_span.total_seconds()
+        deadline = Deadline((self.timeout if timeout is None else timeout).total_seconds())
         for key in keys:
-            remaining = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))
-            self._wait_for(key, remaining)
+            self._wait_for(key, datetime.timedelta(seconds=deadline.remaining()))
 
     def check(self, keys: list[str]) -> bool:
         return all(self._client.get(self._key(key)) is not None for key in keys)
@@ -319,19 +316,12 @@ class EtcdStore(dist.Store):
 
     def _wait_for(self, key: str, timeout: datetime.timedelta):
         full_key = self._key(key)
-        deadline = time.monotonic() + timeout.total_seconds()
-        delay = self._POLL_START
-        while True:
-            kv = self._client.get(full_key)
-            if kv is not None:
-                return kv
-            now = time.monotonic()
-            if now >= deadline:
-                raise dist.DistStoreError(
-                    f"Timed out after {timeout.total_seconds():g} s waiting for key '{key}' in the etcd store."
-                )
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, self._POLL_MAX)
+        kv = poll(lambda: self._client.get(full_key), timeout.total_seconds(), self._POLL)
+        if kv is None:
+            raise dist.DistStoreError(
+                f"Timed out after {timeout.total_seconds():g} s waiting for key '{key}' in the etcd store."
+            )
+        return kv
 
 
 # -- torchrun integration -----------------------------------------------------------------
