@@ -17,6 +17,7 @@ from elasticctl.errors import (
     LeaseNotFoundError,
 )
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, parse_endpoints
+from elasticctl.etcd.lease import Lease
 from elasticctl.etcd.retry import Backoff, poll, retry
 from elasticctl.etcd.server import EmbeddedEtcd, find_etcd_binary, free_port
 from elasticctl.rendezvous.backend import EtcdRendezvousBackend
@@ -199,3 +200,37 @@ def test_poll_returns_the_first_accepted_value_or_the_last_one_at_the_deadline()
     began = time.monotonic()
     assert poll(lambda: None, 0.3, Backoff(0.1)) is None
     assert 0.3 <= time.monotonic() - began < 0.5
+
+
+def test_a_lease_etcd_lost_is_replaced_and_its_keys_written_again(default_etcd, run_id):
+    key = f"/{run_id}/k"
+    with EtcdClient(default_etcd.client_settings()) as client:
+        lease = Lease(client, 3)
+        rewritten: list[int] = []
+        lease.on_regrant(rewritten.append)
+        first = lease.id()
+        client.revoke_lease(first)  # as if it expired while this process was frozen
+        lease.put(key, "v")
+        second = client.get(key).lease
+        assert second not in (0, first) and rewritten == [second]
+        lease.start()  # the keeper finds a lost lease by itself, within ttl / 3
+        client.revoke_lease(second)
+        wait_for(lambda: len(rewritten) == 2, 5, "the keeper to replace the lease")
+        assert rewritten[1] == lease.id() not in (first, second)
+        lease.stop(revoke=True)
+        assert client.lease_ttl(rewritten[1])[0] == -1
+
+
+def test_a_lease_shared_through_a_key_is_found_by_every_user_and_replaced_once(default_etcd, run_id):
+    key = f"/{run_id}/lease"
+    with EtcdClient(default_etcd.client_settings()) as client:
+        a, b = Lease(client, 5, key=key), Lease(client, 5, key=key)
+        assert a.id() == b.id() == int(client.get(key).value)
+        client.revoke_lease(a.id())  # its key goes with it
+        a.renew()
+        b.renew()
+        assert a.id() == b.id() == int(client.get(key).value)
+        client.delete(key)
+        a.renew()  # a live lease whose key was deleted: put back for newcomers
+        assert int(client.get(key).value) == a.id()
+        client.revoke_lease(a.id())

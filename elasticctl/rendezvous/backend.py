@@ -48,7 +48,7 @@ from elasticctl.etcd.client import EtcdClient, EtcdSettings, connect
 from elasticctl.etcd.retry import Backoff, Deadline, poll
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import run_secret
-from elasticctl.job.run_lease import RunLease, with_lease
+from elasticctl.job.run_lease import RunLease
 from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_QUARANTINE_AFTER,
@@ -156,8 +156,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             seq = self._newest_seq + 1
         sealed = seal_state(state, seq, self._secret)
         try:
-            succeeded, kv, _ = with_lease(
-                self._lease,
+            succeeded, kv, _ = self._lease.bound(
                 lambda lease_id: self._client.compare_and_swap(self._key, sealed, expected_revision, lease_id),
             )
         except ElasticctlError as exc:
@@ -237,7 +236,7 @@ class EtcdStore(dist.Store):
         return self._prefix + key.encode()
 
     def _put(self, key: str, value: bytes) -> None:
-        with_lease(self._lease, lambda lease_id: self._client.put(self._key(key), value, lease_id))
+        self._lease.put(self._key(key), value)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._put(key, _as_bytes(value))
@@ -258,8 +257,7 @@ class EtcdStore(dist.Store):
             base = 0 if current is None else int(current.value)
             new_value = str(base + amount).encode()
             revision = 0 if current is None else current.mod_revision
-            succeeded, current, _ = with_lease(
-                self._lease,
+            succeeded, current, _ = self._lease.bound(
                 lambda lease_id, v=new_value, r=revision: self._client.compare_and_swap(full_key, v, r, lease_id),
             )
             if succeeded:
@@ -280,8 +278,7 @@ class EtcdStore(dist.Store):
             if current is not None and current.value != expected:
                 return current.value
             revision = 0 if current is None else current.mod_revision
-            succeeded, _, _ = with_lease(
-                self._lease,
+            succeeded, _, _ = self._lease.bound(
                 lambda lease_id, r=revision: self._client.compare_and_swap(full_key, desired, r, lease_id),
             )
             if succeeded:
