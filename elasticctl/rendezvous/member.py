@@ -61,11 +61,8 @@ class RoundMember:
 
     # -- liveness --------------------------------------------------------------------
 
-    @property
-    def lease_id(self) -> int:
-        return self._kept_lease().id()
-
     def _kept_lease(self) -> Lease:
+        """This node's own lease, granted and kept alive from its first use until :meth:`leave`."""
         if self._lease is None:
             self._lease = Lease(self._client, self.node_ttl, name="rendezvous lease")
             self._lease.on_regrant(self._on_lease_lost)
