@@ -1,8 +1,8 @@
 """Deadlines, and the two ways elasticctl waits on etcd: retrying a call, polling a value.
 
-Every bounded wait in elasticctl goes through :func:`retry` or :func:`poll`: a pause never
-outlasts the deadline (the last attempt happens at it, not a pause after it), and each caller
-keeps its own one-sentence error for when time runs out.
+Every wait in elasticctl that a deadline bounds goes through :func:`retry` or :func:`poll`: a
+pause never outlasts the deadline (the last attempt happens at it, not a pause after it), and
+each caller keeps its own one-sentence error for when time runs out.
 """
 
 from __future__ import annotations
