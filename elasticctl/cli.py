@@ -25,6 +25,7 @@ import yaml
 from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
+from elasticctl.etcd.retry import Backoff, poll, retry
 from elasticctl.job import envvars
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
 from elasticctl.job.spec import (
@@ -424,15 +425,9 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
     settings = _settings(etcd_params)
     _warn_if_exposed(settings)
     client = connect(settings)
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        try:
-            job = resolve_job(client, job, etcd_params["key_prefix"])
-            break
-        except ConfigError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.5)  # polling etcd for the job, bounded by --wait
+    # Nodes may start before `up` published the job: look for it until --wait has passed.
+    job = retry(lambda: resolve_job(client, job, etcd_params["key_prefix"]), ConfigError, wait_seconds,
+                Backoff(0.5))
     registry = Registry(client, job, etcd_params["key_prefix"])
     spec = registry.read_spec()
     local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
@@ -797,11 +792,8 @@ def down(job, timeout, **etcd_params) -> None:
 
 
 def _wait_until(done, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")
-        time.sleep(0.5)  # polling etcd, bounded by --timeout
+    if not poll(done, timeout, Backoff(0.5)):
+        raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")
 
 
 def main(argv: list[str] | None = None) -> None:

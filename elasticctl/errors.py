@@ -22,3 +22,7 @@ class EtcdServerError(ElasticctlError):
 
 class EtcdRequestError(ElasticctlError):
     """etcd answered but refused the request (bad credentials, permission, bad argument)."""
+
+
+class LeaseNotFoundError(EtcdRequestError):
+    """etcd no longer knows the lease a write was bound to: it expired or was revoked."""

@@ -22,10 +22,12 @@ from elasticctl import launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.lease import Lease
+from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.events import EventLog
 from elasticctl.job import envvars
 from elasticctl.job.records import EventKind, MemberState
-from elasticctl.job.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, now, request_for
 from elasticctl.job.spec import JobSpec
 from elasticctl.etcd.watch import WatchedKeys
 
@@ -114,7 +116,7 @@ class NodeSession:
         self.echo = echo
         self.node_id = ""
         self.record: dict = {}
-        self._lease: KeptLease | None = None
+        self._lease: Lease | None = None
         self._request: str | None = None
         self._request_at = 0.0
         self._signals = 0
@@ -140,9 +142,11 @@ class NodeSession:
         torch = installed_torch_version()
         if torch:  # what `doctor` on the other nodes compares with (absent: unknown)
             self.record["torch"] = torch
-        self._lease = KeptLease(self.client, self.spec.node_ttl, self._rewrite_record, name="node")
+        self._lease = Lease(self.client, self.spec.node_ttl, name="node lease")
+        self._lease.on_regrant(self._rewrite_record)
+        self._lease.start()
         try:
-            self.node_id = self.registry.register_node(self.record, self._lease.id, self.wanted_id)
+            self.node_id = self.registry.register_node(self.record, self._lease.id(), self.wanted_id)
             self.events.record(EventKind.NODE_JOINED, self.node_id,
                                reason=f"host {self.record['host']}, address {self.local_addr}")
             env = {**os.environ, **socket_ifname_env(self.local_addr),
@@ -208,7 +212,7 @@ class NodeSession:
         """Tell the torchrun handler (it leaves the round) and `status` that this node leaves."""
         self._ignore_errors(lambda: self.registry.request_leave(self.node_id))
         self.record = {**self.record, "state": "leaving"}
-        self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
+        self._ignore_errors(lambda: self._rewrite_record(self._lease.id()))
 
     def _watch_requests(self) -> WatchedKeys | None:
         """leave/down requests for this node, followed by a watch (None if etcd is unreachable now:
@@ -244,7 +248,7 @@ class NodeSession:
         if not self._request:
             self._request, self._request_at = request, time.monotonic()
             self.record = {**self.record, "state": "leaving"}
-            self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
+            self._ignore_errors(lambda: self._rewrite_record(self._lease.id()))
 
     def _outcome(self, code: int) -> Outcome:
         if self._request:
@@ -274,13 +278,12 @@ class NodeSession:
 
 def wait_for_other_nodes(registry: Registry, node_id: str, timeout: float) -> None:
     """Keep an embedded etcd up until the other nodes are gone (they need it to stop cleanly)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def nobody_else() -> bool:
         try:
-            others = [n for n in registry.live_nodes() if n != node_id]
+            return not [n for n in registry.live_nodes() if n != node_id]
         except ElasticctlError:
-            return
-        if not others:
-            return
-        time.sleep(0.5)  # polling etcd, bounded by the deadline
+            return True  # etcd is gone already: nobody needs it
+
+    poll(nobody_else, timeout, Backoff(0.5))
 

@@ -23,8 +23,9 @@ from test_cli import ELASTICCTL
 
 from elasticctl.errors import ConfigError
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.lease import Lease
 from elasticctl.etcd.server import free_port
-from elasticctl.job.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
 from elasticctl.job.spec import JobSpec, validate_name
 
 
@@ -134,17 +135,17 @@ def test_up_with_a_bad_node_id_publishes_nothing(default_etcd, run_id):
 # -- 12: leave --node with a '/' writes nothing ----------------------------------------------------
 
 def test_leave_with_a_bad_node_id_writes_nothing(default_etcd, client, published, run_id):
-    lease = KeptLease(client, 5)
+    lease = Lease(client, 5).start()
     try:
         # A node record 'a/b', as an elasticctl that did not check ids yet wrote it.
         client.put(published.keys.node("a/b"), json.dumps({"host": "elsewhere", "id": "a/b"}),
-                   lease=lease.id)
+                   lease=lease.id())
         result = run_bounded("leave", "--etcd", default_etcd.endpoint, "--job", run_id,
                              "--node", "a/b", "--no-wait")
         one_error(result, "The node id 'a/b'")
         assert [k for k in job_keys(default_etcd, run_id) if "/control/" in k] == []
     finally:
-        lease.stop()
+        lease.stop(revoke=True)
 
 
 # -- 6: ports and data directories of the embedded etcd --------------------------------------------
@@ -335,9 +336,9 @@ def test_up_that_fails_keeps_a_spec_it_did_not_publish(default_etcd, client, run
     registry = Registry(client, run_id)
     spec = JobSpec(name=run_id, script=MLP, script_args=("--steps", "1"), nproc_per_node="2")
     registry.publish_spec(spec)
-    lease = KeptLease(client, 5)
+    lease = Lease(client, 5).start()
     try:
-        registry.register_node({"host": "elsewhere"}, lease.id, "other")
+        registry.register_node({"host": "elsewhere"}, lease.id(), "other")
         result = run_bounded("up", "--etcd", default_etcd.endpoint, "--job", run_id,
                              "--nnodes", "1", "--nproc-per-node", "2", MLP, "--steps", "1",
                              timeout=120, env={"CUDA_VISIBLE_DEVICES": "0"})
@@ -346,7 +347,7 @@ def test_up_that_fails_keeps_a_spec_it_did_not_publish(default_etcd, client, run
         assert JobSpec.from_dict(json.loads(client.get(registry.keys.spec).value)) == spec
         assert set(registry.live_nodes()) == {"other"}
     finally:
-        lease.stop()
+        lease.stop(revoke=True)
         registry.delete_job()
 
 

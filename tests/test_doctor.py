@@ -28,7 +28,8 @@ from elasticctl.doctor import (
 )
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.server import free_port
-from elasticctl.job.registry import DEFAULT_KEY_PREFIX, NODE_FIELDS, KeptLease, Registry, typed_record
+from elasticctl.etcd.lease import Lease
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, NODE_FIELDS, Registry, typed_record
 from elasticctl.job.spec import JobSpec
 
 PASS, WARN, FAIL = Status.PASS, Status.WARN, Status.FAIL
@@ -292,9 +293,9 @@ def job(client, run_id):
 
 @pytest.fixture
 def lease(client):
-    kept = KeptLease(client, 10)
-    yield kept.id
-    kept.stop()
+    kept = Lease(client, 10).start()
+    yield kept.id()
+    kept.stop(revoke=True)
 
 
 def add_node(registry: Registry, lease: int, node: str, **record) -> None:

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 from helpers import start_tls_etcd, wait_for
 
 from elasticctl import processes
-from elasticctl.errors import ConfigError, EtcdRequestError, EtcdServerError, EtcdUnavailableError
+from elasticctl.errors import (
+    ConfigError,
+    EtcdRequestError,
+    EtcdServerError,
+    EtcdUnavailableError,
+    LeaseNotFoundError,
+)
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, parse_endpoints
+from elasticctl.etcd.lease import Lease
+from elasticctl.etcd.retry import Backoff, poll, retry
 from elasticctl.etcd.server import EmbeddedEtcd, find_etcd_binary, free_port
 from elasticctl.rendezvous.backend import EtcdRendezvousBackend
 
@@ -156,3 +165,72 @@ def test_a_missing_etcd_binary_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTICCTL_ETCD_BINARY", str(tmp_path / "no-etcd-here"))
     with pytest.raises(EtcdServerError, match="no-etcd-here"):
         find_etcd_binary()
+
+
+def test_a_write_bound_to_a_gone_lease_is_a_lease_not_found_error(default_etcd, run_id):
+    with EtcdClient(default_etcd.client_settings()) as client:
+        lease = client.grant_lease(30)
+        client.revoke_lease(lease)
+        with pytest.raises(LeaseNotFoundError, match="refused to write a key") as info:
+            client.put(f"/{run_id}/k", "v", lease=lease)
+        assert isinstance(info.value, EtcdRequestError)
+        with pytest.raises(LeaseNotFoundError):
+            client.compare_and_swap(f"/{run_id}/k", "v", 0, lease=lease)
+
+
+def test_retry_raises_the_last_error_at_the_deadline_and_never_sleeps_past_it():
+    calls = []
+
+    def failing():
+        calls.append(time.monotonic())
+        raise EtcdUnavailableError(f"attempt {len(calls)}")
+
+    began = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match=r"attempt \d+"):
+        retry(failing, EtcdUnavailableError, 0.5, Backoff(0.05, 0.4))
+    assert 0.5 <= time.monotonic() - began < 0.7
+    assert 4 <= len(calls) <= 6  # pauses of 0.05, 0.1, 0.2, then 0.4 cut to the deadline
+    with pytest.raises(ConfigError):  # an error not retried goes through at once
+        retry(lambda: (_ for _ in ()).throw(ConfigError("bad")), EtcdUnavailableError, 5, Backoff(1))
+
+
+def test_poll_returns_the_first_accepted_value_or_the_last_one_at_the_deadline():
+    values = iter(range(100))
+    assert poll(lambda: next(values), 5, Backoff(0.0), until=lambda v: v == 3) == 3
+    began = time.monotonic()
+    assert poll(lambda: None, 0.3, Backoff(0.1)) is None
+    assert 0.3 <= time.monotonic() - began < 0.5
+
+
+def test_a_lease_etcd_lost_is_replaced_and_its_keys_written_again(default_etcd, run_id):
+    key = f"/{run_id}/k"
+    with EtcdClient(default_etcd.client_settings()) as client:
+        lease = Lease(client, 3)
+        rewritten: list[int] = []
+        lease.on_regrant(rewritten.append)
+        first = lease.id()
+        client.revoke_lease(first)  # as if it expired while this process was frozen
+        lease.put(key, "v")
+        second = client.get(key).lease
+        assert second not in (0, first) and rewritten == [second]
+        lease.start()  # the keeper finds a lost lease by itself, within ttl / 3
+        client.revoke_lease(second)
+        wait_for(lambda: len(rewritten) == 2, 5, "the keeper to replace the lease")
+        assert rewritten[1] == lease.id() not in (first, second)
+        lease.stop(revoke=True)
+        assert client.lease_ttl(rewritten[1])[0] == -1
+
+
+def test_a_lease_shared_through_a_key_is_found_by_every_user_and_replaced_once(default_etcd, run_id):
+    key = f"/{run_id}/lease"
+    with EtcdClient(default_etcd.client_settings()) as client:
+        a, b = Lease(client, 5, key=key), Lease(client, 5, key=key)
+        assert a.id() == b.id() == int(client.get(key).value)
+        client.revoke_lease(a.id())  # its key goes with it
+        a.renew()
+        b.renew()
+        assert a.id() == b.id() == int(client.get(key).value)
+        client.delete(key)
+        a.renew()  # a live lease whose key was deleted: put back for newcomers
+        assert int(client.get(key).value) == a.id()
+        client.revoke_lease(a.id())

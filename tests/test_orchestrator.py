@@ -165,14 +165,14 @@ def test_spec_conflict_and_missing_script_on_join(default_etcd, run_id, tmp_path
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     registry = Registry(client, run_id)
-    from elasticctl.job.registry import KeptLease
+    from elasticctl.etcd.lease import Lease
     from elasticctl.job.spec import JobSpec
 
     spec = JobSpec(name=run_id, script=str(script), min_nodes=1, max_nodes=2)
     registry.publish_spec(spec)
-    lease = KeptLease(client, 5)
+    lease = Lease(client, 5).start()
     try:
-        registry.register_node({"host": "elsewhere"}, lease.id, "other")  # a live node holds the job
+        registry.register_node({"host": "elsewhere"}, lease.id(), "other")  # a live node holds the job
         conflict = cli("up", "--dry-run", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:4",
                        str(script))
         # --dry-run never writes; a real `up` must refuse the different spec
@@ -187,7 +187,7 @@ def test_spec_conflict_and_missing_script_on_join(default_etcd, run_id, tmp_path
         gone = cli("join", "--etcd", default_etcd.endpoint, "--job", run_id)
         assert gone.returncode != 0 and f"'{script}' does not exist on this host" in gone.stderr
     finally:
-        lease.stop()
+        lease.stop(revoke=True)
         client.close()
 
 

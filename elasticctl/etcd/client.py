@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,7 +23,14 @@ import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
-from elasticctl.errors import ConfigError, ElasticctlError, EtcdRequestError, EtcdUnavailableError
+from elasticctl.errors import (
+    ConfigError,
+    ElasticctlError,
+    EtcdRequestError,
+    EtcdUnavailableError,
+    LeaseNotFoundError,
+)
+from elasticctl.etcd.retry import Backoff, Deadline, retry
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,13 @@ _TRANSIENT_ERRORS = (
     etcd_exc.NoServerAvailableError,
     etcd_exc.InternalServerError,
 )
+
+# Pauses between the attempts of one request: short at first, for a leader change.
+_BACKOFF = Backoff(0.05, 1.0)
+
+# How etcd says that a write was bound to a lease it no longer knows (gRPC NOT_FOUND, which
+# it also uses for members and alarms).
+_LEASE_NOT_FOUND = "lease not found"
 
 # grpc's default reconnect backoff grows to 120 s; an etcd that comes back after a
 # blip must be used again within a second.
@@ -206,10 +219,10 @@ class EtcdClient:
         self._reset()
         with self._lock:
             threads, self._stream_threads = self._stream_threads, set()
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+                thread.join(deadline.remaining())
 
     def _streaming(self, op: Callable[[], _T]) -> _T:
         """Run ``op``, a call that opens a gRPC stream, and remember the threads it started.
@@ -235,36 +248,31 @@ class EtcdClient:
         self.close()
 
     def _call(self, what: str, op: Callable[[pyetcd.MultiEndpointEtcd3Client], _T]) -> _T:
-        deadline = time.monotonic() + self.settings.retry_timeout
-        delay = 0.05
-        while True:
+        def attempt() -> _T:
             try:
                 return op(self._connect())
-            except _TRANSIENT_ERRORS as exc:
-                last_error: Exception = exc
             except grpc.RpcError as exc:
                 details = exc.details() if hasattr(exc, "details") else str(exc)
                 if "auth token" in (details or "") and self.settings.user:
                     # The token expired or the member restarted: log in again.
                     self._reset()
-                    last_error = exc
-                elif exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     # Raised from the constructor's login, outside pyetcd's error mapping.
                     self._reset()
-                    last_error = exc
-                else:
-                    raise EtcdRequestError(
-                        f"etcd at {self.settings.describe()} refused to {what}: {details}."
-                    ) from exc
-            now = time.monotonic()
-            if now >= deadline:
-                raise EtcdUnavailableError(
-                    f"etcd at {self.settings.describe()} did not answer ({what}) within "
-                    f"{self.settings.retry_timeout:g} s: {_describe(last_error)}."
-                ) from last_error
-            log.debug("etcd %s failed (%s); retrying", what, _describe(last_error))
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, 1.0)
+                    raise
+                refused = LeaseNotFoundError if _LEASE_NOT_FOUND in (details or "") else EtcdRequestError
+                raise refused(f"etcd at {self.settings.describe()} refused to {what}: {details}.") from exc
+
+        try:
+            return retry(attempt, (*_TRANSIENT_ERRORS, grpc.RpcError), self.settings.retry_timeout,
+                         _BACKOFF, on_retry=lambda exc: log.debug("etcd %s failed (%s); retrying", what,
+                                                                  _describe(exc)))
+        except (*_TRANSIENT_ERRORS, grpc.RpcError) as exc:
+            raise EtcdUnavailableError(
+                f"etcd at {self.settings.describe()} did not answer ({what}) within "
+                f"{self.settings.retry_timeout:g} s: {_describe(exc)}."
+            ) from exc
 
     # -- key/value --------------------------------------------------------------------
 
@@ -417,16 +425,11 @@ def _describe(exc: Exception) -> str:
 
 def wait_until_healthy(client: EtcdClient, timeout: float) -> str:
     """Block until etcd answers a status request; returns its version."""
-    deadline = time.monotonic() + timeout
     quick = dataclasses.replace(client.settings, retry_timeout=max(0.1, min(timeout, 2.0)))
     probe = EtcdClient(quick)
     try:
-        while True:
-            try:
-                return probe.server_version()
-            except EtcdUnavailableError:
-                if time.monotonic() >= deadline:
-                    raise
+        # Each probe retries for up to 2 s itself: ask again at once.
+        return retry(probe.server_version, EtcdUnavailableError, timeout, Backoff(0.0))
     finally:
         probe.close()
 

@@ -17,7 +17,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
@@ -25,6 +24,7 @@ import psutil
 from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, wait_until_healthy
+from elasticctl.etcd.retry import Backoff, retry
 from elasticctl.job import envvars
 
 log = logging.getLogger(__name__)
@@ -251,26 +251,27 @@ class EmbeddedEtcd:
             ) from exc
         settings = client_settings or self.client_settings()
         client = EtcdClient(dataclasses.replace(settings, retry_timeout=1.0))
-        deadline = time.monotonic() + timeout
+
+        def healthy() -> None:
+            if self._process.poll() is not None:
+                raise EtcdServerError(
+                    f"etcd exited with code {self._process.returncode} while starting: {self._log_tail()}"
+                )
+            wait_until_healthy(client, 1.0)
+
         try:
-            while True:
-                if self._process.poll() is not None:
-                    raise EtcdServerError(
-                        f"etcd exited with code {self._process.returncode} while starting: {self._log_tail()}"
-                    )
-                try:
-                    wait_until_healthy(client, 1.0)
-                    return self
-                except EtcdUnavailableError:
-                    if time.monotonic() > deadline:
-                        raise EtcdServerError(
-                            f"etcd at {self.endpoint} did not become healthy within {timeout:g} s: {self._log_tail()}"
-                        ) from None
+            # Each look waits up to 1 s itself: look again at once.
+            retry(healthy, EtcdUnavailableError, timeout, Backoff(0.0))
+        except EtcdUnavailableError:
+            message = f"etcd at {self.endpoint} did not become healthy within {timeout:g} s: {self._log_tail()}"
+            self.stop()
+            raise EtcdServerError(message) from None
         except BaseException:
             self.stop()
             raise
         finally:
             client.close()
+        return self
 
     def _log_tail(self) -> str:
         try:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job import envvars
-from elasticctl.job.history import HISTORY_TTL, SharedLease, trim_oldest
+from elasticctl.job.history import HISTORY_TTL, HistoryLease, trim_oldest
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind
 
@@ -51,7 +51,7 @@ class EventLog:
         self._max_events = max_events
         self._ttl = ttl
         self._lock = threading.Lock()
-        self._shared = SharedLease(client, keys.events_lease, ttl)
+        self._shared = HistoryLease(client, keys.events_lease, ttl)
         self._later: queue.SimpleQueue[Callable[[], object] | None] | None = None
         self._writer: threading.Thread | None = None
 
@@ -134,7 +134,7 @@ class EventLog:
     def keep_alive(self) -> None:
         """Renew the history's lease (a live node calls this now and then); errors are logged."""
         try:
-            self._shared.get(force=True)
+            self._shared.renew()
         except ElasticctlError as exc:
             log.warning("cannot renew the event history's lease: %s", exc)
 

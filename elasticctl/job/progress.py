@@ -24,7 +24,7 @@ import threading
 import time
 
 from elasticctl.job import envvars
-from elasticctl.job.history import SharedLease, trim_oldest
+from elasticctl.job.history import HistoryLease, trim_oldest
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import ProgressSample
 
@@ -49,7 +49,7 @@ class ProgressPublisher:
         self.keys = keys  # None: no progress series
         self.sample_interval = sample_interval
         self.max_samples = max_samples
-        self._lease = None if keys is None else SharedLease(client, keys.events_lease)
+        self._lease = None if keys is None else HistoryLease(client, keys.events_lease)
         self._pending: dict | None = None
         self._cond = threading.Condition()
         self._closed = False

@@ -9,9 +9,7 @@ import dataclasses
 import logging
 import re
 import socket
-import threading
 import time
-from collections.abc import Callable
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd.client import EtcdClient
@@ -30,47 +28,6 @@ from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
 from elasticctl.job.spec import JobSpec, validate_name
 
 log = logging.getLogger(__name__)
-
-class KeptLease:
-    """An etcd lease renewed by a daemon thread every ``ttl / 3`` seconds.
-
-    When the lease is lost anyway (this process was frozen, or etcd was away for
-    longer than the TTL) a new one is granted and ``on_regrant(lease_id)`` rewrites
-    the keys that were bound to the old one.
-    """
-
-    def __init__(self, client: EtcdClient, ttl: int, on_regrant: Callable[[int], None] | None = None,
-                 name: str = "lease") -> None:
-        if ttl < 2:
-            raise ConfigError(f"The node liveness TTL ({ttl}) must be at least 2 seconds.")
-        self._client = client
-        self._ttl = ttl
-        self._on_regrant = on_regrant
-        self._stopped = threading.Event()
-        self.id = client.grant_lease(ttl)
-        self._thread = threading.Thread(target=self._renew, name=f"elasticctl-{name}", daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        while not self._stopped.wait(self._ttl / 3):
-            try:
-                if self._client.refresh_lease(self.id) > 0:
-                    continue
-                log.warning("lease %x expired while this process was unreachable; re-registering", self.id)
-                self.id = self._client.grant_lease(self._ttl)
-                if self._on_regrant is not None:
-                    self._on_regrant(self.id)
-            except ElasticctlError as exc:
-                log.warning("cannot renew lease %x: %s", self.id, exc)
-
-    def stop(self, revoke: bool = True) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=self._ttl)
-        if revoke:
-            try:
-                self._client.revoke_lease(self.id)
-            except ElasticctlError as exc:
-                log.warning("cannot revoke lease %x: %s", self.id, exc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -46,9 +45,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, connect
+from elasticctl.etcd.retry import Backoff, Deadline, poll
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import run_secret
-from elasticctl.job.run_lease import RunLease, with_lease
+from elasticctl.job.run_lease import RunLease
 from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_QUARANTINE_AFTER,
@@ -156,8 +156,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             seq = self._newest_seq + 1
         sealed = seal_state(state, seq, self._secret)
         try:
-            succeeded, kv, _ = with_lease(
-                self._lease,
+            succeeded, kv, _ = self._lease.bound(
                 lambda lease_id: self._client.compare_and_swap(self._key, sealed, expected_revision, lease_id),
             )
         except ElasticctlError as exc:
@@ -217,8 +216,7 @@ class EtcdStore(dist.Store):
     streams do not survive a failover between etcd members, polling does.
     """
 
-    _POLL_START = 0.005
-    _POLL_MAX = 0.1
+    _POLL = Backoff(0.005, 0.1)
 
     def __init__(
         self,
@@ -238,7 +236,7 @@ class EtcdStore(dist.Store):
         return self._prefix + key.encode()
 
     def _put(self, key: str, value: bytes) -> None:
-        with_lease(self._lease, lambda lease_id: self._client.put(self._key(key), value, lease_id))
+        self._lease.put(self._key(key), value)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._put(key, _as_bytes(value))
@@ -259,8 +257,7 @@ class EtcdStore(dist.Store):
             base = 0 if current is None else int(current.value)
             new_value = str(base + amount).encode()
             revision = 0 if current is None else current.mod_revision
-            succeeded, current, _ = with_lease(
-                self._lease,
+            succeeded, current, _ = self._lease.bound(
                 lambda lease_id, v=new_value, r=revision: self._client.compare_and_swap(full_key, v, r, lease_id),
             )
             if succeeded:
@@ -281,8 +278,7 @@ class EtcdStore(dist.Store):
             if current is not None and current.value != expected:
                 return current.value
             revision = 0 if current is None else current.mod_revision
-            succeeded, _, _ = with_lease(
-                self._lease,
+            succeeded, _, _ = self._lease.bound(
                 lambda lease_id, r=revision: self._client.compare_and_swap(full_key, desired, r, lease_id),
             )
             if succeeded:
@@ -291,11 +287,9 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Wait until every key exists, or raise ``DistStoreError`` after ``timeout``."""
-        deadline_span = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + deadline_span.total_seconds()
+        deadline = Deadline((self.timeout if timeout is None else timeout).total_seconds())
         for key in keys:
-            remaining = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))
-            self._wait_for(key, remaining)
+            self._wait_for(key, datetime.timedelta(seconds=deadline.remaining()))
 
     def check(self, keys: list[str]) -> bool:
         return all(self._client.get(self._key(key)) is not None for key in keys)
@@ -319,19 +313,12 @@ class EtcdStore(dist.Store):
 
     def _wait_for(self, key: str, timeout: datetime.timedelta):
         full_key = self._key(key)
-        deadline = time.monotonic() + timeout.total_seconds()
-        delay = self._POLL_START
-        while True:
-            kv = self._client.get(full_key)
-            if kv is not None:
-                return kv
-            now = time.monotonic()
-            if now >= deadline:
-                raise dist.DistStoreError(
-                    f"Timed out after {timeout.total_seconds():g} s waiting for key '{key}' in the etcd store."
-                )
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, self._POLL_MAX)
+        kv = poll(lambda: self._client.get(full_key), timeout.total_seconds(), self._POLL)
+        if kv is None:
+            raise dist.DistStoreError(
+                f"Timed out after {timeout.total_seconds():g} s waiting for key '{key}' in the etcd store."
+            )
+        return kv
 
 
 # -- torchrun integration -----------------------------------------------------------------

@@ -16,8 +16,9 @@ import time
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from elasticctl.errors import ElasticctlError, EtcdRequestError
+from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.lease import Lease
 from elasticctl.job.records import Claim, Declaration, Round
 from elasticctl.rendezvous.rounds import (
     Change,
@@ -29,7 +30,6 @@ from elasticctl.rendezvous.rounds import (
     wanting,
 )
 from elasticctl.rendezvous.view import RoundView
-from elasticctl.job.registry import KeptLease
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RoundMember:
         self.node_ttl = node_ttl
         self.join_timeout = join_timeout
         self._run_lease = run_lease
-        self._lease: KeptLease | None = None
+        self._lease: Lease | None = None
         self._lease_lost = threading.Event()
         self._cancelled = threading.Event()
         self._left = False
@@ -61,26 +61,18 @@ class RoundMember:
 
     # -- liveness --------------------------------------------------------------------
 
-    @property
-    def lease_id(self) -> int:
+    def _kept_lease(self) -> Lease:
+        """This node's own lease, granted and kept alive from its first use until :meth:`leave`."""
         if self._lease is None:
-            self._lease = KeptLease(self._client, self.node_ttl, self._on_lease_lost, name="rdzv-member")
-        return self._lease.id
+            self._lease = Lease(self._client, self.node_ttl, name="rendezvous lease")
+            self._lease.on_regrant(self._on_lease_lost)
+            self._lease.start()
+        return self._lease
 
     def bound_to_lease(self, write):
         """``write(lease_id)``, on a fresh lease if etcd no longer knows this node's lease
         (it expired while the node was frozen or starved): keys on the old one are gone."""
-        try:
-            return write(self.lease_id)
-        except EtcdRequestError as exc:
-            if "lease not found" not in str(exc):
-                raise
-        log.warning("[%s] its rendezvous lease expired; granting a new one", self.node)
-        if self._lease is not None:
-            self._lease.stop(revoke=False)
-            self._lease = None
-        self._lease_lost.set()
-        return write(self.lease_id)
+        return self._kept_lease().bound(write)
 
     @property
     def lease_lost(self) -> bool:
