@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable, Mapping
 
 from elasticctl.errors import ConfigError
-from elasticctl.job import envvars
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
 
 log = logging.getLogger(__name__)
@@ -24,9 +23,6 @@ DEFAULT_NODE_TTL = 5
 MAX_NODE_TTL = 3600
 DEFAULT_RUN_TTL = 7200
 MAX_SECONDS = 30 * 24 * 3600
-
-SECRET_ENV = envvars.RDZV_SECRET
-PASSWORD_ENV = envvars.ETCD_PASSWORD
 
 RECOVERY_MODES = ("restart", "hot")
 
