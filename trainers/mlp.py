@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import elasticctl.train as elastic
 from elasticctl.job.environment import WorkerEnvironment
-from elasticctl.train.script import LR_POLICIES, plan_batches, reduce_mean, restart_count, run
+from elasticctl.train.script import LR_POLICIES, plan_batches, reduce_mean, restart_count, run_main
 
 EXIT_MODES = ("kill", "exception", "hang")
 
@@ -226,7 +226,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    run(train, parse_args())
+    run_main(train, parse_args())
 
 
 if __name__ == "__main__":

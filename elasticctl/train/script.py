@@ -168,15 +168,17 @@ class PeerLeaving(RuntimeError):
     """Raised on ranks whose peers were told to stop: the agent restarts them in the smaller world."""
 
 
-def run(train, *args) -> None:
-    """Call ``train(*args)`` as a script's main: a peer leaving or a user mistake exits in one line.
+def run_main(main, *args) -> None:
+    """Call ``main(*args)`` as a script's main: a peer leaving or a user mistake exits in one line.
+
+    (Not the elastic runtime: that is :func:`elasticctl.train.run`.)
 
     PeerLeaving exits 1 (the agent re-forms the job without the leaver); an
     ElasticctlError (bad flag, unreadable checkpoint directory) exits 2.
     """
     prog = os.path.basename(sys.argv[0])
     try:
-        train(*args)
+        main(*args)
     except PeerLeaving as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         sys.exit(1)
