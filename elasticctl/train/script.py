@@ -164,8 +164,10 @@ class GracefulStop:
         sys.exit(0)
 
 
-class PeerLeaving(RuntimeError):
-    """Raised on ranks whose peers were told to stop: the agent restarts them in the smaller world."""
+class PeerLeaving(ElasticctlError, RuntimeError):
+    """Raised on ranks whose peers were told to stop: the agent restarts them in the smaller world.
+
+    Also a ``RuntimeError``, as it always was: a script may catch it as one."""
 
 
 def run_main(main, *args) -> None:
