@@ -26,7 +26,7 @@ from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
 from elasticctl.etcd.retry import Backoff, poll, retry
-from elasticctl.job import envvars
+from elasticctl.job import environment
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
 from elasticctl.job.spec import (
     MAX_NODE_TTL,
@@ -127,14 +127,14 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 # -- options shared by every command that talks to etcd ----------------------------------
 
 def etcd_options(func):
-    """--etcd and the TLS/auth options; the password only from ELASTICCTL_ETCD_PASSWORD."""
+    """--etcd and the TLS/auth options; the password only from the environment (environment.ETCD_PASSWORD)."""
     options = [
-        click.option("--etcd", "etcd_endpoints", envvar=envvars.ETCD, default=None, metavar="HOST:PORT[,...]",
+        click.option("--etcd", "etcd_endpoints", envvar=environment.ETCD, default=None, metavar="HOST:PORT[,...]",
                      help="etcd endpoints (default: the embedded etcd `elasticctl up` runs on this host)."),
         click.option("--etcd-cacert", default=None, help="CA bundle that signed etcd's certificate (enables TLS)."),
         click.option("--etcd-cert", default=None, help="Client certificate for etcd."),
         click.option("--etcd-key", default=None, help="Client key for etcd."),
-        click.option("--etcd-user", default=None, help="etcd user; the password comes from ELASTICCTL_ETCD_PASSWORD."),
+        click.option("--etcd-user", default=None, help=f"etcd user; the password comes from {environment.ETCD_PASSWORD}."),
         click.option("--key-prefix", default=DEFAULT_KEY_PREFIX, show_default=True, help="Where jobs live in etcd."),
     ]
     for option in reversed(options):
@@ -148,7 +148,7 @@ def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
     endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
     if not endpoints:
         raise ConfigError("No --etcd was given and no embedded etcd runs on this host; pass --etcd HOST:PORT.")
-    password = os.environ.get(envvars.ETCD_PASSWORD) if params["etcd_user"] else None
+    password = environment.etcd_password() if params["etcd_user"] else None
     return EtcdSettings.from_string(
         endpoints, protocol="https" if params["etcd_cacert"] else None, cacert=params["etcd_cacert"],
         cert=params["etcd_cert"], key=params["etcd_key"], user=params["etcd_user"], password=password,
@@ -284,7 +284,7 @@ def _load_config(ctx: click.Context, _param, path: str | None):
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
 @click.option("--max-restarts", type=_Whole(), default=3, show_default=True,
               help="Failures of this node's own workers tolerated (a lost peer never counts).")
-@click.option("--checkpoint-dir", default=None, help="Where trainers checkpoint (handed to them as ELASTICCTL_CHECKPOINT_DIR).")
+@click.option("--checkpoint-dir", default=None, help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
 @click.option("--node-ttl", type=_Whole(), default=5, show_default=True,
               help="Seconds a silent node is given before the others re-form without it "

@@ -25,7 +25,7 @@ from elasticctl.etcd.client import EtcdClient, EtcdSettings
 from elasticctl.etcd.lease import Lease
 from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.events import EventLog
-from elasticctl.job import envvars
+from elasticctl.job import environment
 from elasticctl.job.records import EventKind, MemberState
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, now, request_for
 from elasticctl.job.spec import JobSpec
@@ -48,23 +48,14 @@ class Outcome:
 
 
 def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: str) -> dict[str, str]:
-    """What torchrun and the workers get on top of this process's environment."""
-    env = {
-        **dict(spec.env),
-        envvars.JOB: spec.name,
-        envvars.NODE: node_id,
-        envvars.ETCD: settings.urls(),
-        envvars.KEY_PREFIX: key_prefix,
-    }
-    for name in ("cacert", "cert", "key", "user"):
-        value = getattr(settings, name)
-        if value:
-            env[envvars.etcd_tls(name)] = value
-    if settings.password:
-        env[envvars.ETCD_PASSWORD] = settings.password
-    if spec.checkpoint_dir:
-        env[envvars.CHECKPOINT_DIR] = os.path.abspath(spec.checkpoint_dir)
-    return env
+    """What torchrun and the workers get on top of this process's environment: the job's own
+    variables, then elasticctl's part (the rendezvous handler adds the rest for the workers)."""
+    given = environment.WorkerEnvironment(
+        job=spec.name, node=node_id, etcd=settings.urls(), key_prefix=key_prefix,
+        etcd_cacert=settings.cacert or "", etcd_cert=settings.cert or "", etcd_key=settings.key or "",
+        etcd_user=settings.user or "", etcd_password=settings.password or "",
+        checkpoint_dir=os.path.abspath(spec.checkpoint_dir) if spec.checkpoint_dir else "")
+    return {**dict(spec.env), **given.to_env()}
 
 
 def socket_ifname_env(local_addr: str) -> dict[str, str]:
@@ -73,10 +64,10 @@ def socket_ifname_env(local_addr: str) -> dict[str, str]:
     gloo otherwise binds to whatever the host name resolves to, often 127.0.0.1 or
     Debian's 127.0.1.1, and tells its peers that address: a multi-host job never forms.
     """
-    if launcher.is_loopback(local_addr) or "GLOO_SOCKET_IFNAME" in os.environ:
+    if launcher.is_loopback(local_addr) or environment.GLOO_SOCKET_IFNAME in os.environ:
         return {}
     interface = launcher.interface_of(local_addr)
-    return {"GLOO_SOCKET_IFNAME": interface} if interface else {}
+    return {environment.GLOO_SOCKET_IFNAME: interface} if interface else {}
 
 
 def tls_conf(settings: EtcdSettings) -> dict[str, str]:

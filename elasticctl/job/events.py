@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.job import envvars
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.history import HISTORY_TTL, HistoryLease, trim_oldest
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind
@@ -111,10 +111,12 @@ class EventLog:
         return done.wait(timeout)
 
     @classmethod
-    def from_env(cls) -> EventLog | None:
-        """The event history of this worker's job, or None outside elasticctl."""
-        settings = envvars.etcd_settings(retry_timeout=5.0)
-        return None if settings is None else cls(EtcdClient(settings), envvars.job_keys())
+    def from_env(cls, environment: WorkerEnvironment | None = None) -> EventLog | None:
+        """The event history of this worker's job, or None outside elasticctl. ``environment``:
+        the worker's, if it decoded it already."""
+        environment = environment or WorkerEnvironment.from_env()
+        settings = environment.etcd_settings(retry_timeout=5.0)
+        return None if settings is None else cls(EtcdClient(settings), environment.job_keys())
 
     def record_recovery_finished(self, node: str, at: float, **fields) -> Event | None:
         """A first step at ``at``: if it ends a recovery (the newest round formed before it was not

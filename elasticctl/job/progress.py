@@ -5,8 +5,8 @@ epoch, loss, samples_per_s, world_size, last_checkpoint_step, time (unix), rank,
 checkpoints fail, checkpoint_error (the newest failure's sentence) and checkpoint_failures.
 Writes happen on a background thread, at most one per ``interval`` seconds,
 with only the newest update kept: an etcd that is slow or away costs training
-nothing (the update is dropped with a warning). Outside elasticctl (no
-ELASTICCTL_ETCD / ELASTICCTL_JOB) every call is a no-op.
+nothing (the update is dropped with a warning). Outside elasticctl (its worker environment
+names no etcd or job: :mod:`elasticctl.job.environment`) every call is a no-op.
 
 Given the job's keys, the same thread also appends a
 :class:`~elasticctl.job.records.ProgressSample` (time, step, loss, samples_per_s,
@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 
-from elasticctl.job import envvars
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.history import HistoryLease, trim_oldest
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import ProgressSample
@@ -57,20 +56,23 @@ class ProgressPublisher:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, rank: int, interval: float = 1.0, recoveries: bool = True) -> ProgressPublisher | None:
+    def from_env(cls, rank: int, interval: float = 1.0, recoveries: bool = True,
+                 environment: WorkerEnvironment | None = None) -> ProgressPublisher | None:
         """A publisher for global rank 0 under elasticctl; None anywhere else. ``recoveries``:
-        the first update records the recovery it ends (the hot-recovery runtime does its own)."""
+        the first update records the recovery it ends (the hot-recovery runtime does its own).
+        ``environment``: the worker's, if it decoded it already."""
+        environment = environment or WorkerEnvironment.from_env()
         # Give up on one update quickly: a newer one will follow.
-        settings = envvars.etcd_settings(retry_timeout=max(interval * 3, 2.0))
+        settings = environment.etcd_settings(retry_timeout=max(interval * 3, 2.0))
         if rank != 0 or settings is None:
             return None
         from elasticctl.etcd.client import EtcdClient  # grpc only when it is used
         from elasticctl.job.events import EventLog
 
-        client, keys = EtcdClient(settings), envvars.job_keys()
+        client, keys = EtcdClient(settings), environment.job_keys()
         return cls(client, keys.progress, rank=rank, interval=interval, keys=keys,
                    events=EventLog(client, keys) if recoveries else None,
-                   node=os.environ.get(envvars.NODE, ""))
+                   node=environment.node)
 
     def publish(self, *, step: int, epoch: int, loss: float | None, samples_per_s: float | None,
                 world_size: int, last_checkpoint_step: int | None, checkpoint_error: str | None = None,

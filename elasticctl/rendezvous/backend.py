@@ -46,6 +46,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, connect
 from elasticctl.etcd.retry import Backoff, Deadline, poll
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import run_secret
 from elasticctl.job.run_lease import RunLease
@@ -53,8 +54,6 @@ from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_QUARANTINE_AFTER,
     DEFAULT_RUN_TTL,
-    PASSWORD_ENV,
-    SECRET_ENV,
     HotSettings,
     RdzvOptions,
     parse_rdzv_options,
@@ -323,21 +322,24 @@ class EtcdStore(dist.Store):
 
 # -- torchrun integration -----------------------------------------------------------------
 
-def settings_from_params(params: RendezvousParameters, options: RdzvOptions | None = None) -> EtcdSettings:
-    """Build etcd connection settings from ``--rdzv-endpoint`` and ``--rdzv-conf``."""
+def settings_from_params(params: RendezvousParameters, options: RdzvOptions | None = None,
+                         environment: WorkerEnvironment | None = None) -> EtcdSettings:
+    """Build etcd connection settings from ``--rdzv-endpoint`` and ``--rdzv-conf`` (the password
+    also from the environment the node gave torchrun)."""
     options = options or parse_rdzv_options(params.config)
+    environment = environment or WorkerEnvironment.from_env()
     if not params.endpoint:
         raise ConfigError("The etcd3 rendezvous needs --rdzv-endpoint HOST:PORT[,HOST:PORT...].")
     return EtcdSettings.from_string(
         params.endpoint, protocol=options.protocol, cacert=options.cacert, cert=options.cert,
         key=options.key, user=options.user,
-        password=options.password or os.environ.get(PASSWORD_ENV) or None,
+        password=options.password or environment.etcd_password or None,
         read_timeout=options.read_timeout, retry_timeout=options.retry_timeout,
     )
 
 
-def _connect(params: RendezvousParameters, options: RdzvOptions) -> EtcdClient:
-    settings = settings_from_params(params, options)
+def _connect(params: RendezvousParameters, options: RdzvOptions, environment: WorkerEnvironment) -> EtcdClient:
+    settings = settings_from_params(params, options, environment)
     try:
         return connect(settings, options.connect_timeout)
     except EtcdUnavailableError as exc:
@@ -355,8 +357,9 @@ def create_backend(
     """
     options = options or parse_rdzv_options(params.config)
     validate_name(params.run_id, "run id")
-    secret = run_secret((options.secret or os.environ.get(SECRET_ENV) or "").encode() or None, options.run)
-    client = _connect(params, options)
+    environment = WorkerEnvironment.from_env()
+    secret = run_secret((options.secret or environment.rdzv_secret).encode() or None, options.run)
+    client = _connect(params, options, environment)
     lease = RunLease(client, options.ttl)
     backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, lease, secret)
     store = EtcdStore(client, JobKeys(params.run_id, options.key_prefix).store(), lease)
@@ -398,7 +401,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     import socket
 
-    from elasticctl.rendezvous.handler import NODE_ENV, EtcdRendezvousHandler
+    from elasticctl.rendezvous.handler import EtcdRendezvousHandler
     from elasticctl.rendezvous.rounds import Settings
     from elasticctl.rendezvous.verdicts import quarantine_by_default
 
@@ -410,7 +413,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"The node counts {params.min_nodes}:{params.max_nodes} must satisfy 1 <= MIN <= MAX."
         )
     local_addr = params.local_addr or socket.getfqdn()
-    node_id = os.environ.get(NODE_ENV) or _default_node_id(local_addr)
+    # What the node gave torchrun, decoded once: the node id, etcd's password, the job's
+    # secret, and what the handler hands on to the workers with each start of them.
+    environment = WorkerEnvironment.from_env()
+    node_id = environment.node or _default_node_id(local_addr)
     validate_name(node_id, "node id")
     # torch's shared agent TCPStore deadlocks a scale-up in which the joiner is not rank 0.
     # This handler never shares it, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torch reads
@@ -423,7 +429,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     if quarantine_after is None and quarantine_by_default(options.max_restarts is not None,
                                                          params.min_nodes, params.max_nodes):
         quarantine_after = DEFAULT_QUARANTINE_AFTER
-    client = _connect(params, options)
+    client = _connect(params, options, environment)
     registry = Registry(client, params.run_id, options.key_prefix)
     # One lease for the run's shared keys, renewed by every live agent (and worker): they
     # live as long as the job does, and expire ttl seconds after its last process.
@@ -437,7 +443,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         quarantine_after=quarantine_after, quarantine_window=options.quarantine_window,
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
-        secret=run_secret((options.secret or os.environ.get(SECRET_ENV) or "").encode() or None, options.run),
+        secret=run_secret((options.secret or environment.rdzv_secret).encode() or None, options.run),
+        worker_environment=environment,
         hot=HotSettings(min_nodes=params.min_nodes, max_nodes=params.max_nodes, node_ttl=options.node_ttl,
                         last_call=settings.last_call, join_timeout=float(options.join_timeout or 600),
                         run_ttl=options.ttl)

@@ -28,6 +28,7 @@ seals it with one transaction, everyone learns it by watch. On top of the protoc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -49,7 +50,8 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog, recovery_start
-from elasticctl.job import envvars
+from elasticctl.job import environment as worker_environment
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, MemberState, Round, record_json
 from elasticctl.job.settings import HotSettings
 from elasticctl.rendezvous.member import RoundMember
@@ -62,8 +64,6 @@ from elasticctl.etcd.watch import WatchedKeys
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd3"
-RESTARTS_ENV = envvars.RESTARTS
-NODE_ENV = envvars.NODE
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -73,7 +73,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                  local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
                  max_restarts: int | None, quarantine_after: int | None, quarantine_window: float,
                  quarantine_seconds: float, store_factory, secret: bytes | None = None,
-                 hot: HotSettings | None = None) -> None:
+                 hot: HotSettings | None = None, worker_environment: WorkerEnvironment | None = None) -> None:
         self._client = client
         self._run_id = run_id
         self._registry = registry
@@ -88,6 +88,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._store_factory = store_factory
         self._hot = hot
         self._secret = secret
+        # What the node gave torchrun for the workers; each start of them adds its own part.
+        self._worker_environment = worker_environment or WorkerEnvironment()
         self._keys = registry.keys
         self._view = RoundView(client, self._keys, secret).start()
         self._events = EventLog(client, self._keys)
@@ -177,7 +179,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             _stop_agent(stop_reason)
         if quarantine:
             self._sit_out_quarantine()
-        os.environ[RESTARTS_ENV] = str(self._spent)
         current = self._view.round
         if current is not None and self._node_id not in current.members:
             # A node joining a running job (or back from a freeze) is a change the history tells;
@@ -200,7 +201,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # The agent starts the workers right after this, with this process's environment.
         self._marks = os.path.join(self._marks_root, f"round-{sealed.number}")
         os.makedirs(self._marks, exist_ok=True)
-        os.environ[envvars.WORKER_MARKS] = self._marks
+        self._export_worker_environment()
         log.info("[%s] round %d: rank %d of %d", self._node_id, sealed.number, rank, sealed.world_size)
         if rank == 0 and sealed.number > 2:
             self._ignore_errors(lambda: self._client.delete_prefix(self._keys.store(sealed.number - 2)))
@@ -296,21 +297,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
             _stop_agent(stop_reason)
         if quarantine:
             self._sit_out_quarantine()
-        os.environ[RESTARTS_ENV] = str(self._spent)
-        os.environ[envvars.HOT] = self._hot.encode()
-        os.environ[envvars.NODE_ADDR] = self._local_addr
-        if self._secret:  # the workers sign their generations with the job's secret too
-            os.environ[envvars.RDZV_SECRET] = self._secret.decode()
         number = 1 if self._round is None else self._round.number + 1
         self._round = Round(number=number, members=(self._node_id,), addrs=(self._local_addr,))
         self._write_member(state=MemberState.TRAINING, recovery="hot", starts=number)
         self._marks = os.path.join(self._marks_root, f"round-{number}")
         os.makedirs(self._marks, exist_ok=True)
-        os.environ[envvars.WORKER_MARKS] = self._marks
+        self._export_worker_environment()
         log.info("[%s] starting its workers (hot recovery, start %d)", self._node_id, number)
         # The agents of this node alone share this store; the workers build their own groups.
         bootstrap = RendezvousStoreInfo(master_addr=self._local_addr, master_port=get_free_port())
         return RendezvousInfo(dist.HashStore(), 0, 1, bootstrap)
+
+    def _export_worker_environment(self) -> None:
+        """Hand this start of the workers their environment: restarts spent so far, where they
+        mark, and for hot recovery its settings, this node's address and the key their
+        generations are signed with (the job's secret, bound to this run).
+
+        Through os.environ because torch offers no other channel: its LocalElasticAgent starts
+        every worker with a copy of the agent's environment plus its own variables (RANK, ...),
+        right after next_rendezvous returns."""
+        worker_environment.export(dataclasses.replace(
+            self._worker_environment, restarts=self._spent, marks_dir=self._marks or "",
+            hot=self._hot, node_addr=self._local_addr,
+            rdzv_secret=self._secret.decode() if self._secret else ""))
 
     # -- failures ----------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from elasticctl.rendezvous.view import RoundView
 log = logging.getLogger(__name__)
 
 
-class JoinCancelled(Exception):
+class JoinCancelled(ElasticctlError):
     """:meth:`RoundMember.cancel` ended a join: the node (or worker) was told to stop."""
 
 

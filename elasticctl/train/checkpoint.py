@@ -311,37 +311,32 @@ class _VerificationMemo:
 
 class _History:
     """Records ``checkpoint_written`` and ``checkpoint_failed`` in the job's event history (under elasticctl, else nothing),
-    from a background thread: a checkpoint never waits for etcd."""
+    from a background thread: a checkpoint never waits for etcd. ``environment``: the worker's,
+    if its caller decoded it already; else it is decoded at the first event."""
 
-    def __init__(self) -> None:
+    def __init__(self, environment=None) -> None:
+        self._environment = environment
         self._log: Any = None
         self._checked = False
 
     def written(self, step: int, seconds: float) -> None:
-        if not self._checked:
-            self._checked = True
-            from elasticctl.job.events import EventLog  # grpc only under elasticctl
-
-            self._log = EventLog.from_env()
-        if self._log is not None:
-            from elasticctl.job import envvars
-            from elasticctl.job.records import EventKind
-
-            self._log.record_later(EventKind.CHECKPOINT_WRITTEN, os.environ.get(envvars.NODE, ""),
-                                   step=step, duration=round(seconds, 3))
+        self._record("CHECKPOINT_WRITTEN", step=step, duration=round(seconds, 3))
 
     def failed(self, step: int, reason: str) -> None:
+        self._record("CHECKPOINT_FAILED", step=step, reason=reason)
+
+    def _record(self, kind: str, **fields) -> None:
         if not self._checked:
             self._checked = True
+            from elasticctl.job.environment import WorkerEnvironment
             from elasticctl.job.events import EventLog  # grpc only under elasticctl
 
-            self._log = EventLog.from_env()
+            self._environment = self._environment or WorkerEnvironment.from_env()
+            self._log = EventLog.from_env(self._environment)
         if self._log is not None:
-            from elasticctl.job import envvars
             from elasticctl.job.records import EventKind
 
-            self._log.record_later(EventKind.CHECKPOINT_FAILED, os.environ.get(envvars.NODE, ""),
-                                   step=step, reason=reason)
+            self._log.record_later(EventKind[kind], self._environment.node, **fields)
 
     def flush(self, timeout: float = 5.0) -> None:
         if self._log is not None:
@@ -356,10 +351,13 @@ class Checkpointer:
     the state to CPU memory and returns, and a background thread writes it;
     at most one write is in flight (the next save waits for it). :meth:`wait`
     blocks until the write in flight is committed; :meth:`close` waits too.
+    ``environment``: the worker's
+    :class:`~elasticctl.job.environment.WorkerEnvironment` if the caller decoded it (the runtime
+    does); else it is decoded at the first checkpoint event.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False,
-                 device: torch.device | str | None = None, writer_rank: int = 0) -> None:
+                 device: torch.device | str | None = None, writer_rank: int = 0, environment=None) -> None:
         if keep < 1:
             raise ConfigError(f"The number of checkpoints to keep ({keep}) must be at least 1.")
         self.rank = _rank()
@@ -375,7 +373,7 @@ class Checkpointer:
         # path -> (signature, loadable). Only the writer's commit path touches these, and at most
         # one commit runs at a time, so they need no lock.
         self._memo = _VerificationMemo(keep)
-        self._history = _History()
+        self._history = _History(environment)  # a WorkerEnvironment, or None: decoded when needed
         # The newest write failure while writes keep failing (None once one succeeds), and how
         # many failed in a row: what the runtime publishes for status, doctor and the dashboard.
         self.failure: CheckpointWriteError | None = None

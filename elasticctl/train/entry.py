@@ -5,7 +5,7 @@ worker that died at interpreter exit (a C++ destructor in gloo, NCCL or CUDA
 aborting after the script returned) makes the group FAILED, and the group would be
 started again from scratch although the training had finished. This entry runs the
 script in this process (like ``python SCRIPT``) and records, in the directory the
-rendezvous handler names in ``ELASTICCTL_WORKER_MARKS``:
+rendezvous handler names in the worker environment (:mod:`elasticctl.job.environment`):
 
 * ``started-<LOCAL_RANK>`` before the script runs;
 * ``unrecoverable-<LOCAL_RANK>``, holding one line, when the worker ends on a failure a
@@ -27,9 +27,10 @@ import os
 import runpy
 import sys
 
-from elasticctl.job.envvars import WORKER_MARKS as MARKS_ENV
+from elasticctl.job.environment import WorkerEnvironment
 
 _completed = False
+_marks_dir: str | None = None  # None: not decoded yet ("": no marks, not under elasticctl)
 _stop_requested = False
 
 
@@ -50,7 +51,10 @@ def note_unrecoverable(reason: str) -> None:
 
 
 def _mark(kind: str, text: str = "") -> None:
-    directory = os.environ.get(MARKS_ENV)
+    global _marks_dir
+    if _marks_dir is None:  # once per worker: the handler names a new directory per start
+        _marks_dir = WorkerEnvironment.from_env().marks_dir
+    directory = _marks_dir
     if directory:
         with open(os.path.join(directory, f"{kind}-{os.environ.get('LOCAL_RANK', '0')}"), "w") as mark:
             mark.write(text)

@@ -3,7 +3,7 @@
 :func:`run` calls ``train(state, group)`` for each generation of workers. The script
 ends each step with :meth:`State.commit`; a step boundary is where membership changes:
 
-* **Hot recovery** (the job runs with ``--recovery hot``: ``ELASTICCTL_HOT`` is set).
+* **Hot recovery** (the job runs with ``--recovery hot``: the worker environment has hot settings).
   Survivors never restart. A peer's crash makes the step's collective raise at once; a
   frozen peer makes it time out (the process group's timeout is the node TTL). The
   workers then tear the process group down, agree on the next generation in etcd
@@ -46,7 +46,8 @@ from elasticctl.train import script as worker_env
 from elasticctl.train import entry as worker_entry
 from elasticctl.train.checkpoint import CheckpointError, Checkpointer
 from elasticctl.errors import ElasticctlError
-from elasticctl.job import envvars
+from elasticctl.job import environment as environment_names
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.rendezvous.member import JoinCancelled
@@ -120,17 +121,18 @@ class Runtime:
         else:
             self.device, default_backend = torch.device("cpu"), "gloo"
         self.backend = backend or default_backend
-        hot = os.environ.get(envvars.HOT)
-        self.settings = HotSettings.decode(hot) if hot else None
+        # Decoded once; everything this worker's runtime starts is handed this object.
+        self.environment = WorkerEnvironment.from_env()
+        self.settings: HotSettings | None = self.environment.hot
         default_timeout = self.settings.node_ttl if self.settings else 60.0
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout or default_timeout)
-        self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir)
+        self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir, self.environment)
         self.checkpoint_every = checkpoint_every
         self.keep = keep
         self.async_checkpoint = async_checkpoint
         self._on_event = on_event
         self._wrap = wrap or _ddp
-        self.node = os.environ.get(envvars.NODE, "") or "local"
+        self.node = self.environment.node or "local"
         self.worker = f"{self.node}.{self.local_rank}"
         self._generations = None
         self._store: Any = None
@@ -255,26 +257,24 @@ class Runtime:
         if self.settings is None:
             return self._form_restart_mode()
         from elasticctl.etcd.client import EtcdClient
-        from elasticctl.job.settings import SECRET_ENV
         from elasticctl.train.generations import Generations
 
-        etcd = envvars.etcd_settings(retry_timeout=30.0)
+        etcd = self.environment.etcd_settings(retry_timeout=30.0)
         if etcd is None:
-            raise ElasticctlError(f"{envvars.HOT} is set but {envvars.ETCD} or {envvars.JOB} is not.")
+            raise ElasticctlError(f"{environment_names.HOT} is set but {environment_names.ETCD} "
+                                  f"or {environment_names.JOB} is not.")
         if self.backend == "nccl":
-            # A lost peer must raise in this process, not end it: waits throw on the timeout
-            # (the node TTL), and NCCL's watchdog only aborts the communicator (2: CleanUpOnly)
-            # instead of tearing the process down (torch's default).
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        addr = os.environ.get(envvars.NODE_ADDR) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        secret = os.environ.get(SECRET_ENV)
-        self._generations = Generations(EtcdClient(etcd), envvars.job_keys(), self.worker, addr, self.settings,
-                                        secret.encode() if secret else None)
+            # A lost peer must raise in this process, not end it (why: environment.NCCL_HOT_RECOVERY).
+            for name, value in environment_names.NCCL_HOT_RECOVERY.items():
+                os.environ.setdefault(name, value)
+        addr = self.environment.node_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        self._generations = Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
+                                        self.settings, self.environment.secret_bytes())
         return self._re_form("")
 
     def _form_restart_mode(self) -> Group:
-        ctx = worker_env.init(timeout=self.pg_timeout.total_seconds(), backend=self.backend)
+        ctx = worker_env.init(timeout=self.pg_timeout.total_seconds(), backend=self.backend,
+                              environment=self.environment)
         generation = Round(number=ctx.restart, members=())
         return self._start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
 
@@ -396,7 +396,7 @@ class Runtime:
             return None
         if self._checkpointer is None:
             return Checkpointer(self.checkpoint_dir, keep=self.keep, async_save=self.async_checkpoint,
-                                device=self.device)
+                                device=self.device, environment=self.environment)
         self._checkpointer.follow_rank(rank)
         return self._checkpointer
 
@@ -615,13 +615,14 @@ class Runtime:
         if self._progress is None:
             from elasticctl.job.progress import ProgressPublisher
 
-            self._progress = ProgressPublisher.from_env(0, recoveries=self.settings is None)
+            self._progress = ProgressPublisher.from_env(0, recoveries=self.settings is None,
+                                                        environment=self.environment)
 
     def _record(self, kind: EventKind, **fields) -> None:
         if self._events is None:
             from elasticctl.job.events import EventLog
 
-            self._events = EventLog.from_env() or False
+            self._events = EventLog.from_env(self.environment) or False
         if self._events:
             self._events.record_later(kind, self.node, **fields)
 
@@ -669,7 +670,7 @@ def _exit_stuck(worker: str) -> None:
 
 def run(state: State, train: Callable[[State, Group], object], **options: Any) -> None:
     """Train ``state`` with ``train(state, group)``, generation after generation; see the module
-    docstring. ``options``: ``checkpoint_dir`` (default ``ELASTICCTL_CHECKPOINT_DIR``),
+    docstring. ``options``: ``checkpoint_dir`` (default: the one elasticctl hands out),
     ``checkpoint_every`` (steps; 0: only a final checkpoint), ``backend``, ``wrap``
     (``(model, group) -> model``, default DDP), ``pg_timeout`` (seconds), ``keep`` (checkpoints
     kept), ``async_checkpoint`` (periodic saves written by a background thread; default on).

@@ -1,7 +1,7 @@
 """Helpers for training scripts run by ``elasticctl up`` or plain ``torchrun``.
 
 A script needs only its environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-... from torchrun; ELASTICCTL_* from elasticctl)::
+... from torchrun; elasticctl's part decoded by :mod:`elasticctl.job.environment`)::
 
     ctx = elasticctl.train.script.init(timeout=60)
     sampler = ResumableSampler(dataset)                      # elasticctl.train.sampler
@@ -30,9 +30,8 @@ import torch.distributed as dist
 
 from elasticctl.train import entry as worker_entry
 from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.job import envvars
+from elasticctl.job.environment import WorkerEnvironment
 
-CHECKPOINT_DIR_ENV = envvars.CHECKPOINT_DIR
 LR_POLICIES = ("linear", "constant-batch")
 
 
@@ -50,23 +49,28 @@ class WorkerContext:
         return self.rank == 0
 
 
-def restart_count() -> int:
+def restart_count(environment: WorkerEnvironment | None = None) -> int:
     """Restarts this node has actually spent.
 
-    elasticctl makes restarts caused by a lost peer free and says so in
-    ELASTICCTL_RESTARTS; torchrun's own TORCHELASTIC_RESTART_COUNT counts those too.
+    elasticctl makes restarts caused by a lost peer free and says so in the worker
+    environment's ``restarts``; torchrun's own TORCHELASTIC_RESTART_COUNT counts those too.
+    ``environment``: the worker's, if the caller decoded it already.
     """
-    value = os.environ.get(envvars.RESTARTS) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-    return int(value)
+    environment = environment or WorkerEnvironment.from_env()
+    if environment.restarts is not None:
+        return environment.restarts
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
 
 
-def init(timeout: float = 60.0, backend: str | None = None) -> WorkerContext:
+def init(timeout: float = 60.0, backend: str | None = None,
+         environment: WorkerEnvironment | None = None) -> WorkerContext:
     """Join the process group described by the environment and pick this worker's device.
 
     Backend: NCCL when CUDA is available (device ``cuda:LOCAL_RANK``), else gloo on
     the CPU. ``timeout`` (seconds) bounds every collective: short, so a peer that
     hangs is noticed and the job re-forms instead of waiting torch's default 30
     minutes. Without torchrun's variables the script runs as a world of one.
+    ``environment``: elasticctl's part of it, if the caller decoded it already.
     """
     if timeout <= 0:
         raise ConfigError(f"The process-group timeout ({timeout:g} s) must be positive.")
@@ -85,7 +89,7 @@ def init(timeout: float = 60.0, backend: str | None = None) -> WorkerContext:
         else:  # plain `python script.py`: a world of one, no rendezvous
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
     return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                         device=device, backend=backend, restart=restart_count())
+                         device=device, backend=backend, restart=restart_count(environment))
 
 
 def shutdown() -> None:
@@ -99,9 +103,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def checkpoint_dir(flag: str | None) -> str | None:
-    """The checkpoint directory: the trainer's flag, else the one elasticctl hands out, else none."""
-    return flag or os.environ.get(CHECKPOINT_DIR_ENV) or None
+def checkpoint_dir(flag: str | None, environment: WorkerEnvironment | None = None) -> str | None:
+    """The checkpoint directory: the trainer's flag, else the one elasticctl hands out, else none.
+    ``environment``: the worker's, if the caller decoded it already."""
+    if flag:
+        return flag
+    return (environment or WorkerEnvironment.from_env()).checkpoint_dir or None
 
 
 def reduce_mean(value: float | torch.Tensor, device: torch.device | None = None) -> float:
@@ -157,19 +164,23 @@ class GracefulStop:
         sys.exit(0)
 
 
-class PeerLeaving(RuntimeError):
-    """Raised on ranks whose peers were told to stop: the agent restarts them in the smaller world."""
+class PeerLeaving(ElasticctlError, RuntimeError):
+    """Raised on ranks whose peers were told to stop: the agent restarts them in the smaller world.
+
+    Also a ``RuntimeError``, as it always was: a script may catch it as one."""
 
 
-def run(train, *args) -> None:
-    """Call ``train(*args)`` as a script's main: a peer leaving or a user mistake exits in one line.
+def run_main(main, *args) -> None:
+    """Call ``main(*args)`` as a script's main: a peer leaving or a user mistake exits in one line.
+
+    (Not the elastic runtime: that is :func:`elasticctl.train.run`.)
 
     PeerLeaving exits 1 (the agent re-forms the job without the leaver); an
     ElasticctlError (bad flag, unreadable checkpoint directory) exits 2.
     """
     prog = os.path.basename(sys.argv[0])
     try:
-        train(*args)
+        main(*args)
     except PeerLeaving as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -7,11 +7,13 @@ step, every time it runs (a node whose own workers keep failing).
 import argparse
 import datetime
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from elasticctl.job.environment import WorkerEnvironment
+from elasticctl.train.script import restart_count
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--record", required=True)
@@ -22,8 +24,9 @@ parser.add_argument("--fail-at", type=int, default=5)
 args = parser.parse_args()
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-node = os.environ.get("ELASTICCTL_NODE", "")
-restart = int(os.environ.get("ELASTICCTL_RESTARTS", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+environment = WorkerEnvironment.from_env()
+node = environment.node
+restart = restart_count(environment)
 with open(args.record, "a", buffering=1) as record:
     for step in range(args.steps):
         if node == args.fail_node and step == args.fail_at:

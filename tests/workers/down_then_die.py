@@ -8,10 +8,12 @@ import os
 import signal
 import sys
 
-from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.registry import Registry
 
-client = EtcdClient(EtcdSettings.from_string(os.environ["ELASTICCTL_ETCD"]))
-Registry(client, os.environ["ELASTICCTL_JOB"], os.environ["ELASTICCTL_KEY_PREFIX"]).request_down()
+environment = WorkerEnvironment.from_env()
+client = EtcdClient(environment.etcd_settings(retry_timeout=30.0))
+Registry(client, environment.job, environment.key_prefix).request_down()
 os.kill(os.getppid(), signal.SIGKILL)
 sys.exit(1)

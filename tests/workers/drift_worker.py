@@ -14,6 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from elasticctl.job.environment import WorkerEnvironment
+
+ENVIRONMENT = WorkerEnvironment.from_env()
 parser = argparse.ArgumentParser()
 parser.add_argument("--record", required=True)
 parser.add_argument("--hold", default=None)
@@ -22,7 +25,7 @@ args = parser.parse_args()
 
 def record(event: str, **fields) -> None:
     with open(args.record, "a") as out:
-        out.write(json.dumps({"event": event, "node": os.environ.get("ELASTICCTL_NODE", ""),
+        out.write(json.dumps({"event": event, "node": ENVIRONMENT.node,
                               "rank": int(os.environ["RANK"]), "pid": os.getpid(), "time": time.time(),
                               **fields}) + "\n")
 

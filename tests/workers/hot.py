@@ -17,6 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import elasticctl.train as elastic
+from elasticctl.job.environment import WorkerEnvironment
+
+ENVIRONMENT = WorkerEnvironment.from_env()
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--record", required=True)
@@ -67,7 +70,7 @@ def train(state: elastic.State, group: elastic.Group) -> None:
             loss.backward()
             record.write(json.dumps({
                 "step": state.step, "generation": group.number, "rank": group.rank,
-                "world_size": group.world_size, "node": os.environ.get("ELASTICCTL_NODE"), "pid": os.getpid(),
+                "world_size": group.world_size, "node": ENVIRONMENT.node, "pid": os.getpid(),
                 "epoch": state.sampler.epoch, "position": state.sampler.consumed, "batch": len(index),
                 "indices": index.tolist(), "loss": round(loss.item(), 6), "params": before, "time": time.time(),
             }) + "\n")
@@ -79,4 +82,4 @@ def train(state: elastic.State, group: elastic.Group) -> None:
 
 elastic.run(state, train, checkpoint_every=args.checkpoint_every)
 record.write(json.dumps({"event": "done", "step": state.step, "pid": os.getpid(), "time": time.time(),
-                         "node": os.environ.get("ELASTICCTL_NODE")}) + "\n")
+                         "node": ENVIRONMENT.node}) + "\n")
