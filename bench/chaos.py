@@ -39,7 +39,7 @@ import psutil
 from bench import accounting
 from bench.cluster import Cluster, Node, wait_for
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.etcd.server import EmbeddedEtcd
+from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]

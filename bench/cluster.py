@@ -21,7 +21,7 @@ import psutil
 
 from elasticctl import processes
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 from elasticctl.job.settings import DEFAULT_NODE_TTL
 from elasticctl.job.registry import Registry
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from elasticctl import processes as procs
-from elasticctl.etcd.server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
+from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
 from elasticctl.job.spec import whole_number
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ from bench import plot, report, scenarios
 from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.etcd.server import EmbeddedEtcd, etcd_version, find_etcd_binary
+from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

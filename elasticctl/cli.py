@@ -105,7 +105,7 @@ def cli(verbose: bool) -> None:
               callback=_checked_name("etcd member name"), help="The etcd member name.")
 def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
     """Run a standalone single-member etcd (v3 API only) until interrupted."""
-    from elasticctl.etcd.server import EmbeddedEtcd
+    from elasticctl.embedded_etcd import EmbeddedEtcd
 
     server = EmbeddedEtcd(
         data_dir=data_dir, listen_host=listen, advertise_host=advertise,
@@ -143,7 +143,7 @@ def etcd_options(func):
 
 
 def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
-    from elasticctl.etcd.server import embedded_endpoint
+    from elasticctl.embedded_etcd import embedded_endpoint
 
     endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
     if not endpoints:
@@ -318,7 +318,7 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     other hosts is printed.
     """
     from elasticctl import launcher
-    from elasticctl.etcd.server import EmbeddedEtcd, check_listen_host, free_port
+    from elasticctl.embedded_etcd import EmbeddedEtcd, check_listen_host, free_port
 
     if script is None:
         raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
@@ -387,14 +387,14 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
             raise
     finally:
         if server is not None:
-            from elasticctl.etcd.server import forget_embedded
+            from elasticctl.embedded_etcd import forget_embedded
 
             forget_embedded(os.getpid())
             server.stop()
 
 
 def _start_embedded(server, job: str) -> None:
-    from elasticctl.etcd.server import remember_embedded
+    from elasticctl.embedded_etcd import remember_embedded
 
     server.start()
     try:
@@ -530,7 +530,7 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
     """
     from elasticctl import doctor as checks
     from elasticctl import launcher
-    from elasticctl.etcd.server import embedded_endpoint
+    from elasticctl.embedded_etcd import embedded_endpoint
     from elasticctl.job.registry import list_jobs
 
     settings = client = etcd_error = registry = None

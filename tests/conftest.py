@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.etcd.server import EmbeddedEtcd, etcd_version, find_etcd_binary
+from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary
 
 
 def _etcd_binaries() -> dict[str, str]:

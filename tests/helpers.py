@@ -141,7 +141,7 @@ def write_tls_material(directory: Path) -> None:
 
 def start_tls_etcd(directory: Path):
     """An etcd that requires TLS client certificates; returns (server, client TLS options)."""
-    from elasticctl.etcd.server import EmbeddedEtcd, free_port
+    from elasticctl.embedded_etcd import EmbeddedEtcd, free_port
 
     write_tls_material(directory)
     tls = {"cacert": str(directory / "ca.pem"), "cert": str(directory / "client.pem"),

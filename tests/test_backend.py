@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 from elasticctl.rendezvous.state import seal_state
 from elasticctl.rendezvous.backend import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, RunLease
 

@@ -24,7 +24,7 @@ from test_cli import ELASTICCTL
 from elasticctl.errors import ConfigError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.lease import Lease
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
 from elasticctl.job.spec import JobSpec, validate_name
 

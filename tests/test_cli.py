@@ -12,7 +12,7 @@ import psutil
 import pytest
 from helpers import MLP, read_records, wait_for
 
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 

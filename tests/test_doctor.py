@@ -27,7 +27,7 @@ from elasticctl.doctor import (
     Status,
 )
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 from elasticctl.etcd.lease import Lease
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, NODE_FIELDS, Registry, typed_record
 from elasticctl.job.spec import JobSpec

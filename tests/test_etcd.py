@@ -19,7 +19,7 @@ from elasticctl.errors import (
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, parse_endpoints
 from elasticctl.etcd.lease import Lease
 from elasticctl.etcd.retry import Backoff, poll, retry
-from elasticctl.etcd.server import EmbeddedEtcd, find_etcd_binary, free_port
+from elasticctl.embedded_etcd import EmbeddedEtcd, find_etcd_binary, free_port
 from elasticctl.rendezvous.backend import EtcdRendezvousBackend
 
 

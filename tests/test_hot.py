@@ -17,7 +17,7 @@ import torch
 from helpers import read_records, wait_for
 
 from bench.accounting import check_replicas, check_samples
-from elasticctl.etcd.server import EmbeddedEtcd
+from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.settings import HotSettings
 
 HOT = str(Path(__file__).parent / "workers" / "hot.py")

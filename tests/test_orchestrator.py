@@ -152,7 +152,7 @@ def test_join_errors_are_one_sentence(default_etcd, run_id, tmp_path):
     assert missing.returncode != 0 and "The job 'no-such-job' does not exist" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
 
-    from elasticctl.etcd.server import free_port
+    from elasticctl.embedded_etcd import free_port
 
     port = free_port()
     unreachable = cli("join", "--etcd", f"127.0.0.1:{port}", timeout=60)
@@ -247,7 +247,7 @@ def test_repeatedly_failing_node_is_quarantined_while_the_others_train(job):
 
 
 def test_etcd_blip_does_not_stop_training(nodes, run_id, tmp_path):
-    from elasticctl.etcd.server import EmbeddedEtcd, free_port
+    from elasticctl.embedded_etcd import EmbeddedEtcd, free_port
 
     etcd = EmbeddedEtcd(data_dir=str(tmp_path / "etcd"), client_port=free_port(), peer_port=free_port())
     with etcd:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind, ProgressSample

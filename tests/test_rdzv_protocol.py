@@ -10,7 +10,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.etcd.server import EmbeddedEtcd
+from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Declaration
 from elasticctl.rendezvous.member import RoundMember

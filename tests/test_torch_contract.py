@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import read_records, wait_for
 
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 
 WORKERS = Path(__file__).parent / "workers"
 DRIFT_AGENT = str(WORKERS / "drift_agent.py")

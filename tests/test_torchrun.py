@@ -7,7 +7,7 @@ import time
 import pytest
 from helpers import read_records, torchrun_command, wait_for
 
-from elasticctl.etcd.server import free_port
+from elasticctl.embedded_etcd import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -180,7 +180,7 @@ def test_progress_publisher_rate_limits_and_never_blocks_on_a_dead_etcd(default_
     import pyetcd
 
     from elasticctl.etcd.client import EtcdSettings
-    from elasticctl.etcd.server import free_port
+    from elasticctl.embedded_etcd import free_port
     from elasticctl.job.progress import ProgressPublisher
 
     update = {"epoch": 0, "loss": 1.0, "samples_per_s": 1.0, "world_size": 1, "last_checkpoint_step": None}

@@ -186,7 +186,7 @@ def export(environment: WorkerEnvironment, environ: MutableMapping[str, str] = o
 # -- variables read outside the worker chain -------------------------------------------
 
 def etcd_binary(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The etcd server binary the user named, if any (checked by elasticctl.etcd.server)."""
+    """The etcd server binary the user named, if any (checked by elasticctl.embedded_etcd)."""
     return environ.get(ETCD_BINARY) or None
 
 
