@@ -9,9 +9,11 @@ at once (nobody else to blame), so each failure's charge is known when the call 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job import envvars
@@ -22,17 +24,18 @@ from elasticctl.job.registry import Registry
 
 @pytest.fixture
 def handler_for(default_etcd, run_id, monkeypatch):
-    """``handler_for(**rdzv_conf)``: node a's handler for the run, shut down at teardown."""
+    """``handler_for(node="a", max_nodes=1, **rdzv_conf)``: a node's handler for the run (min_nodes 1),
+    shut down at teardown."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
     # The handler hands its workers their environment through this process's: restored after.
-    monkeypatch.setenv(envvars.NODE, "a")
     for name in (envvars.RESTARTS, envvars.WORKER_MARKS):
         monkeypatch.delenv(name, raising=False)
     made = []
 
-    def make(**conf):
-        params = RendezvousParameters("etcd3", default_etcd.endpoint, run_id, 1, 1, local_addr="127.0.0.1",
+    def make(node="a", max_nodes=1, **conf):
+        monkeypatch.setenv(envvars.NODE, node)  # read when the handler is created
+        params = RendezvousParameters("etcd3", default_etcd.endpoint, run_id, 1, max_nodes, local_addr="127.0.0.1",
                                       **conf)
         made.append(rendezvous_handler_registry.create_handler(params))
         return made[-1]
@@ -150,3 +153,19 @@ def test_repeated_own_failures_sit_out_a_quarantine_then_train_again(handler_for
     kinds = [e.kind for e in events if e.node == "a"]
     assert EventKind.QUARANTINED in kinds
     assert kinds.index(EventKind.QUARANTINED) > kinds.index(EventKind.FAILURE_JUDGED)
+
+
+def test_a_newcomer_restarts_the_workers_without_spending_a_restart(handler_for):
+    # max_restarts=0: a restart charged to node a would stop it.
+    a = handler_for("a", max_nodes=2, max_restarts=0, last_call_timeout=1)
+    assert a.next_rendezvous().world_size == 1  # alone after the last call
+    b = handler_for("b", max_nodes=2, max_restarts=0, last_call_timeout=1)
+    joined = {}
+    newcomer = threading.Thread(target=lambda: joined.update(info=b.next_rendezvous()), daemon=True)
+    newcomer.start()
+    wait_for(a.num_nodes_waiting, 30, "node a to see node b waiting")
+    again = a.next_rendezvous()  # the agent stopped its workers for the change, and asks again
+    newcomer.join(30)
+    assert again.world_size == 2 and joined["info"].world_size == 2
+    assert {again.rank, joined["info"].rank} == {0, 1}
+    assert a.restarts_spent == 0
