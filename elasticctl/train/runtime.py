@@ -147,17 +147,21 @@ class Runtime:
         self._wrap = wrap or _ddp
         self.node = os.environ.get(envvars.NODE, "") or "local"
         self.worker = f"{self.node}.{self.local_rank}"
+        # Everything below changes on the training thread (the SIGTERM handler runs there too,
+        # between two bytecodes); the no-step watchdog and the stop timer only read phase and
+        # _last_boundary, each replaced whole.
         self.phase = Phase.FORMING
         self.store: Any = None  # the current generation's TCPStore (hot mode), kept alive with its group
         self._checkpointer: Checkpointer | None = None
         self._group: Group | None = None  # the current generation's, while the phase is TRAINING (and its end)
-        self._flags: torch.Tensor | None = None
-        self._flag_work: Any = None
-        self._leaving = False
-        self._leaving_sent = False
+        # This boundary's flags, summed asynchronously over the group, read at the next boundary.
+        self._flags_sent: tuple[torch.Tensor, Any] | None = None  # (the flags, torch's Work)
+        self._leaving = False       # told to stop (SIGTERM); acted on at an agreed boundary
+        self._leaving_sent = False  # _leaving as this worker sent it with the last flags
         self._noticed_at: float | None = None  # when this worker noticed the fault or change
-        self._recovery_started_at: float | None = None
-        self._first_step_pending = False
+        # When the fault or change this generation recovers from was noticed; cleared once its
+        # first step is recorded (None: the generation ends no recovery, or it is recorded).
+        self._recovering_since: float | None = None
         self._failures_at: tuple[int, int] = (-1, 0)  # (step, failures there in a row)
         self._events: Any = None
         self._progress: Any = None
@@ -311,7 +315,7 @@ class Runtime:
         self._group = group
         self.phase = Phase.TRAINING
         self._noticed_at = None
-        self._flags = self._flag_work = None
+        self._flags_sent = None
         log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank,
                  world_size, self.state.step, f" (state from rank {sent_from})" if sent_from is not None else "")
         if rank == 0:
@@ -320,15 +324,14 @@ class Runtime:
                 duration = None if noticed_at is None else round(time.time() - noticed_at, 3)
                 self._record(EventKind.ROUND_FORMED, round=generation.number, members=generation.members,
                              world_size=world_size, duration=duration, reason="workers' generation (hot)")
-        self._recovery_started_at = noticed_at
-        self._first_step_pending = noticed_at is not None
+        self._recovering_since = noticed_at
         self._last_boundary = time.monotonic()  # steps (and silences) count from here
         self._samples_since = (time.monotonic(), 0)
         return group
 
     def teardown(self) -> None:
         """Take the process group down, bounded: one that will not come down ends the worker."""
-        self._flags = self._flag_work = None
+        self._flags_sent = None
         self._group = None
         if not dist.is_initialized():
             return
@@ -424,11 +427,12 @@ class Runtime:
 
     def _flags_in_flight(self) -> Agreed | None:
         """The flags sent at the previous boundary, agreed on since (None: none in flight)."""
-        if self._flag_work is None:
+        if self._flags_sent is None:
             return None
-        self._flag_work.wait()
-        self._flag_work = None
-        pending, leaving = (int(v) for v in self._flags.tolist())
+        flags, work = self._flags_sent
+        work.wait()
+        self._flags_sent = None
+        pending, leaving = (int(v) for v in flags.tolist())
         return Agreed(pending, leaving, self._group.world_size)
 
     def _send_flags(self, group: Group) -> Agreed | None:
@@ -439,16 +443,16 @@ class Runtime:
         self._leaving_sent = self._leaving
         if group.world_size == 1:
             return Agreed(int(pending), int(self._leaving), 1)
-        self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
-        self._flag_work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, async_op=True)
+        flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
+        self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True))
         return self._flags_in_flight() if self.membership.agreed_at_once else None
 
     def _record_first_step(self, group: Group) -> None:
         """The first step of a generation formed after a fault or change ends that recovery."""
-        if self._first_step_pending and group.rank == 0:
-            self._first_step_pending = False
+        if self._recovering_since is not None and group.rank == 0:
             self._record(EventKind.RECOVERY_FINISHED, round=group.number, world_size=group.world_size,
-                         step=self.state.step, duration=round(time.time() - self._recovery_started_at, 3))
+                         step=self.state.step, duration=round(time.time() - self._recovering_since, 3))
+            self._recovering_since = None
 
     def _publish_progress(self, group: Group, samples: int, loss: float | None) -> None:
         if self._progress is None or group.rank != 0:
@@ -495,8 +499,8 @@ class Runtime:
     def _finish(self) -> None:
         self.phase = Phase.FINISHED
         self._final_checkpoint()
-        if self._flag_work is not None:
-            self._flag_work.wait()
+        if self._flags_sent is not None:
+            self._flags_sent[1].wait()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # every rank done with its collectives before gloo's pairs close
         self.membership.leave()
