@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 
 from elasticctl.job.records import MemberState
 from elasticctl.rendezvous.verdicts import quarantine_due
@@ -125,7 +125,7 @@ def when_asked_for_waiting(in_round: bool, left: bool, worker_finished: bool, bu
     return Waiting.MEMBERSHIP
 
 
-def kill_for_lost(lost: Set[str] | tuple[str, ...], states: Mapping[str, str]) -> bool:
+def kill_for_lost(lost: Iterable[str], states: Mapping[str, str]) -> bool:
     """Whether this node's workers are killed at once for members gone from its round: yes
     unless every one left gracefully (its workers then wait in a collective on a dead peer)."""
     return any(states.get(node) != MemberState.LEFT for node in lost)
