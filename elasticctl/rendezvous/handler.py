@@ -23,6 +23,10 @@ seals it with one transaction, everyone learns it by watch. On top of the protoc
   nothing: a worker that died after another exited 0 (an abort at interpreter exit)
   would have the whole group started again from scratch. Workers mark what they
   did (:mod:`elasticctl.train.entry`); a group with a finished worker is ended.
+
+What the node does is decided by the pure rules of :mod:`elasticctl.rendezvous.policy` (and
+whose fault a failure was by :mod:`elasticctl.rendezvous.verdicts`); this class gathers the
+facts for them from the workers' marks, the watched view and etcd, and acts on the answer.
 """
 
 from __future__ import annotations
@@ -56,7 +60,21 @@ from elasticctl.job.records import EventKind, MemberState, Round, record_json
 from elasticctl.job.settings import HotSettings
 from elasticctl.rendezvous.member import RoundMember
 from elasticctl.rendezvous.rounds import Settings
-from elasticctl.rendezvous.verdicts import Evidence, Verdict, failure_verdict, quarantine_due
+from elasticctl.rendezvous.policy import (
+    Budget,
+    BudgetRules,
+    NodeAction,
+    NodeDecision,
+    RequestAction,
+    Waiting,
+    after_workers_ended,
+    before_join,
+    charge,
+    kill_for_lost,
+    on_request,
+    when_asked_for_waiting,
+)
+from elasticctl.rendezvous.verdicts import Evidence, Verdict, failure_verdict
 from elasticctl.rendezvous.view import RoundView
 from elasticctl.job.registry import Registry, now, request_for
 from elasticctl.etcd.watch import WatchedKeys
@@ -81,9 +99,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._node_id = node_id
         self._local_addr = local_addr
         self._node_ttl = node_ttl
-        self._max_restarts = max_restarts
-        self._quarantine_after = quarantine_after
-        self._quarantine_window = quarantine_window
+        self._rules = BudgetRules(max_restarts, quarantine_after, quarantine_window)
         self._quarantine_seconds = quarantine_seconds
         self._store_factory = store_factory
         self._hot = hot
@@ -95,27 +111,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._events = EventLog(client, self._keys)
         self._member = RoundMember(client, self._view, node_id, local_addr, settings, node_ttl, join_timeout,
                                    run_lease, os.getpid())
+        # Three threads use this handler: torch's agent (the torch contract), the watch thread
+        # of leave/down requests (_on_requests) and verdict threads (_judge, charging a failure
+        # judged after the node re-joined). Fields shared between them are behind _lock, or
+        # _record_lock for the member record; the rest belong to the agent's thread alone.
         self._lock = threading.Lock()
+        self._budget = Budget()   # _lock: charged by the agent's and the verdict threads
+        self._left = False        # _lock: left the round for good (a request, a stop); set by the agent or watch thread
+        self._closed = False      # _lock: this handler closed the run (its view stops at shutdown)
+        self._record_lock = threading.Lock()
+        self._record: dict = {}   # _record_lock: the member record as last written, by any thread
+        # The agent's thread alone. _round is replaced whole; the watch thread only reads it, once, for a message.
         self._round: Round | None = None
-        self._record: dict = {}
-        self._changed = False     # the last restart was a membership change, not a failure
-        self._spent = 0
-        self._counted_at: list[float] = []
-        self._stop_reason: str | None = None
-        self._quarantine = False
-        self._left = False
+        self._changed = False     # the last restart was a membership change (or our own verdict), not a failure
         self._crashed = False
         self._finished = False
-        self._closed = False  # this handler closed the run (its view stops at shutdown)
         self._finished_peers: frozenset[str] = frozenset()  # members of this round that finished
-        self._stopping = threading.Event()  # shutdown() began: background work ends
         self._shut_down = False
         self._verdicts: list[threading.Thread] = []
+        self._stopping = threading.Event()  # shutdown() began: background work ends
         # Workers mark here which of them finished their script (see elasticctl/train/entry.py).
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
-        self._requested = threading.Event()
         self._requests = WatchedKeys(client, registry.keys.control, self._on_requests).start()
 
     # -- torch's contract ----------------------------------------------------------------
@@ -133,11 +151,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def is_closed(self) -> bool:
         # The watched view learns of a close asynchronously and stops at shutdown(): a close
         # this handler wrote itself is known at once, also after shutdown().
-        return self._closed or self._view.closed
+        with self._lock:
+            closed = self._closed
+        return closed or self._view.closed
 
     def set_closed(self) -> None:
         self._view.close(self._run_lease.id())
-        self._closed = True
+        with self._lock:
+            self._closed = True
 
     @property
     def node_id(self) -> str:
@@ -145,7 +166,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     @property
     def restarts_spent(self) -> int:
-        return self._spent
+        with self._lock:
+            return self._budget.spent
 
     def next_rendezvous(self) -> RendezvousInfo:
         try:
@@ -159,26 +181,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
             raise
 
     def _next_rendezvous(self) -> RendezvousInfo:
-        if self._hot is not None:
-            return self._next_hot()
-        if self._round is not None and not self._changed:
-            # Workers failed (the agent did not stop them for a change): did any finish first?
-            started, done = self._worker_marks()
-            if done:
-                self._end_after_finish(started, done)
-            self._stop_if_unrecoverable()
-        if self._round is not None and not self._changed:
-            self._workers_failed(self._round)
+        # The agent asks again after its workers ended, or (restart mode) after it stopped them
+        # for a membership change or our own verdict (num_nodes_waiting said so).
+        workers_ended = self._round is not None and (self._hot is not None or not self._changed)
         self._changed = False
-        with self._lock:
-            stop_reason, quarantine = self._stop_reason, self._quarantine
-            self._quarantine = False
-        if stop_reason:
-            self._left = True  # so that torchrun's shutdown does not close the job for the others
-            self._leave(MemberState.FAILED)
-            _stop_agent(stop_reason)
-        if quarantine:
-            self._sit_out_quarantine()
+        self._before_joining(workers_ended)
+        if self._hot is not None:
+            return self._start_hot()
         current = self._view.round
         if current is not None and self._node_id not in current.members:
             # A node joining a running job (or back from a freeze) is a change the history tells;
@@ -208,14 +217,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, rank, sealed.world_size, bootstrap)
 
     def num_nodes_waiting(self) -> int:
-        if self._round is None or self._left or self._worker_marks()[1]:
-            return 0  # a finished worker: the group is ending, a restart would train again
+        worker_finished = self._round is not None and bool(self._worker_marks()[1])
         with self._lock:
-            if self._stop_reason or self._quarantine:
-                self._changed = True  # our own verdict, not a new failure
-                return 1
-        if self._hot is not None:
-            return 0  # the workers re-form by themselves
+            waiting = when_asked_for_waiting(self._round is not None, self._left, worker_finished,
+                                             self._budget, self._hot is not None)
+        if waiting is Waiting.OWN_VERDICT:
+            self._changed = True  # our own verdict, not a new failure
+            return 1
+        if waiting is Waiting.NONE:
+            return 0
         change = self._member.change(self._finished_peers)
         states: dict[str, str] = {}
         if change.lost:
@@ -237,7 +247,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         why += ["round superseded"] if change.superseded else []
         log.warning("[%s] round %d: %s; restarting workers without spending a restart",
                     self._node_id, self._round.number, "; ".join(why))
-        if any(states.get(node) != MemberState.LEFT for node in change.lost):
+        if kill_for_lost(change.lost, states):
             self._kill_workers()
         return change.count
 
@@ -252,7 +262,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # torchrun calls shutdown from a `finally`: an exception in flight means the agent
         # crashed (a refused record, etcd gone for good), not that the workers succeeded.
         crashed = self._crashed or (sys.exc_info()[0] is not None and not self._finished)
-        if not self._left:  # a node that left recorded why when it did
+        with self._lock:
+            left = self._left
+        if not left:  # a node that left recorded why when it did
             try:
                 if crashed:
                     self._write_member(state=MemberState.FAILED, reason="agent crashed", lease=self._run_lease.id())
@@ -274,29 +286,53 @@ class EtcdRendezvousHandler(RendezvousHandler):
         shutil.rmtree(self._marks_root, ignore_errors=True)
         return True
 
+    def _before_joining(self, workers_ended: bool) -> None:
+        """What every round starts with, in both modes (rendezvous/policy.py decides): the end
+        of the last round's workers (complete, a stop, or a failure to judge or charge), then
+        a stop or a quarantine the budget calls for."""
+        if workers_ended:
+            started, done = self._worker_marks()
+            decision = after_workers_ended(self._node_id, self._hot is not None, started, done,
+                                           self._unrecoverable())
+            if decision.action is NodeAction.END:
+                log.warning("[%s] round %d: every worker finished its script (local ranks %s) and one died "
+                            "afterwards, at interpreter exit: the job is complete, not starting it again",
+                            self._node_id, self._round.number, ", ".join(sorted(done)))
+                # torch's RendezvousGracefulExitError would be the documented way out, but torch
+                # 2.14's launch_agent then calls .is_failed() on the None run() returns; torchrun's
+                # main treats SystemExit(0) as success, and shutdown() records "done".
+                raise SystemExit(0)
+            if decision.action is NodeAction.STOP:
+                if decision.failure_event:
+                    self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number,
+                                              reason=decision.cause)
+                self._stop(decision)
+            if decision.action is NodeAction.JUDGE:
+                self._workers_failed(self._round)
+            if decision.action is NodeAction.CHARGE:
+                self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number,
+                                          reason="could not recover in process")
+                self._charge(self._round)
+        with self._lock:
+            decision, self._budget = before_join(self._budget)
+        if decision.action is NodeAction.STOP:
+            self._stop(decision)
+        if decision.action is NodeAction.QUARANTINE:
+            self._sit_out_quarantine()
+
+    def _stop(self, decision: NodeDecision) -> None:
+        """Leave the round as failed and end torchrun with ``decision``'s message."""
+        with self._lock:
+            self._left = True  # so that torchrun's shutdown does not close the job for the others
+        self._leave(MemberState.FAILED, **({} if decision.cause is None else {"reason": decision.cause}))
+        _stop_agent(decision.message)
+
     # -- hot recovery --------------------------------------------------------------------
 
-    def _next_hot(self) -> RendezvousInfo:
+    def _start_hot(self) -> RendezvousInfo:
         """Hot recovery: the workers form their generations themselves (elasticctl.train); the
         agent starts them in a round of this node alone, and again only when they failed in a
         way the runtime could not recover from in process, which is this node's own failure."""
-        if self._round is not None:
-            started, done = self._worker_marks()
-            if done:
-                self._end_after_finish(started, done)
-            self._stop_if_unrecoverable()
-            self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number,
-                                      reason="could not recover in process")
-            self._charge(self._round)
-        with self._lock:
-            stop_reason, quarantine = self._stop_reason, self._quarantine
-            self._quarantine = False
-        if stop_reason:
-            self._left = True
-            self._leave(MemberState.FAILED)
-            _stop_agent(stop_reason)
-        if quarantine:
-            self._sit_out_quarantine()
         number = 1 if self._round is None else self._round.number + 1
         self._round = Round(number=number, members=(self._node_id,), addrs=(self._local_addr,))
         self._write_member(state=MemberState.TRAINING, recovery="hot", starts=number)
@@ -317,7 +353,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         every worker with a copy of the agent's environment plus its own variables (RANK, ...),
         right after next_rendezvous returns."""
         worker_environment.export(dataclasses.replace(
-            self._worker_environment, restarts=self._spent, marks_dir=self._marks or "",
+            self._worker_environment, restarts=self.restarts_spent, marks_dir=self._marks or "",
             hot=self._hot, node_addr=self._local_addr,
             rdzv_secret=self._secret.decode() if self._secret else ""))
 
@@ -345,35 +381,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
         except OSError:
             return None
         return None
-
-    def _stop_if_unrecoverable(self) -> None:
-        """A worker said a restart would fail the same way (its final checkpoint cannot be
-        written): the node stops, naming why, without spending a restart on it."""
-        reason = self._unrecoverable()
-        if reason is None:
-            return
-        stop = f"The node '{self._node_id}' stops without restarting its workers: {reason}"
-        self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number, reason=reason)
-        self._left = True  # so that torchrun's shutdown does not close the job for the others
-        self._leave(MemberState.FAILED, reason=reason)
-        _stop_agent(stop)
-
-    def _end_after_finish(self, started: set[str], done: set[str]) -> None:
-        """The agent wants a new round although workers of this one finished: end instead."""
-        failed = sorted(started - done)
-        if not failed:
-            log.warning("[%s] round %d: every worker finished its script (local ranks %s) and one died "
-                        "afterwards, at interpreter exit: the job is complete, not starting it again",
-                        self._node_id, self._round.number, ", ".join(sorted(done)))
-            # torch's RendezvousGracefulExitError would be the documented way out, but torch
-            # 2.14's launch_agent then calls .is_failed() on the None run() returns; torchrun's
-            # main treats SystemExit(0) as success, and shutdown() records "done".
-            raise SystemExit(0)
-        reason = (f"local worker(s) {', '.join(failed)} failed after local worker(s) "
-                  f"{', '.join(sorted(done))} had finished; the group is not started again")
-        self._left = True  # the others are not told the job is over: on this node it is not
-        self._leave(MemberState.FAILED, reason=reason)
-        _stop_agent(f"The node '{self._node_id}' stops: {reason}.")
 
     def _workers_failed(self, failed: Round) -> None:
         """Record the failure and re-join at once; the verdict follows from the evidence."""
@@ -426,33 +433,24 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return True
 
     def _charge(self, failed: Round) -> None:
+        """One own failure (on the agent's thread, or a verdict thread's)."""
         with self._lock:
-            self._spent += 1
-            self._counted_at.append(time.monotonic())
-            spent = self._spent
-            log.warning("[%s] workers failed on their own in round %d (%d so far)",
-                        self._node_id, failed.number, spent)
-            if self._max_restarts is not None and spent > self._max_restarts:
-                self._stop_reason = (
-                    f"The node '{self._node_id}' stops: its workers failed {spent} times, more than the "
-                    f"{self._max_restarts} restarts allowed; the other nodes continue."
-                )
-            elif self._quarantine_after is not None and quarantine_due(
-                    self._counted_at, time.monotonic(), self._quarantine_window, self._quarantine_after):
-                self._quarantine = True
-                self._counted_at.clear()
-        self._ignore_errors(lambda: self._write_member(restarts=spent))
-        if self._stop_reason:
+            self._budget = budget = charge(self._budget, self._rules, self._node_id, time.monotonic())
+        log.warning("[%s] workers failed on their own in round %d (%d so far)",
+                    self._node_id, failed.number, budget.spent)
+        self._ignore_errors(lambda: self._write_member(restarts=budget.spent))
+        if budget.stop_reason:
             self._events.record_later(EventKind.OVER_BUDGET, self._node_id, round=failed.number,
-                                      reason=self._stop_reason)
+                                      reason=budget.stop_reason)
 
     def _sit_out_quarantine(self) -> None:
         until = time.time() + self._quarantine_seconds
         log.warning("[%s] failed %d times within %.0f s: quarantined for %.0f s", self._node_id,
-                    self._quarantine_after, self._quarantine_window, self._quarantine_seconds)
+                    self._rules.quarantine_after, self._rules.quarantine_window, self._quarantine_seconds)
         self._events.record_later(EventKind.QUARANTINED, self._node_id,
-                                  reason=f"failed {self._quarantine_after} times within "
-                                         f"{self._quarantine_window:.0f} s; sits out {self._quarantine_seconds:.0f} s")
+                                  reason=f"failed {self._rules.quarantine_after} times within "
+                                         f"{self._rules.quarantine_window:.0f} s; sits out "
+                                         f"{self._quarantine_seconds:.0f} s")
         self._leave(MemberState.QUARANTINED, until=round(until, 3))
         time.sleep(self._quarantine_seconds)  # the cooldown itself, not a synchronisation
 
@@ -488,13 +486,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
     # -- membership ----------------------------------------------------------------------
 
     def _write_member(self, lease: int | None = None, **fields) -> None:
-        self._record = {**self._record, **fields, "node": self._node_id, "addr": self._local_addr,
-                        "pid": os.getpid(), "restarts": self._spent, "since": now()}
-        key, value = self._keys.member(self._node_id), record_json(self._record)
-        if lease is not None:
-            self._client.put(key, value, lease=lease)
-        else:
-            self._member.bound_to_lease(lambda member_lease: self._client.put(key, value, lease=member_lease))
+        # Held through the put: of two threads' writes, the one merged last is written last.
+        # (Lock order: _record_lock, then _lock; nothing holding _lock writes the record.)
+        with self._record_lock:
+            self._record = {**self._record, **fields, "node": self._node_id, "addr": self._local_addr,
+                            "pid": os.getpid(), "restarts": self.restarts_spent, "since": now()}
+            key, value = self._keys.member(self._node_id), record_json(self._record)
+            if lease is not None:
+                self._client.put(key, value, lease=lease)
+            else:
+                self._member.bound_to_lease(lambda member_lease: self._client.put(key, value, lease=member_lease))
 
     def _leave(self, state: MemberState, **fields) -> None:
         """Leave the round now: the others see it at once, not after node_ttl."""
@@ -525,17 +526,19 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _on_requests(self, controls: dict[str, bytes]) -> None:
         """On the watch thread, at once: also while the node is joining a round."""
         request = request_for(controls, self._node_id)
-        if request is None or self._requested.is_set() or self._left:
-            return
-        self._requested.set()
-        where = f"round {self._round.number}" if self._round is not None else "the rendezvous"
+        with self._lock:  # decided and marked at once: the agent's thread may be stopping the node
+            action = on_request(request, self._left)
+            if action is RequestAction.IGNORE:
+                return
+            self._left = True
+        current = self._round  # the agent's field: read once
+        where = f"round {current.number}" if current is not None else "the rendezvous"
         log.warning("[%s] %s requested: leaving %s", self._node_id, request, where)
-        self._left = True
         # Written now, on the watch thread: the SIGTERM below ends this process soon.
         self._events.record(EventKind.DOWN_REQUESTED if request == "down" else EventKind.LEAVE_REQUESTED,
-                            self._node_id, round=None if self._round is None else self._round.number,
+                            self._node_id, round=None if current is None else current.number,
                             reason=f"leaving {where}")
-        if request == "down":
+        if action is RequestAction.LEAVE_AND_CLOSE:
             self._ignore_errors(self.set_closed)
         self._leave(MemberState.LEFT)
         # The agent turns SIGTERM into a clean stop of its workers (SIGTERM first, so

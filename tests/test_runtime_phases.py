@@ -1,0 +1,135 @@
+"""The runtime's phases, in process: one worker (a world of one, gloo on the CPU).
+
+Restart mode as a plain ``python script.py`` runs it; hot mode on a real etcd, with the
+environment the node's handler would give it. The training function, the ``wrap`` hook
+(called while a generation forms) and ``on_event`` note the runtime's phase.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from elasticctl.job import envvars
+from elasticctl.job.settings import HotSettings
+from elasticctl.train.membership import HotMembership, RestartMembership
+from elasticctl.train.runtime import Phase, Runtime
+from elasticctl.train.state import State
+
+
+def _state() -> State:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return State(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _step(state: State) -> None:
+    state.model(torch.randn(3, 4)).sum().backward()
+    state.commit(samples=3)
+
+
+class Trace:
+    """The phases a run went through, as its hooks saw them."""
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+        self.seen: list[tuple[str, Phase]] = []
+
+    def note(self, what: str) -> None:
+        self.seen.append((what, self.runtime.phase))
+
+    def wrap(self, model, group):
+        self.note(f"wrap {group.number}")  # while the generation forms
+        return model
+
+    def on_event(self, kind, **fields):
+        if kind == "final_checkpoint":
+            self.note(f"final_checkpoint signalled={fields['signalled']}")
+
+
+@pytest.fixture
+def worker_env(monkeypatch, tmp_path):
+    """One worker outside torchrun: no rank variables, no elasticctl ones but the checkpoints'."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", envvars.HOT,
+                 envvars.ETCD, envvars.JOB, envvars.NODE_ADDR, envvars.RESTARTS, envvars.WORKER_MARKS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(envvars.NODE, "a")
+    return tmp_path / "checkpoints"
+
+
+def _runtime(trace: Trace, checkpoints) -> Runtime:
+    trace.runtime = Runtime(_state(), checkpoint_dir=str(checkpoints), wrap=trace.wrap, on_event=trace.on_event,
+                            async_checkpoint=False)
+    return trace.runtime
+
+
+def test_restart_mode_trains_and_finishes(worker_env):
+    trace = Trace()
+    runtime = _runtime(trace, worker_env)
+    assert isinstance(runtime.membership, RestartMembership) and runtime.phase is Phase.FORMING
+
+    def train(state, group):
+        while state.step < 3:
+            _step(state)
+            trace.note(f"step {state.step}")
+
+    runtime.run(train)
+    assert trace.seen == [("wrap 0", Phase.FORMING), ("step 1", Phase.TRAINING), ("step 2", Phase.TRAINING),
+                          ("step 3", Phase.TRAINING)]
+    assert runtime.phase is Phase.FINISHED
+    assert sorted(p.name for p in worker_env.iterdir())  # the final checkpoint of step 3 is written
+
+
+def test_restart_mode_stops_for_the_agent_at_the_boundary_after_sigterm(worker_env):
+    trace = Trace()
+    runtime = _runtime(trace, worker_env)
+
+    def train(state, group):
+        while True:
+            _step(state)
+            trace.note(f"step {state.step}")
+            if state.step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers
+
+    runtime.run(train)
+    assert trace.seen == [("wrap 0", Phase.FORMING), ("step 1", Phase.TRAINING), ("step 2", Phase.TRAINING),
+                          ("final_checkpoint signalled=True", Phase.LEAVING)]
+    assert runtime.state.step == 3  # the boundary of step 3 is the one that acts on the stop
+    assert runtime.phase is Phase.FINISHED
+
+
+def test_hot_mode_re_forms_in_process_after_a_failure_and_leaves_with_the_job(worker_env, default_etcd, run_id,
+                                                                                monkeypatch):
+    monkeypatch.setenv(envvars.ETCD, default_etcd.endpoint)
+    monkeypatch.setenv(envvars.JOB, run_id)
+    monkeypatch.setenv(envvars.NODE_ADDR, "127.0.0.1")
+    monkeypatch.setenv(envvars.HOT, HotSettings(min_nodes=1, max_nodes=1, node_ttl=5).encode())
+    trace = Trace()
+    runtime = _runtime(trace, worker_env)
+    assert isinstance(runtime.membership, HotMembership) and runtime.phase is Phase.FORMING
+    failed = []
+
+    def train(state, group):
+        while True:
+            _step(state)
+            trace.note(f"step {state.step}")
+            if state.step == 2 and not failed:
+                failed.append(group.number)
+                raise RuntimeError("a peer's collective failed")  # recovered in process
+            if state.step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    runtime.run(train)
+    first = failed[0]
+    assert trace.seen == [
+        (f"wrap {first}", Phase.FORMING), ("step 1", Phase.TRAINING), ("step 2", Phase.TRAINING),
+        (f"wrap {first + 1}", Phase.RE_FORMING), ("step 3", Phase.TRAINING), ("step 4", Phase.TRAINING),
+        # alone, it leaves with the whole job: a final checkpoint
+        ("final_checkpoint signalled=True", Phase.LEAVING),
+    ]
+    assert runtime.phase is Phase.FINISHED
