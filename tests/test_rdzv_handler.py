@@ -16,7 +16,7 @@ import pytest
 from helpers import wait_for
 
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.job import envvars
+from elasticctl.job import environment
 from elasticctl.job.events import EventLog
 from elasticctl.job.records import EventKind
 from elasticctl.job.registry import Registry
@@ -29,12 +29,12 @@ def handler_for(default_etcd, run_id, monkeypatch):
     from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
     # The handler hands its workers their environment through this process's: restored after.
-    for name in (envvars.RESTARTS, envvars.WORKER_MARKS):
+    for name in (environment.RESTARTS, environment.WORKER_MARKS):
         monkeypatch.delenv(name, raising=False)
     made = []
 
     def make(node="a", max_nodes=1, **conf):
-        monkeypatch.setenv(envvars.NODE, node)  # read when the handler is created
+        monkeypatch.setenv(environment.NODE, node)  # read when the handler is created
         params = RendezvousParameters("etcd3", default_etcd.endpoint, run_id, 1, max_nodes, local_addr="127.0.0.1",
                                       **conf)
         made.append(rendezvous_handler_registry.create_handler(params))
@@ -60,7 +60,7 @@ def records(default_etcd, run_id):
 
 def workers_ended(started=("0",), done=()) -> None:
     """What the workers of the current round marked before they ended."""
-    marks = Path(os.environ[envvars.WORKER_MARKS])
+    marks = Path(os.environ[environment.WORKER_MARKS])
     for rank in started:
         (marks / f"started-{rank}").write_text("")
     for rank in done:
@@ -70,13 +70,13 @@ def workers_ended(started=("0",), done=()) -> None:
 def test_failures_are_charged_until_the_node_stops_over_budget(handler_for, records):
     handler = handler_for(max_restarts=1, quarantine_after=5)
     first = handler.next_rendezvous()
-    assert (first.rank, first.world_size, os.environ[envvars.RESTARTS]) == (0, 1, "0")
+    assert (first.rank, first.world_size, os.environ[environment.RESTARTS]) == (0, 1, "0")
 
     workers_ended()
     assert handler.num_nodes_waiting() == 0  # a failure is no membership change
     second = handler.next_rendezvous()       # the agent restarts its workers: charged at once
     assert handler.restarts_spent == 1
-    assert os.environ[envvars.RESTARTS] == "1"  # the restarted workers see the count
+    assert os.environ[environment.RESTARTS] == "1"  # the restarted workers see the count
     members, _ = records()
     assert members["a"]["state"] == "training" and members["a"]["restarts"] == 1
     assert members["a"]["round"] == 2 and second.world_size == 1
@@ -131,7 +131,7 @@ def test_an_unrecoverable_worker_stops_the_node_without_spending_a_restart(handl
     handler = handler_for(max_restarts=3)
     handler.next_rendezvous()
     workers_ended()
-    Path(os.environ[envvars.WORKER_MARKS], "unrecoverable-0").write_text("the disk is full")
+    Path(os.environ[environment.WORKER_MARKS], "unrecoverable-0").write_text("the disk is full")
     with pytest.raises(SystemExit) as stop:
         handler.next_rendezvous()
     assert stop.value.code == 1

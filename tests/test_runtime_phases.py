@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from elasticctl.job import envvars
+from elasticctl.job import environment
 from elasticctl.job.settings import HotSettings
 from elasticctl.train.membership import HotMembership, RestartMembership
 from elasticctl.train.runtime import Phase, Runtime
@@ -54,11 +54,11 @@ class Trace:
 @pytest.fixture
 def worker_env(monkeypatch, tmp_path):
     """One worker outside torchrun: no rank variables, no elasticctl ones but the checkpoints'."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", envvars.HOT,
-                 envvars.ETCD, envvars.JOB, envvars.NODE_ADDR, envvars.RESTARTS, envvars.WORKER_MARKS):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", environment.HOT,
+                 environment.ETCD, environment.JOB, environment.NODE_ADDR, environment.RESTARTS, environment.WORKER_MARKS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv(envvars.NODE, "a")
+    monkeypatch.setenv(environment.NODE, "a")
     return tmp_path / "checkpoints"
 
 
@@ -105,10 +105,10 @@ def test_restart_mode_stops_for_the_agent_at_the_boundary_after_sigterm(worker_e
 
 def test_hot_mode_re_forms_in_process_after_a_failure_and_leaves_with_the_job(worker_env, default_etcd, run_id,
                                                                                 monkeypatch):
-    monkeypatch.setenv(envvars.ETCD, default_etcd.endpoint)
-    monkeypatch.setenv(envvars.JOB, run_id)
-    monkeypatch.setenv(envvars.NODE_ADDR, "127.0.0.1")
-    monkeypatch.setenv(envvars.HOT, HotSettings(min_nodes=1, max_nodes=1, node_ttl=5).encode())
+    monkeypatch.setenv(environment.ETCD, default_etcd.endpoint)
+    monkeypatch.setenv(environment.JOB, run_id)
+    monkeypatch.setenv(environment.NODE_ADDR, "127.0.0.1")
+    monkeypatch.setenv(environment.HOT, HotSettings(min_nodes=1, max_nodes=1, node_ttl=5).encode())
     trace = Trace()
     runtime = _runtime(trace, worker_env)
     assert isinstance(runtime.membership, HotMembership) and runtime.phase is Phase.FORMING
