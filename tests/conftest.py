@@ -1,8 +1,11 @@
-"""Fixtures: real etcd servers on free loopback ports (v2 API off), one per installed version."""
+"""Fixtures of every layer (tests/unit, tests/contract, tests/process, tests/netns): real etcd
+servers on free loopback ports (v2 API off), one per installed version; the nodes, jobs, rendezvous
+runs and process group that tests of several files share. Shared code lives in tests/support."""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -10,6 +13,11 @@ import pytest
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary
+
+# tests/ on the path, whatever the import mode: `from support.helpers import ...` in every layer
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 
 def _etcd_binaries() -> dict[str, str]:
@@ -62,11 +70,10 @@ def run_id() -> str:
     return f"test-{uuid.uuid4().hex[:10]}"
 
 
-
 @pytest.fixture
 def nodes(tmp_path):
     """Start nodes with ``nodes(name, command)``; every one is stopped at teardown, even on failure."""
-    from helpers import Node
+    from support.helpers import Node
 
     started: list[Node] = []
 
@@ -78,3 +85,45 @@ def nodes(tmp_path):
     yield start
     for node in started:
         node.stop()
+
+
+@pytest.fixture
+def job(nodes, default_etcd, run_id, tmp_path):
+    """``job(**kwargs)``: a Job of real `elasticctl up`/`join` nodes on the default etcd."""
+    from support.jobs import Job
+
+    created = []
+
+    def make(**kwargs) -> Job:
+        created.append(Job(nodes, default_etcd, run_id, tmp_path, **kwargs))
+        return created[-1]
+
+    yield make
+    for j in created:
+        j.client.close()
+
+
+@pytest.fixture
+def run(default_etcd, run_id):
+    """``run(settings, **kwargs)``: members of one rendezvous run, each with its own client and view."""
+    from support.rendezvous import Run
+
+    runs: list[Run] = []
+
+    def make(settings, **kwargs) -> Run:
+        runs.append(Run(default_etcd, run_id, settings, **kwargs))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A world of one (gloo, in-process store), for the collectives of ShardedCheckpointer."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

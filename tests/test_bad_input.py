@@ -16,10 +16,9 @@ import subprocess
 import psutil
 import pytest
 import yaml
-from helpers import MLP
+from support.helpers import ELASTICCTL, MLP
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cli import ELASTICCTL
 
 from elasticctl.errors import ConfigError
 from elasticctl.etcd.client import EtcdClient

@@ -13,11 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.helpers import REPO
 
 from bench import report, scenarios
 from bench.cluster import SYSTEMS, Cluster, Record
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _step(t: float, step: int, world: int, rank: int, node: str) -> dict:

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
+from support.helpers import REPO
 
 from bench import report
 from bench.rendezvous import BACKENDS, parse_max_agents, planned
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import wait_for
+from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
+from support.helpers import wait_for
 from torch import nn
 
 from elasticctl.train import checkpoint
@@ -25,20 +25,6 @@ from elasticctl.train.checkpoint import (
     check_directory,
 )
 from elasticctl.errors import ConfigError
-from elasticctl.train.sampler import ResumableSampler
-
-
-def make_state(seed: int = 0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    sampler = ResumableSampler(range(100), num_replicas=1, rank=0)
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()
-    scheduler.step()
-    sampler.advance(30)
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
 
 
 def test_round_trip_restores_everything_and_the_random_streams(tmp_path):
@@ -184,16 +170,6 @@ def test_sigkill_during_a_save_leaves_a_loadable_newest_checkpoint(tmp_path):
         assert torch.all(payload["state"]["model"]["bias"] == payload["step"])
 
 
-class CreatesAFile:
-    """Pickles to a call of open(path, "w"): unpickling it unrestricted creates ``path``."""
-
-    def __init__(self, path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self):
-        return open, (self.path, "w")
-
-
 def plant(directory, name: str, data: bytes) -> None:
     """A file with a correct digest next to it, as someone with write access could leave it."""
     (directory / name).write_bytes(data)
@@ -247,31 +223,6 @@ def test_pruning_reads_each_file_once_and_still_keeps_the_newest_n(tmp_path, mon
         ckpt.save(step, model=nn.Linear(2, 2))
     assert sorted(read) == ["step-99999991.pt", "step-99999992.pt", "step-99999993.pt"]
     assert [s for s, _ in ckpt.checkpoints() if s < 1000] == [5, 4]
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A world of one (gloo, in-process store), for the collectives of ShardedCheckpointer."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def sharded_state(seed: int):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def write_manifest(directory) -> None:
-    """A valid manifest for what the directory holds now, as anyone with write access can make."""
-    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in directory.iterdir() if p.name != checkpoint.MANIFEST}
-    (directory / checkpoint.MANIFEST).write_text(
-        json.dumps({"format": checkpoint.MANIFEST_FORMAT, "files": files}))
 
 
 def test_sharded_round_trip_writes_a_manifest_and_keeps_the_newest_n(tmp_path, process_group):

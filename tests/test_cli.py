@@ -5,17 +5,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MLP, read_records, wait_for
+from support.helpers import ELASTICCTL, MLP, read_records, wait_for
 
 from elasticctl.embedded_etcd import free_port
-
-ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
-
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*ELASTICCTL, *args], check=False, capture_output=True, text=True, timeout=timeout)

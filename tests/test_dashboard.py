@@ -5,19 +5,17 @@ browser during a real job: tests/test_dashboard_browser.py."""
 from __future__ import annotations
 
 import json
-import re
-import signal
 import socket
 import subprocess
 import urllib.error
 import urllib.request
 
 import pytest
-from helpers import wait_for
+from support.dashboard import Dashboard
+from support.helpers import cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from test_orchestrator import ELASTICCTL, cli
 
 from elasticctl.dashboard.model import Reading, histogram, job_metrics, job_view, samples_series
 from elasticctl.etcd.client import EtcdClient
@@ -393,36 +391,6 @@ def test_random_readings_never_break_the_page_or_the_metrics(
 
 
 # -- the server against a real etcd -----------------------------------------------------------
-
-
-class Dashboard:
-    """`elasticctl dashboard` as a process on a free loopback port; stopped by ``stop``."""
-
-    def __init__(self, endpoint: str, *args: str) -> None:
-        self.process = subprocess.Popen(
-            [*ELASTICCTL, "dashboard", "--etcd", endpoint, "--listen", "127.0.0.1:0", *args],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = self.process.stderr.readline()  # the first line says where it listens
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
-        if not found:
-            self.stop()
-            raise AssertionError(f"the dashboard did not start: {line}{self.process.stderr.read()}")
-        self.url = found.group(0)
-
-    def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.url + path, timeout=30) as response:
-            return response.read()
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(15)
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from support.dashboard import Dashboard
+from support.helpers import wait_for
+from support.jobs import TRAIN, Job
 from prometheus_client.parser import text_string_to_metric_families
-from test_dashboard import Dashboard
-from test_orchestrator import TRAIN, Job
 
 from elasticctl.job.events import EventLog
 from elasticctl.job.records import Event, EventKind

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.helpers import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 COMPOSE = ROOT / "compose.yaml"
 K8S = ROOT / "deploy" / "k8s"

@@ -12,8 +12,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from helpers import MLP
-from test_cli import ELASTICCTL
+from support.helpers import ELASTICCTL, MLP
 
 from elasticctl import doctor
 from elasticctl.cli import cli

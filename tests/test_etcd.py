@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import start_tls_etcd, wait_for
+from support.helpers import start_tls_etcd, wait_for
 
 from elasticctl import processes
 from elasticctl.errors import (

@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-from helpers import wait_for
-from test_orchestrator import ELASTICCTL, TRAIN, Job, cli
+from support.helpers import ELASTICCTL, cli, wait_for
+from support.jobs import TRAIN, Job
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog, recovery_start, render_line

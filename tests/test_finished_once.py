@@ -25,7 +25,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import read_records
+from support.helpers import read_records
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.registry import Registry

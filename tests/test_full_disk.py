@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MLP, read_records, torchrun_command, wait_for
+from support.helpers import MLP, read_records, torchrun_command, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.test import Client
 

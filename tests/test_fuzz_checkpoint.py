@@ -26,13 +26,7 @@ import pytest
 import torch
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-from test_checkpoint import (  # noqa: F401 - process_group is a fixture
-    CreatesAFile,
-    make_state,
-    process_group,
-    sharded_state,
-    write_manifest,
-)
+from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
 from torch import nn
 
 from elasticctl.train import checkpoint
@@ -260,7 +254,7 @@ def test_a_payload_that_would_run_code_is_skipped_and_never_runs(
 # -- sharded checkpoints --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory, process_group):  # noqa: F811 - the imported fixture
+def sharded(tmp_path_factory, process_group):
     """A real sharded checkpoint at step 1 (model and Adam state)."""
     directory = tmp_path_factory.mktemp("sharded")
     model, optimizer = sharded_state(0)

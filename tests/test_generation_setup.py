@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
+from support.helpers import WORKERS
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-SETUP = str(Path(__file__).parent / "workers" / "pg_setup.py")
+SETUP = str(WORKERS / "pg_setup.py")
 
 
 def test_a_set_up_that_failed_on_one_worker_does_not_spoil_the_next_generation():

@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import torchrun_command
+from support.helpers import WORKERS, torchrun_command
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.registry import Registry
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
-DOWN_THEN_DIE = str(Path(__file__).parent / "workers" / "down_then_die.py")
+DOWN_THEN_DIE = str(WORKERS / "down_then_die.py")
 
 
 @pytest.mark.slow

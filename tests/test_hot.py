@@ -1,6 +1,6 @@
 """Hot recovery with real worker processes on a real etcd: survivors keep their processes.
 
-The workers (tests/workers/hot.py) run elasticctl.train directly, without torchrun: the
+The workers (tests/support/workers/hot.py) run elasticctl.train directly, without torchrun: the
 runtime needs only its environment (etcd, job, node, address, hot settings). Every wait is
 on the workers' JSON record, never a sleep.
 """
@@ -10,17 +10,16 @@ from __future__ import annotations
 import collections
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_records, wait_for
+from support.helpers import WORKERS, read_records, wait_for
 
 from bench.accounting import check_replicas, check_samples
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.settings import HotSettings
 
-HOT = str(Path(__file__).parent / "workers" / "hot.py")
+HOT = str(WORKERS / "hot.py")
 
 
 class HotJob:

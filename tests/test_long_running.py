@@ -12,8 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from helpers import wait_for
-from test_rdzv_protocol import run  # noqa: F401 - the fixture
+from support.helpers import wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys

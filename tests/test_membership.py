@@ -4,8 +4,7 @@ charge anyone a restart, and the ranks of the nodes that stay are kept (issue 11
 from __future__ import annotations
 
 import pytest
-from helpers import wait_for
-from test_orchestrator import cli, job  # noqa: F401 - the fixture, and the CLI runner
+from support.helpers import cli, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ import sys
 import time
 
 import pytest
-from helpers import MLP, read_records, wait_for
-from netns import NetnsError, Topology, existing_namespaces, sweep_stale, unavailable_reason
+from support.helpers import MLP, read_records, wait_for
+from support.netns import NetnsError, Topology, existing_namespaces, sweep_stale, unavailable_reason
 
 pytestmark = [
     pytest.mark.slow,

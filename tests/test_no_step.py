@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, wait_for
+from support.helpers import WORKERS, wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog
@@ -20,7 +20,7 @@ from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
 from elasticctl.train.runtime import EXIT_STOPPED_WITHOUT_BOUNDARY, STOP_BOUND, no_step_warning_after
 
-NO_COMMIT = str(REPO / "tests" / "workers" / "no_commit.py")
+NO_COMMIT = str(WORKERS / "no_commit.py")
 
 
 @pytest.mark.parametrize(("node_ttl", "seconds"), [(None, 120.0), (5.0, 120.0), (60.0, 120.0), (90.0, 180.0)])

@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from test_orchestrator import cli, job  # noqa: F401 - the fixture, and the CLI runner
+from support.helpers import cli
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog, render_line

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import wait_for
+from support.helpers import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

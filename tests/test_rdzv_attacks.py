@@ -11,7 +11,7 @@ import pickle
 import time
 
 import pytest
-from helpers import read_records, torchrun_command, wait_for
+from support.helpers import read_records, torchrun_command, wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.settings import DEFAULT_KEY_PREFIX

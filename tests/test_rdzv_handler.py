@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from support.helpers import wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job import environment

@@ -17,11 +17,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import read_records, wait_for
+from support.helpers import WORKERS, read_records, wait_for
 
 from elasticctl.embedded_etcd import free_port
 
-WORKERS = Path(__file__).parent / "workers"
 DRIFT_AGENT = str(WORKERS / "drift_agent.py")
 DRIFT_WORKER = str(WORKERS / "drift_worker.py")
 

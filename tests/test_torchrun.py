@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import read_records, torchrun_command, wait_for
+from support.helpers import read_records, torchrun_command, wait_for
 
 from elasticctl.embedded_etcd import free_port
 

@@ -8,7 +8,7 @@ import sys
 
 import psutil
 import pytest
-from helpers import MLP, REPO, read_records, torchrun_command, wait_for
+from support.helpers import MLP, REPO, read_records, torchrun_command, wait_for
 
 pytestmark = pytest.mark.slow
 

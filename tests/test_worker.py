@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import MLP, read_records, torchrun_command, wait_for
+from support.helpers import MLP, read_records, torchrun_command, wait_for
 
 from elasticctl.train.checkpoint import Checkpointer
 from elasticctl.etcd.client import EtcdClient

@@ -16,8 +16,14 @@ import psutil
 
 from elasticctl import processes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MLP = str(REPO / "trainers" / "mlp.py")
+WORKERS = Path(__file__).resolve().parent / "workers"  # scripts the tests run by path
+ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*ELASTICCTL, *args], check=False, capture_output=True, text=True, timeout=timeout)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):

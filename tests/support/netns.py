@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Self
 
 import psutil
-from helpers import Node
+from support.helpers import Node
 
 from elasticctl import processes
 
