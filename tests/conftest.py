@@ -127,3 +127,36 @@ def process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def worker_env(monkeypatch, tmp_path):
+    """One worker outside torchrun: no rank variables, no elasticctl ones but the checkpoints'.
+    Returns its checkpoint directory."""
+    from elasticctl.job import environment
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", environment.HOT,
+                 environment.ETCD, environment.JOB, environment.NODE_ADDR, environment.RESTARTS, environment.WORKER_MARKS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(environment.NODE, "a")
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def history(default_etcd, run_id):
+    """Three events of a job in etcd's history: (endpoint, job, now, the EventLog)."""
+    import time
+
+    from elasticctl.job.events import EventLog
+    from elasticctl.job.keys import JobKeys
+    from elasticctl.job.records import EventKind
+
+    client = EtcdClient(default_etcd.client_settings())
+    log = EventLog(client, JobKeys(run_id))
+    now = time.time()
+    log.record(EventKind.NODE_JOINED, "a", at=now - 100, reason="host h1")
+    log.record(EventKind.ROUND_FORMED, "a", at=now - 50, round=1, members=("a", "b"), world_size=2)
+    log.record(EventKind.RECOVERY_FINISHED, "a", at=now - 10, round=2, duration=4.25)
+    yield default_etcd.endpoint, run_id, now, log
+    client.close()

@@ -6,23 +6,13 @@ import threading
 import time
 
 import pytest
+from support.rendezvous import torch_state
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
 from elasticctl.embedded_etcd import free_port
 from elasticctl.rendezvous.state import seal_state
 from elasticctl.rendezvous.backend import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, RunLease
-
-
-def torch_state(round_: int) -> bytes:
-    """A real torch rendezvous state (the backend refuses anything else), told apart by its round."""
-    import pickle
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    state = getattr(dynamic_rendezvous, "_RendezvousState")()  # noqa: B009 - torch's private state class
-    state.round = round_
-    return pickle.dumps(state)
 
 
 S0, S1, S2, S3 = (torch_state(n) for n in range(4))

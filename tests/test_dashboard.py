@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from support.dashboard import Dashboard
+from support.dashboard import MEMBER, NODE, NOW, Dashboard, sample
 from support.helpers import cli, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,21 +23,11 @@ from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Event, EventKind, ProgressSample
 
-NOW = 1_700_000_100.0
-
 
 def ev(t: float, kind: EventKind, node: str = "a", **fields) -> bytes:
     return Event(time=NOW - t, kind=kind, node=node, **fields).to_json().encode()
 
 
-def sample(t: float, step: int, loss: float | None = None, world: int | None = None) -> bytes:
-    return ProgressSample(time=NOW - t, step=step, loss=loss, world_size=world).to_json().encode()
-
-
-NODE = (
-    b'{"id": "a", "host": "h1", "addr": "10.0.0.1", "gpus": 2, "state": "running", "joined_at": 1}'
-)
-MEMBER = b'{"node": "a", "state": "training", "round": 3, "rank": 0, "restarts": 1}'
 GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000, b'{"kind": 5}']
 
 

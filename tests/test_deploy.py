@@ -22,13 +22,22 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.helpers import REPO
+from support.deploy import (
+    COMPOSE,
+    DOCKERFILE,
+    K8S,
+    ROOT,
+    SBATCH,
+    container,
+    k8s_docs,
+    k8s_objects,
+    load_compose,
+    option,
+    pod_spec,
+    script_of,
+    trainer_services,
+)
 
-ROOT = REPO
-DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-COMPOSE = ROOT / "compose.yaml"
-K8S = ROOT / "deploy" / "k8s"
-SBATCH = ROOT / "deploy" / "slurm" / "elasticctl.sbatch"
 RECIPES = [DOCKERFILE, COMPOSE, SBATCH, *sorted(K8S.rglob("*.yaml"))]
 OFFICIAL_ETCD_IMAGES = ("gcr.io/etcd-development/etcd:", "quay.io/coreos/etcd:")
 
@@ -73,21 +82,6 @@ def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
     return excluded
 
 
-def option(args: list[str], name: str) -> str | None:
-    """The value of `--name=value` or `--name value` among args, else None."""
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def script_of(args: list[str]) -> str:
-    """The first argument that is a .py path: the training script of an `up` line."""
-    return next(a for a in args if a.endswith(".py"))
-
-
 def seconds(value) -> float:
     """Compose durations ("90s", "1m30s") or plain numbers, in seconds."""
     if isinstance(value, (int, float)):
@@ -103,40 +97,6 @@ def size_bytes(value) -> int:
         return value
     amount, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(value).lower()).groups()
     return int(amount) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[unit]
-
-
-def load_compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
-
-
-def trainer_services(compose: dict) -> dict[str, dict]:
-    return {name: svc for name, svc in compose["services"].items() if (svc.get("command") or [None])[0] == "up"}
-
-
-def k8s_docs(path: Path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def k8s_objects(directory: Path) -> dict[tuple[str, str], dict]:
-    """Every object under a kustomization's resources, keyed by (kind, name)."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    objects = {}
-    for resource in kustomization.get("resources", []):
-        target = directory / resource
-        if target.is_dir():
-            objects.update(k8s_objects(target))
-        else:
-            for doc in k8s_docs(target):
-                objects[(doc["kind"], doc["metadata"]["name"])] = doc
-    return objects
-
-
-def pod_spec(obj: dict) -> dict:
-    return obj["spec"]["template"]["spec"]
-
-
-def container(obj: dict, name: str) -> dict:
-    return next(c for c in pod_spec(obj)["containers"] if c["name"] == name)
 
 
 def env_var(cont: dict, name: str) -> dict:

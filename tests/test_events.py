@@ -152,18 +152,6 @@ def test_events_recorded_later_keep_their_order_and_time(etcd_client, run_id):
 # -- elasticctl events --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def history(default_etcd, run_id):
-    client = EtcdClient(default_etcd.client_settings())
-    log = EventLog(client, JobKeys(run_id))
-    now = time.time()
-    log.record(EventKind.NODE_JOINED, "a", at=now - 100, reason="host h1")
-    log.record(EventKind.ROUND_FORMED, "a", at=now - 50, round=1, members=("a", "b"), world_size=2)
-    log.record(EventKind.RECOVERY_FINISHED, "a", at=now - 10, round=2, duration=4.25)
-    yield default_etcd.endpoint, run_id, now, log
-    client.close()
-
-
 def test_events_prints_one_line_per_event_or_json(history):
     endpoint, job, now, _ = history
     text = cli("events", "--etcd", endpoint, "--job", job)

@@ -10,62 +10,12 @@ from __future__ import annotations
 import os
 import signal
 
-import pytest
-import torch
-from torch import nn
+from support.runtime_phases import Trace, _runtime, _step
 
 from elasticctl.job import environment
 from elasticctl.job.settings import HotSettings
 from elasticctl.train.membership import HotMembership, RestartMembership
-from elasticctl.train.runtime import Phase, Runtime
-from elasticctl.train.state import State
-
-
-def _state() -> State:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    return State(model, torch.optim.SGD(model.parameters(), lr=0.1))
-
-
-def _step(state: State) -> None:
-    state.model(torch.randn(3, 4)).sum().backward()
-    state.commit(samples=3)
-
-
-class Trace:
-    """The phases a run went through, as its hooks saw them."""
-
-    def __init__(self) -> None:
-        self.runtime: Runtime | None = None
-        self.seen: list[tuple[str, Phase]] = []
-
-    def note(self, what: str) -> None:
-        self.seen.append((what, self.runtime.phase))
-
-    def wrap(self, model, group):
-        self.note(f"wrap {group.number}")  # while the generation forms
-        return model
-
-    def on_event(self, kind, **fields):
-        if kind == "final_checkpoint":
-            self.note(f"final_checkpoint signalled={fields['signalled']}")
-
-
-@pytest.fixture
-def worker_env(monkeypatch, tmp_path):
-    """One worker outside torchrun: no rank variables, no elasticctl ones but the checkpoints'."""
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", environment.HOT,
-                 environment.ETCD, environment.JOB, environment.NODE_ADDR, environment.RESTARTS, environment.WORKER_MARKS):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv(environment.NODE, "a")
-    return tmp_path / "checkpoints"
-
-
-def _runtime(trace: Trace, checkpoints) -> Runtime:
-    trace.runtime = Runtime(_state(), checkpoint_dir=str(checkpoints), wrap=trace.wrap, on_event=trace.on_event,
-                            async_checkpoint=False)
-    return trace.runtime
+from elasticctl.train.runtime import Phase
 
 
 def test_restart_mode_trains_and_finishes(worker_env):

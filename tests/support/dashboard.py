@@ -1,4 +1,5 @@
-"""`elasticctl dashboard` as a real process on a free loopback port."""
+"""Records as the dashboard reads them from etcd, and `elasticctl dashboard` as a real process on a
+free loopback port."""
 
 from __future__ import annotations
 
@@ -8,6 +9,20 @@ import subprocess
 import urllib.request
 
 from support.helpers import ELASTICCTL
+
+from elasticctl.job.records import ProgressSample
+
+NOW = 1_700_000_100.0
+
+
+def sample(t: float, step: int, loss: float | None = None, world: int | None = None) -> bytes:
+    return ProgressSample(time=NOW - t, step=step, loss=loss, world_size=world).to_json().encode()
+
+
+NODE = (
+    b'{"id": "a", "host": "h1", "addr": "10.0.0.1", "gpus": 2, "state": "running", "joined_at": 1}'
+)
+MEMBER = b'{"node": "a", "state": "training", "round": 3, "rank": 0, "restarts": 1}'
 
 
 class Dashboard:

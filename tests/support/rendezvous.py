@@ -1,4 +1,5 @@
-"""Members of one run against a real etcd, each with its own client and view."""
+"""Rendezvous states torch would write, and members of one run against a real etcd, each with its
+own client and view."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ from elasticctl.job.keys import JobKeys
 from elasticctl.rendezvous.member import RoundMember
 from elasticctl.rendezvous.rounds import Settings
 from elasticctl.rendezvous.view import RoundView
+
+
+def torch_state(round_: int) -> bytes:
+    """A real torch rendezvous state (the backend refuses anything else), told apart by its round."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    state = getattr(dynamic_rendezvous, "_RendezvousState")()  # noqa: B009 - torch's private state class
+    state.round = round_
+    return pickle.dumps(state)
 
 
 class Run:
