@@ -1,6 +1,10 @@
 """A script that never reaches a step boundary (issue 23, item 10): the worker says so, in its log
 and as a ``no_step`` event; a function that returns at step 0 is warned about; a SIGTERM that no
-boundary answers ends the worker within the runtime's bound, in one line."""
+boundary answers ends the worker within the runtime's bound, in one line.
+
+Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
+subject: tests/unit/test_no_step_warning.py.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from support.helpers import WORKERS, wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
-from elasticctl.train.runtime import EXIT_STOPPED_WITHOUT_BOUNDARY, STOP_BOUND, no_step_warning_after
+from elasticctl.train.runtime import EXIT_STOPPED_WITHOUT_BOUNDARY, STOP_BOUND
+
 
 NO_COMMIT = str(WORKERS / "no_commit.py")
-
-
-@pytest.mark.parametrize(("node_ttl", "seconds"), [(None, 120.0), (5.0, 120.0), (60.0, 120.0), (90.0, 180.0)])
-def test_no_step_warning_after(node_ttl, seconds):
-    assert no_step_warning_after(node_ttl) == seconds
 
 
 def _start(tmp_path: Path, env: dict) -> tuple[subprocess.Popen, Path, Path]:

@@ -7,11 +7,13 @@ checkpoint that fails after its retries ends the run non-zero, naming the disk.
 
 The disk fills after a known event: the test writes a filler file once the job's first
 checkpoint is on disk, leaving less room than one checkpoint needs (its size is measured).
+
+Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
+subject: tests/unit/test_full_disk_reason.py.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import subprocess
@@ -25,12 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.test import Client
 
 from elasticctl import doctor, status
-from elasticctl.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError, write_failure_reason
+from elasticctl.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
 from elasticctl.dashboard.server import Dashboard
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
 from elasticctl.job.registry import Registry
+
 
 HIDDEN = 16384  # mlp.py's width: a checkpoint of about 1.2 MB, large next to the tmpfs' pages
 DISK_MB = 8     # room for keep=3 checkpoints and the one being written, once the filler is gone
@@ -69,24 +72,6 @@ def fill(disk: Path, leave: int) -> Path:
 
 def checkpoint_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(("step-", ".tmp-")))
-
-
-# -- the checkpointer ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(
-    ("exc", "reason"),
-    [
-        (OSError(errno.ENOSPC, "No space left on device"), "the disk is full (No space left on device)"),
-        (OSError(errno.EDQUOT, "Disk quota exceeded"), "the disk quota is exhausted (Disk quota exceeded)"),
-        (OSError(errno.EROFS, "Read-only file system"), "the file system is read-only (Read-only file system)"),
-        (OSError(errno.EACCES, "Permission denied"), "Permission denied"),
-        (RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
-         "RuntimeError: [enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
-    ],
-    ids=["enospc", "edquot", "erofs", "eacces", "torch-runtime-error"],
-)
-def test_write_failure_reason(exc, reason):
-    assert write_failure_reason(exc) == reason
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "async"])

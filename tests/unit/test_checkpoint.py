@@ -1,4 +1,8 @@
-"""Checkpointer in one process: round trip, keep-N, async snapshots, atomicity, fallback on corruption."""
+"""Checkpointer in one process: round trip, keep-N, async snapshots, atomicity, fallback on corruption.
+
+Layer tests/unit: no etcd, no processes. The other tests of this subject:
+tests/process/test_checkpoint_sigkill.py.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,10 @@ import logging
 import os
 import pickle
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
-from support.helpers import wait_for
 from torch import nn
 
 from elasticctl.train import checkpoint
@@ -136,38 +137,6 @@ def test_bad_directory_and_keep_are_one_sentence_errors(tmp_path):
         check_directory(a_file, writable=False)
     with pytest.raises(ConfigError, match=r"keep \(0\)"):
         Checkpointer(tmp_path, keep=0)
-
-
-SAVE_FOREVER = """
-import sys, torch
-from torch import nn
-from elasticctl.train.checkpoint import Checkpointer
-model = nn.Linear(1024, 4096)  # 16 MB: each save takes a while
-ckpt = Checkpointer(sys.argv[1], keep=2)
-step = 0
-while True:
-    step += 1
-    with torch.no_grad():
-        model.bias.fill_(step)
-    ckpt.save(step, model=model)
-"""
-
-
-def test_sigkill_during_a_save_leaves_a_loadable_newest_checkpoint(tmp_path):
-    def writing_after_a_commit():
-        return list(tmp_path.glob(".tmp-*")) and list(tmp_path.glob("step-*.pt.sha256"))
-
-    for attempt in range(3):
-        writer = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(tmp_path)])
-        try:
-            wait_for(writing_after_a_commit, 120, "a save in progress after a committed one", interval=0.01)
-            writer.kill()
-        finally:
-            writer.kill()
-            writer.wait(30)
-        payload = Checkpointer(tmp_path).load_latest()
-        assert payload is not None, f"attempt {attempt}: nothing loadable"
-        assert torch.all(payload["state"]["model"]["bias"] == payload["step"])
 
 
 def plant(directory, name: str, data: bytes) -> None:

@@ -1,6 +1,10 @@
 """The worker library in real torchrun processes (etcd3 rendezvous, CPU/gloo, loopback): the mlp trainer
 loses a node, is told to leave, is killed mid-save, finds a corrupt checkpoint, and always resumes
-from the newest complete checkpoint without repeating or skipping a sample of the epoch."""
+from the newest complete checkpoint without repeating or skipping a sample of the epoch.
+
+Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
+subject: tests/contract/test_worker_progress.py, tests/unit/test_worker_lr_policy.py.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from support.helpers import MLP, read_records, torchrun_command, wait_for
 
 from elasticctl.train.checkpoint import Checkpointer
 from elasticctl.etcd.client import EtcdClient
+
 
 pytestmark = pytest.mark.slow
 
@@ -176,31 +181,6 @@ def test_progress_is_published_to_etcd_under_elasticctl(default_etcd, run_id, tm
     assert {"epoch", "loss", "time"} <= set(progress)
 
 
-def test_progress_publisher_rate_limits_and_never_blocks_on_a_dead_etcd(default_etcd, run_id, caplog):
-    import pyetcd
-
-    from elasticctl.etcd.client import EtcdSettings
-    from elasticctl.embedded_etcd import free_port
-    from elasticctl.job.progress import ProgressPublisher
-
-    update = {"epoch": 0, "loss": 1.0, "samples_per_s": 1.0, "world_size": 1, "last_checkpoint_step": None}
-    publisher = ProgressPublisher(EtcdClient(default_etcd.client_settings()), f"/{run_id}/progress")
-    for step in range(1000):
-        publisher.publish(step=step, **update)
-    publisher.close()
-    host, port = default_etcd.endpoint.rsplit(":", 1)
-    value, meta = pyetcd.client(host, int(port)).get(f"/{run_id}/progress")
-    assert json.loads(value)["step"] == 999, "the last update is flushed on close"
-    assert meta.version <= 3, f"{meta.version} puts for a burst of 1000 updates"
-
-    dead = EtcdClient(EtcdSettings.from_string(f"127.0.0.1:{free_port()}", retry_timeout=0.5, read_timeout=0.2))
-    publisher = ProgressPublisher(dead, "/nowhere/progress", interval=0.1)
-    for step in range(1000):  # returns at once although no put can succeed
-        publisher.publish(step=step, **update)
-    publisher.close(timeout=30)
-    assert "Dropped a progress update" in caplog.text
-
-
 FSDP_SCRIPT = """
 import json, sys, torch
 from torch import nn
@@ -249,22 +229,6 @@ def test_sharded_fsdp_checkpoint_written_at_world_2_loads_at_world_1(tmp_path):
     assert second[0]["restored"] == {"step": 5, "epoch": 1, "consumed": 40}
     assert second[0]["params"] == pytest.approx(first[1]["saved"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000005", "step-00000006"]
-
-
-@pytest.mark.parametrize(("policy", "world", "expected"), [
-    ("linear", 1, (0.1, 32, 1)),
-    ("linear", 3, (pytest.approx(0.3), 32, 1)),
-    ("constant-batch", 2, (0.1, 32, 1)),   # global 64 = 32 x 2
-    ("constant-batch", 1, (0.1, 32, 2)),   # the lone survivor accumulates two micro-batches
-    ("constant-batch", 3, (0.1, 22, 1)),   # 64 over 3 workers: rounded up to 66
-])
-def test_lr_policy_plans_lr_and_batching_for_the_world_size(policy, world, expected):
-    from elasticctl.train.script import plan_batches
-
-    plan = plan_batches(policy, base_lr=0.1, batch_size=32, world_size=world, global_batch=64)
-    assert (plan.lr, plan.micro_batch, plan.accumulation) == expected
-    if policy == "constant-batch":
-        assert 64 <= plan.global_batch(world) < 64 + world
 
 
 def test_constant_batch_policy_accumulates_to_the_global_batch(tmp_path):

@@ -2,22 +2,21 @@
 
 The smoke run asserts no timing (timings belong in bench/); only that every system
 produced a sample and nothing was left running.
+
+Layer tests/unit: no etcd, no processes. The other tests of this subject:
+tests/process/test_bench_crash_host.py.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support.helpers import REPO
 
 from bench import report, scenarios
-from bench.cluster import SYSTEMS, Cluster, Record
-
+from bench.cluster import Cluster, Record
 
 
 def _step(t: float, step: int, world: int, rank: int, node: str) -> dict:
@@ -126,24 +125,3 @@ def test_report_reads_results_from_before_hot_mode():
     assert rows["Crash: SIGKILL node c → first step at world 2 (s)"][1] == "not measured"
     pause = next(v for k, v in rows.items() if k.startswith("Scale-up: running workers' pause"))
     assert pause[:3] == ("not measured",) * 3
-
-
-@pytest.mark.slow
-def test_bench_crash_host_scenario_runs_every_system(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--quick", "--only", "crash_host", "--repeats", "1",
-         "--no-report", "--output", str(tmp_path)],
-        check=False, cwd=REPO, capture_output=True, text=True, timeout=360,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    (path,) = tmp_path.glob("*.json")
-    results = json.loads(path.read_text())
-    samples = results["scenarios"]["crash_host"]
-    assert set(samples) == set(SYSTEMS) == {"elasticctl", "elasticctl-hot", "torchrun"}
-    for system in SYSTEMS:
-        assert len(samples[system]) == 1
-        assert samples[system][0]["cold_start_s"] is not None, f"{system} never formed a world of 3"
-        assert "outcome" in samples[system][0]
-    assert "Targets (issue 12)" in result.stdout
-    assert results["leftover_processes"] == []
-    assert results["machine"]["cpu_count"] >= 1

@@ -1,4 +1,8 @@
-"""The etcd3 RendezvousBackend against torch's documented set_state/get_state contract."""
+"""The etcd3 RendezvousBackend against torch's documented set_state/get_state contract.
+
+Layer tests/contract: a real etcd, no training processes. The other tests of this subject:
+tests/unit/test_backend_unreachable.py.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,8 @@ import time
 
 import pytest
 from support.rendezvous import torch_state
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from elasticctl.etcd.client import EtcdClient, EtcdSettings
-from elasticctl.embedded_etcd import free_port
 from elasticctl.rendezvous.state import seal_state
 from elasticctl.rendezvous.backend import DEFAULT_KEY_PREFIX, EtcdRendezvousBackend, RunLease
 
@@ -177,16 +179,6 @@ def test_runs_are_isolated(etcd_client, run_id):
     a.set_state(S0)
     assert b.get_state() is None
     assert a.key.startswith(DEFAULT_KEY_PREFIX + "/" + run_id)
-
-
-def test_unreachable_etcd_raises_connection_error_naming_the_endpoint(run_id):
-    port = free_port()
-    client = EtcdClient(EtcdSettings.from_string(f"127.0.0.1:{port}", retry_timeout=0.5, read_timeout=0.5))
-    backend = EtcdRendezvousBackend(client, run_id)
-    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
-        backend.get_state()
-    with pytest.raises(RendezvousConnectionError, match=f"127.0.0.1:{port}"):
-        backend.set_state(S0)
 
 
 def test_abandoned_run_keys_expire(etcd_client, run_id):

@@ -5,6 +5,9 @@ torch's test files: nodes whose workers finish far apart (the exit barrier must 
 fail the job), options torch's launchers pass, threads after ``shutdown()`` and a
 fork afterwards, ``is_closed()`` after ``shutdown()``, no process-wide side effect
 of creating a handler, and quarantine under plain torchrun.
+
+Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
+subject: tests/contract/test_torch_contract.py.
 """
 
 from __future__ import annotations
@@ -19,17 +22,9 @@ from pathlib import Path
 import pytest
 from support.helpers import WORKERS, read_records, wait_for
 
-from elasticctl.embedded_etcd import free_port
 
 DRIFT_AGENT = str(WORKERS / "drift_agent.py")
 DRIFT_WORKER = str(WORKERS / "drift_worker.py")
-
-
-def _create(endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 1, **conf):
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-
-    params = RendezvousParameters("etcd3", endpoint, run_id, min_nodes, max_nodes, local_addr="127.0.0.1", **conf)
-    return rendezvous_handler_registry.create_handler(params)
 
 
 # -- the bug: workers that drift apart --------------------------------------------------
@@ -74,28 +69,6 @@ def test_workers_that_finish_far_apart_both_succeed(default_etcd, run_id, nodes,
     assert done["b"]["pid"] == next(r["pid"] for r in starts if r["node"] == "b")
 
 
-# -- contract differences ---------------------------------------------------------------
-
-@pytest.mark.parametrize("conf", [
-    {"is_host": True},            # torch's agent tests, c10d's option
-    {"store_type": "tcp"},        # c10d
-    {"etcd_prefix": "/torchelastic/p2p"},  # torch's etcd (v2) handler
-    {"timeout": 900},             # torch's launcher adds it to every backend's options
-    {"rank": 0},                  # torchrun, for the static backend
-])
-def test_options_torchs_launchers_pass_are_accepted(default_etcd, run_id, conf):
-    handler = _create(default_etcd.endpoint, run_id, **conf)
-    try:
-        assert handler.get_backend() == "etcd3"
-    finally:
-        handler.shutdown()
-
-
-def test_an_unknown_option_is_still_one_sentence_naming_it(default_etcd, run_id):
-    with pytest.raises(ValueError, match=r"^The rendezvous option 'is_hots' is unknown; [^\n]*\.$"):
-        _create(default_etcd.endpoint, run_id, is_hots=True)
-
-
 SHUTDOWN_THEN_FORK = textwrap.dedent(
     """
     import os, sys, threading
@@ -128,39 +101,6 @@ def test_shutdown_stops_every_thread_and_a_fork_afterwards_works(default_etcd, r
     assert "child exit: 0" in result.stdout, result.stdout + result.stderr
     assert result.returncode == 0, result.stderr
     assert "skipping fork() handlers" not in result.stderr
-
-
-def test_is_closed_after_a_shutdown_that_closed_the_run(default_etcd, run_id):
-    handler = _create(default_etcd.endpoint, run_id)
-    handler.next_rendezvous()
-    assert not handler.is_closed()
-    handler.shutdown()
-    assert handler.is_closed()
-    other = _create(default_etcd.endpoint, run_id)
-    try:
-        assert other.is_closed()
-    finally:
-        other.shutdown()
-
-
-def test_creating_a_handler_leaves_the_process_environment_alone(default_etcd, run_id, monkeypatch):
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    monkeypatch.delenv("ELASTICCTL_RESTARTS", raising=False)
-    before = dict(os.environ)
-    handler = _create(default_etcd.endpoint, run_id)
-    try:
-        assert dict(os.environ) == before
-        # A c10d handler created afterwards in the same process shares its agent store, as by default.
-        c10d = rendezvous_handler_registry.create_handler(RendezvousParameters(
-            "c10d", f"127.0.0.1:{free_port()}", run_id, 1, 1, is_host=True))
-        try:
-            assert c10d.use_agent_store
-        finally:
-            c10d.shutdown()
-    finally:
-        handler.shutdown()
 
 
 @pytest.mark.slow
