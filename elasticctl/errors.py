@@ -4,7 +4,7 @@
 class ElasticctlError(Exception):
     """Base of every error elasticctl raises on purpose; its message is one sentence.
 
-    Every exception class elasticctl defines derives from it (tests/test_errors.py checks),
+    Every exception class elasticctl defines derives from it (tests/unit/test_errors.py checks),
     with one exception: the runtime's private step-boundary signal (train/runtime.py
     ``_Boundary``) is a BaseException, so that a script's ``except Exception`` cannot swallow it.
     """
