@@ -1,8 +1,8 @@
 """Checks on a hot job's step record: identical replicas, and every sample trained once.
 
 Shared by the chaos soak (bench/chaos.py, records of trainers/mlp.py with
-``--record-params``) and tests/test_hot.py (records of tests/workers/hot.py). A step
-line needs ``step``, ``generation``, ``epoch``, ``world_size``, ``time``, ``params``
+``--record-params``) and tests/process/test_hot.py (records of tests/support/workers/hot.py).
+A step line needs ``step``, ``generation``, ``epoch``, ``world_size``, ``time``, ``params``
 (a digest of the parameters before the step), and its global span in the epoch:
 either ``position`` (before the step) and ``batch`` (per worker; hot.py), or
 ``consumed`` (after the step, capped at the epoch's end) and ``indices`` (mlp.py).

@@ -38,8 +38,8 @@ import psutil
 
 from bench import accounting
 from bench.cluster import Cluster, Node, wait_for
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import EmbeddedEtcd
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]

@@ -20,10 +20,10 @@ from pathlib import Path
 import psutil
 
 from elasticctl import processes
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import free_port
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.embedded_etcd import free_port
 from elasticctl.job.settings import DEFAULT_NODE_TTL
-from elasticctl.registry import Registry
+from elasticctl.job.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = str(REPO / "trainers" / "mlp.py")

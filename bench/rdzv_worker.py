@@ -22,8 +22,9 @@ import time
 
 import psutil
 
+from elasticctl.job.environment import NODE as NODE_ENV  # the etcd3 handler's node id; the node sets it
+
 PREFIX = "@rdzv "
-NODE_ENV = "ELASTICCTL_NODE"  # the etcd3 handler's node id; elasticctl's node launcher sets it
 # torch's DynamicRendezvousHandler on elasticctl's EtcdRendezvousBackend: the etcd3 design of the
 # main before elasticctl's own handler (one pickled state every agent compare-and-swaps).
 DYNAMIC = "etcd3-dynamic"
@@ -75,7 +76,7 @@ def dynamic_on_etcd(params):
         RendezvousTimeout,
     )
 
-    from elasticctl.rendezvous import create_backend
+    from elasticctl.rendezvous.backend import create_backend
 
     # As the previous main: the agents' store is the etcd store, not a TCPStore in rank 0.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

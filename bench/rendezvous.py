@@ -38,8 +38,8 @@ from pathlib import Path
 import psutil
 
 from elasticctl import processes as procs
-from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
-from elasticctl.spec import whole_number
+from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary, free_port
+from elasticctl.job.spec import whole_number
 
 REPO = Path(__file__).resolve().parents[1]
 ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"

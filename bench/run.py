@@ -32,8 +32,8 @@ from bench import checkpoint as checkpoint_bench
 from bench import plot, report, scenarios
 from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from bench.cluster import Cluster, wait_for
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 
 # --step-sleep keeps event runs near 15 steps/s, so agents and etcd are not starved of
 # the 2 cores and the steps/s plot stays readable; steady state runs without it.

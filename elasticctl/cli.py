@@ -24,10 +24,11 @@ import yaml
 
 from elasticctl import __version__
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
-from elasticctl.etcd import Endpoint, EtcdSettings, connect
-from elasticctl.job import envvars
-from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
-from elasticctl.spec import (
+from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
+from elasticctl.etcd.retry import Backoff, poll, retry
+from elasticctl.job import environment
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, list_jobs, resolve_job
+from elasticctl.job.spec import (
     MAX_NODE_TTL,
     JobSpec,
     parse_env,
@@ -104,7 +105,7 @@ def cli(verbose: bool) -> None:
               callback=_checked_name("etcd member name"), help="The etcd member name.")
 def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
     """Run a standalone single-member etcd (v3 API only) until interrupted."""
-    from elasticctl.etcd_server import EmbeddedEtcd
+    from elasticctl.embedded_etcd import EmbeddedEtcd
 
     server = EmbeddedEtcd(
         data_dir=data_dir, listen_host=listen, advertise_host=advertise,
@@ -126,14 +127,14 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 # -- options shared by every command that talks to etcd ----------------------------------
 
 def etcd_options(func):
-    """--etcd and the TLS/auth options; the password only from ELASTICCTL_ETCD_PASSWORD."""
+    """--etcd and the TLS/auth options; the password only from the environment (environment.ETCD_PASSWORD)."""
     options = [
-        click.option("--etcd", "etcd_endpoints", envvar=envvars.ETCD, default=None, metavar="HOST:PORT[,...]",
+        click.option("--etcd", "etcd_endpoints", envvar=environment.ETCD, default=None, metavar="HOST:PORT[,...]",
                      help="etcd endpoints (default: the embedded etcd `elasticctl up` runs on this host)."),
         click.option("--etcd-cacert", default=None, help="CA bundle that signed etcd's certificate (enables TLS)."),
         click.option("--etcd-cert", default=None, help="Client certificate for etcd."),
         click.option("--etcd-key", default=None, help="Client key for etcd."),
-        click.option("--etcd-user", default=None, help="etcd user; the password comes from ELASTICCTL_ETCD_PASSWORD."),
+        click.option("--etcd-user", default=None, help=f"etcd user; the password comes from {environment.ETCD_PASSWORD}."),
         click.option("--key-prefix", default=DEFAULT_KEY_PREFIX, show_default=True, help="Where jobs live in etcd."),
     ]
     for option in reversed(options):
@@ -142,12 +143,12 @@ def etcd_options(func):
 
 
 def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
-    from elasticctl.etcd_server import embedded_endpoint
+    from elasticctl.embedded_etcd import embedded_endpoint
 
     endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
     if not endpoints:
         raise ConfigError("No --etcd was given and no embedded etcd runs on this host; pass --etcd HOST:PORT.")
-    password = os.environ.get(envvars.ETCD_PASSWORD) if params["etcd_user"] else None
+    password = environment.etcd_password() if params["etcd_user"] else None
     return EtcdSettings.from_string(
         endpoints, protocol="https" if params["etcd_cacert"] else None, cacert=params["etcd_cacert"],
         cert=params["etcd_cert"], key=params["etcd_key"], user=params["etcd_user"], password=password,
@@ -283,7 +284,7 @@ def _load_config(ctx: click.Context, _param, path: str | None):
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
 @click.option("--max-restarts", type=_Whole(), default=3, show_default=True,
               help="Failures of this node's own workers tolerated (a lost peer never counts).")
-@click.option("--checkpoint-dir", default=None, help="Where trainers checkpoint (handed to them as ELASTICCTL_CHECKPOINT_DIR).")
+@click.option("--checkpoint-dir", default=None, help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
 @click.option("--node-ttl", type=_Whole(), default=5, show_default=True,
               help="Seconds a silent node is given before the others re-form without it "
@@ -317,7 +318,7 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     other hosts is printed.
     """
     from elasticctl import launcher
-    from elasticctl.etcd_server import EmbeddedEtcd, check_listen_host, free_port
+    from elasticctl.embedded_etcd import EmbeddedEtcd, check_listen_host, free_port
 
     if script is None:
         raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
@@ -386,14 +387,14 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
             raise
     finally:
         if server is not None:
-            from elasticctl.etcd_server import forget_embedded
+            from elasticctl.embedded_etcd import forget_embedded
 
             forget_embedded(os.getpid())
             server.stop()
 
 
 def _start_embedded(server, job: str) -> None:
-    from elasticctl.etcd_server import remember_embedded
+    from elasticctl.embedded_etcd import remember_embedded
 
     server.start()
     try:
@@ -424,15 +425,9 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
     settings = _settings(etcd_params)
     _warn_if_exposed(settings)
     client = connect(settings)
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        try:
-            job = resolve_job(client, job, etcd_params["key_prefix"])
-            break
-        except ConfigError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.5)  # polling etcd for the job, bounded by --wait
+    # Nodes may start before `up` published the job: look for it until --wait has passed.
+    job = retry(lambda: resolve_job(client, job, etcd_params["key_prefix"]), ConfigError, wait_seconds,
+                Backoff(0.5))
     registry = Registry(client, job, etcd_params["key_prefix"])
     spec = registry.read_spec()
     local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
@@ -535,8 +530,8 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
     """
     from elasticctl import doctor as checks
     from elasticctl import launcher
-    from elasticctl.etcd_server import embedded_endpoint
-    from elasticctl.registry import list_jobs
+    from elasticctl.embedded_etcd import embedded_endpoint
+    from elasticctl.job.registry import list_jobs
 
     settings = client = etcd_error = registry = None
     found: list = []
@@ -639,10 +634,10 @@ class _Since(click.ParamType):
               help="Only events from this many seconds ago, or from this ISO 8601 time, on.")
 def events(job, follow, as_json, since, **etcd_params) -> None:
     """The job's event history: rounds, lost and joining nodes, failures and their verdicts, recoveries."""
-    from elasticctl.events import render_line
+    from elasticctl.job.events import render_line
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.records import Event
-    from elasticctl.watched import PrefixWatch
+    from elasticctl.etcd.watch import PrefixWatch
 
     client = connect(_settings(etcd_params))
     if job is None:
@@ -782,7 +777,7 @@ def down(job, timeout, **etcd_params) -> None:
     client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])
     registry = Registry(client, job, etcd_params["key_prefix"])
-    from elasticctl.events import EventLog
+    from elasticctl.job.events import EventLog
     from elasticctl.job.records import EventKind
 
     registry.request_down()
@@ -797,11 +792,8 @@ def down(job, timeout, **etcd_params) -> None:
 
 
 def _wait_until(done, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")
-        time.sleep(0.5)  # polling etcd, bounded by --timeout
+    if not poll(done, timeout, Backoff(0.5)):
+        raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")
 
 
 def main(argv: list[str] | None = None) -> None:

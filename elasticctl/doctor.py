@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 import psutil
 
 from elasticctl import launcher
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.registry import DEFAULT_KEY_PREFIX, Registry
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.retry import Backoff, poll
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
 
 MIN_PYTHON = (3, 10)
 # The rendezvous does a few etcd round trips per heartbeat and per round; on a LAN
@@ -601,11 +602,7 @@ def compare_checkpoint_marker(registry: Registry, checkpoint_dir: str, in_etcd: 
     if in_etcd is None:
         return MarkerOutcome(decide_checkpoint_marker(checkpoint_dir, registry.job, None, None, False), None)
     # The first node writes its file right after claiming: give it a moment.
-    deadline = time.monotonic() + MARKER_WAIT_S
-    in_file = _read_marker(path)
-    while in_file != in_etcd and time.monotonic() < deadline:
-        time.sleep(0.1)
-        in_file = _read_marker(path)
+    in_file = poll(lambda: _read_marker(path), MARKER_WAIT_S, Backoff(0.1), until=lambda found: found == in_etcd)
     return MarkerOutcome(decide_checkpoint_marker(checkpoint_dir, registry.job, in_etcd, in_file, False), None)
 
 

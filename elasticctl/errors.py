@@ -2,7 +2,12 @@
 
 
 class ElasticctlError(Exception):
-    """Base of every error elasticctl raises on purpose; its message is one sentence."""
+    """Base of every error elasticctl raises on purpose; its message is one sentence.
+
+    Every exception class elasticctl defines derives from it (tests/unit/test_errors.py checks),
+    with one exception: the runtime's private step-boundary signal (train/runtime.py
+    ``_Boundary``) is a BaseException, so that a script's ``except Exception`` cannot swallow it.
+    """
 
 
 class ConfigError(ElasticctlError, ValueError):
@@ -22,3 +27,7 @@ class EtcdServerError(ElasticctlError):
 
 class EtcdRequestError(ElasticctlError):
     """etcd answered but refused the request (bad credentials, permission, bad argument)."""
+
+
+class LeaseNotFoundError(EtcdRequestError):
+    """etcd no longer knows the lease a write was bound to: it expired or was revoked."""

@@ -14,7 +14,7 @@ import psutil
 
 from elasticctl import processes
 from elasticctl.errors import ConfigError
-from elasticctl.spec import JobSpec
+from elasticctl.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: 
         f"--local-addr={local_addr}",
     ]
     # Every worker runs its script through elasticctl's entry, which tells the handler
-    # which workers finished (see worker_entry.py); it also adds --local_rank=N if asked.
-    entry = ["-m", "elasticctl.worker_entry"] + (["--module"] if spec.module else [])
+    # which workers finished (see elasticctl/train/entry.py); it also adds --local_rank=N if asked.
+    entry = ["-m", "elasticctl.train.entry"] + (["--module"] if spec.module else [])
     if spec.legacy_local_rank:
         entry.append("--local-rank-flag")
     return [*command, *entry, spec.script, *spec.script_args]

@@ -2,7 +2,7 @@
 
 The node record (``nodes/<id>``) is bound to a lease this process renews, so
 ``status`` shows exactly the nodes whose elasticctl is alive. The rendezvous
-handler inside torchrun does the fast part of leaving (see handler.py); this
+handler inside torchrun does the fast part of leaving (see elasticctl/rendezvous/handler.py); this
 process is the backstop: if torchrun has not stopped some seconds after a
 request, it is terminated with its workers.
 """
@@ -21,13 +21,15 @@ import time
 from elasticctl import launcher, processes
 from elasticctl.doctor import installed_torch_version
 from elasticctl.errors import ElasticctlError
-from elasticctl.etcd import EtcdClient, EtcdSettings
-from elasticctl.events import EventLog
-from elasticctl.job import envvars
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.etcd.lease import Lease
+from elasticctl.etcd.retry import Backoff, poll
+from elasticctl.job.events import EventLog
+from elasticctl.job import environment
 from elasticctl.job.records import EventKind, MemberState
-from elasticctl.registry import DEFAULT_KEY_PREFIX, KeptLease, Registry, now, request_for
-from elasticctl.spec import JobSpec
-from elasticctl.watched import WatchedKeys
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, now, request_for
+from elasticctl.job.spec import JobSpec
+from elasticctl.etcd.watch import WatchedKeys
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +48,14 @@ class Outcome:
 
 
 def worker_env(spec: JobSpec, settings: EtcdSettings, node_id: str, key_prefix: str) -> dict[str, str]:
-    """What torchrun and the workers get on top of this process's environment."""
-    env = {
-        **dict(spec.env),
-        envvars.JOB: spec.name,
-        envvars.NODE: node_id,
-        envvars.ETCD: settings.urls(),
-        envvars.KEY_PREFIX: key_prefix,
-    }
-    for name in ("cacert", "cert", "key", "user"):
-        value = getattr(settings, name)
-        if value:
-            env[envvars.etcd_tls(name)] = value
-    if settings.password:
-        env[envvars.ETCD_PASSWORD] = settings.password
-    if spec.checkpoint_dir:
-        env[envvars.CHECKPOINT_DIR] = os.path.abspath(spec.checkpoint_dir)
-    return env
+    """What torchrun and the workers get on top of this process's environment: the job's own
+    variables, then elasticctl's part (the rendezvous handler adds the rest for the workers)."""
+    given = environment.WorkerEnvironment(
+        job=spec.name, node=node_id, etcd=settings.urls(), key_prefix=key_prefix,
+        etcd_cacert=settings.cacert or "", etcd_cert=settings.cert or "", etcd_key=settings.key or "",
+        etcd_user=settings.user or "", etcd_password=settings.password or "",
+        checkpoint_dir=os.path.abspath(spec.checkpoint_dir) if spec.checkpoint_dir else "")
+    return {**dict(spec.env), **given.to_env()}
 
 
 def socket_ifname_env(local_addr: str) -> dict[str, str]:
@@ -71,10 +64,10 @@ def socket_ifname_env(local_addr: str) -> dict[str, str]:
     gloo otherwise binds to whatever the host name resolves to, often 127.0.0.1 or
     Debian's 127.0.1.1, and tells its peers that address: a multi-host job never forms.
     """
-    if launcher.is_loopback(local_addr) or "GLOO_SOCKET_IFNAME" in os.environ:
+    if launcher.is_loopback(local_addr) or environment.GLOO_SOCKET_IFNAME in os.environ:
         return {}
     interface = launcher.interface_of(local_addr)
-    return {"GLOO_SOCKET_IFNAME": interface} if interface else {}
+    return {environment.GLOO_SOCKET_IFNAME: interface} if interface else {}
 
 
 def tls_conf(settings: EtcdSettings) -> dict[str, str]:
@@ -114,7 +107,7 @@ class NodeSession:
         self.echo = echo
         self.node_id = ""
         self.record: dict = {}
-        self._lease: KeptLease | None = None
+        self._lease: Lease | None = None
         self._request: str | None = None
         self._request_at = 0.0
         self._signals = 0
@@ -140,9 +133,11 @@ class NodeSession:
         torch = installed_torch_version()
         if torch:  # what `doctor` on the other nodes compares with (absent: unknown)
             self.record["torch"] = torch
-        self._lease = KeptLease(self.client, self.spec.node_ttl, self._rewrite_record, name="node")
+        self._lease = Lease(self.client, self.spec.node_ttl, name="node lease")
+        self._lease.on_regrant(self._rewrite_record)
+        self._lease.start()
         try:
-            self.node_id = self.registry.register_node(self.record, self._lease.id, self.wanted_id)
+            self.node_id = self.registry.register_node(self.record, self._lease.id(), self.wanted_id)
             self.events.record(EventKind.NODE_JOINED, self.node_id,
                                reason=f"host {self.record['host']}, address {self.local_addr}")
             env = {**os.environ, **socket_ifname_env(self.local_addr),
@@ -208,7 +203,7 @@ class NodeSession:
         """Tell the torchrun handler (it leaves the round) and `status` that this node leaves."""
         self._ignore_errors(lambda: self.registry.request_leave(self.node_id))
         self.record = {**self.record, "state": "leaving"}
-        self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
+        self._ignore_errors(lambda: self._rewrite_record(self._lease.id()))
 
     def _watch_requests(self) -> WatchedKeys | None:
         """leave/down requests for this node, followed by a watch (None if etcd is unreachable now:
@@ -244,7 +239,7 @@ class NodeSession:
         if not self._request:
             self._request, self._request_at = request, time.monotonic()
             self.record = {**self.record, "state": "leaving"}
-            self._ignore_errors(lambda: self._rewrite_record(self._lease.id))
+            self._ignore_errors(lambda: self._rewrite_record(self._lease.id()))
 
     def _outcome(self, code: int) -> Outcome:
         if self._request:
@@ -274,13 +269,12 @@ class NodeSession:
 
 def wait_for_other_nodes(registry: Registry, node_id: str, timeout: float) -> None:
     """Keep an embedded etcd up until the other nodes are gone (they need it to stop cleanly)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def nobody_else() -> bool:
         try:
-            others = [n for n in registry.live_nodes() if n != node_id]
+            return not [n for n in registry.live_nodes() if n != node_id]
         except ElasticctlError:
-            return
-        if not others:
-            return
-        time.sleep(0.5)  # polling etcd, bounded by the deadline
+            return True  # etcd is gone already: nobody needs it
+
+    poll(nobody_else, timeout, Backoff(0.5))
 

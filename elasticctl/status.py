@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import time
 
-from elasticctl.registry import JobView
+from elasticctl.job.registry import JobView
 
 
 def _age(timestamp: float | None) -> str:

@@ -1,15 +1,23 @@
-"""Fixtures: real etcd servers on free loopback ports (v2 API off), one per installed version."""
+"""Fixtures of every layer (tests/unit, tests/contract, tests/process, tests/netns): real etcd
+servers on free loopback ports (v2 API off), one per installed version; the nodes, jobs, rendezvous
+runs and process group that tests of several files share. Shared code lives in tests/support."""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-from elasticctl.etcd import EtcdClient
-from elasticctl.etcd_server import EmbeddedEtcd, etcd_version, find_etcd_binary
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binary
+
+# tests/ on the path, whatever the import mode: `from support.helpers import ...` in every layer
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 
 def _etcd_binaries() -> dict[str, str]:
@@ -62,11 +70,10 @@ def run_id() -> str:
     return f"test-{uuid.uuid4().hex[:10]}"
 
 
-
 @pytest.fixture
 def nodes(tmp_path):
     """Start nodes with ``nodes(name, command)``; every one is stopped at teardown, even on failure."""
-    from helpers import Node
+    from support.helpers import Node
 
     started: list[Node] = []
 
@@ -78,3 +85,78 @@ def nodes(tmp_path):
     yield start
     for node in started:
         node.stop()
+
+
+@pytest.fixture
+def job(nodes, default_etcd, run_id, tmp_path):
+    """``job(**kwargs)``: a Job of real `elasticctl up`/`join` nodes on the default etcd."""
+    from support.jobs import Job
+
+    created = []
+
+    def make(**kwargs) -> Job:
+        created.append(Job(nodes, default_etcd, run_id, tmp_path, **kwargs))
+        return created[-1]
+
+    yield make
+    for j in created:
+        j.client.close()
+
+
+@pytest.fixture
+def run(default_etcd, run_id):
+    """``run(settings, **kwargs)``: members of one rendezvous run, each with its own client and view."""
+    from support.rendezvous import Run
+
+    runs: list[Run] = []
+
+    def make(settings, **kwargs) -> Run:
+        runs.append(Run(default_etcd, run_id, settings, **kwargs))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A world of one (gloo, in-process store), for the collectives of ShardedCheckpointer."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def worker_env(monkeypatch, tmp_path):
+    """One worker outside torchrun: no rank variables, no elasticctl ones but the checkpoints'.
+    Returns its checkpoint directory."""
+    from elasticctl.job import environment
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", environment.HOT,
+                 environment.ETCD, environment.JOB, environment.NODE_ADDR, environment.RESTARTS, environment.WORKER_MARKS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(environment.NODE, "a")
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def history(default_etcd, run_id):
+    """Three events of a job in etcd's history: (endpoint, job, now, the EventLog)."""
+    import time
+
+    from elasticctl.job.events import EventLog
+    from elasticctl.job.keys import JobKeys
+    from elasticctl.job.records import EventKind
+
+    client = EtcdClient(default_etcd.client_settings())
+    log = EventLog(client, JobKeys(run_id))
+    now = time.time()
+    log.record(EventKind.NODE_JOINED, "a", at=now - 100, reason="host h1")
+    log.record(EventKind.ROUND_FORMED, "a", at=now - 50, round=1, members=("a", "b"), world_size=2)
+    log.record(EventKind.RECOVERY_FINISHED, "a", at=now - 10, round=2, duration=4.25)
+    yield default_etcd.endpoint, run_id, now, log
+    client.close()

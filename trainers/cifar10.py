@@ -43,8 +43,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import elasticctl.train as elastic
 from elasticctl.errors import ConfigError
-from elasticctl.sampler import ResumableSampler
-from elasticctl.worker import LR_POLICIES, plan_batches, restart_count, run
+from elasticctl.train.sampler import ResumableSampler
+from elasticctl.train.script import LR_POLICIES, plan_batches, restart_count, run_main
 
 
 class Net(nn.Module):
@@ -267,7 +267,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    run(train, parse_args())
+    run_main(train, parse_args())
 
 
 if __name__ == "__main__":

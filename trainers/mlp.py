@@ -45,7 +45,8 @@ except ImportError:  # run from a source checkout without `pip install`
 from torch.utils.data import DataLoader, TensorDataset
 
 import elasticctl.train as elastic
-from elasticctl.worker import LR_POLICIES, plan_batches, reduce_mean, restart_count, run
+from elasticctl.job.environment import WorkerEnvironment
+from elasticctl.train.script import LR_POLICIES, plan_batches, reduce_mean, restart_count, run_main
 
 EXIT_MODES = ("kill", "exception", "hang")
 
@@ -129,9 +130,10 @@ def inject_failure(mode: str) -> None:
 
 def train(args: argparse.Namespace) -> None:
     record = open(args.record, "a", buffering=1) if args.record else None  # noqa: SIM115 - open for the run
-    host, node = socket.gethostname(), os.environ.get("ELASTICCTL_NODE", "")
+    environment = WorkerEnvironment.from_env()  # elasticctl's part of this worker's environment, read once
+    host, node = socket.gethostname(), environment.node
     group_rank = int(os.environ.get("GROUP_RANK", "0"))
-    restart = restart_count()
+    restart = restart_count(environment)
     where = {"rank": 0, "world_size": 1}  # the generation the lines belong to (hot mode: it changes)
     before_training: list[dict] = []  # a restore happens before the first generation's ranks are known
 
@@ -224,7 +226,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    run(train, parse_args())
+    run_main(train, parse_args())
 
 
 if __name__ == "__main__":

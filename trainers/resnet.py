@@ -26,7 +26,7 @@ from cifar10 import (  # trainers/ is the script's directory
 )
 
 from elasticctl.errors import ConfigError
-from elasticctl.worker import run
+from elasticctl.train.script import run_main
 
 ARCHS = ("resnet18", "resnet50")
 
@@ -76,7 +76,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    run(train, parse_args())
+    run_main(train, parse_args())
 
 
 if __name__ == "__main__":

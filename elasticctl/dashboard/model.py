@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from elasticctl.errors import ConfigError
-from elasticctl.events import describe, parse_events
+from elasticctl.job.events import describe, parse_events
 from elasticctl.job.records import (
     MEMBER_FIELDS,
     NODE_FIELDS,
@@ -23,7 +23,7 @@ from elasticctl.job.records import (
     ProgressSample,
     typed_record,
 )
-from elasticctl.spec import validate_name
+from elasticctl.job.spec import validate_name
 
 # Upper bounds (seconds) of the recovery-time histogram: from a free in-place re-form to a slow
 # restart with a checkpoint load.

@@ -28,9 +28,9 @@ from werkzeug.wrappers import Request, Response
 
 from elasticctl.dashboard.model import Reading, job_metrics, job_view
 from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
-from elasticctl.spec import quote, whole_number
+from elasticctl.job.spec import quote, whole_number
 
 log = logging.getLogger(__name__)
 

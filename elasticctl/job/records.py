@@ -16,7 +16,7 @@ import json
 import math
 
 from elasticctl.errors import ConfigError
-from elasticctl.spec import validate_name
+from elasticctl.job.spec import validate_name
 
 
 class MemberState(str, enum.Enum):

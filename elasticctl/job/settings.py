@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable, Mapping
 
 from elasticctl.errors import ConfigError
-from elasticctl.job import envvars
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
 
 log = logging.getLogger(__name__)
@@ -24,9 +23,6 @@ DEFAULT_NODE_TTL = 5
 MAX_NODE_TTL = 3600
 DEFAULT_RUN_TTL = 7200
 MAX_SECONDS = 30 * 24 * 3600
-
-SECRET_ENV = envvars.RDZV_SECRET
-PASSWORD_ENV = envvars.ETCD_PASSWORD
 
 RECOVERY_MODES = ("restart", "hot")
 
@@ -115,15 +111,20 @@ def _protocol(name: str, text: str) -> str:
     return text.lower()
 
 
-def _key_prefix(name: str, text: str) -> str:
+def parse_key_prefix(what: str, text: str) -> str:
+    """``text`` as a key prefix (no trailing '/'), else a ConfigError naming ``what`` and it."""
     # A prefix is a path of plain segments: no '..', no empty segment, nothing a run id
     # could escape into another job's keys with.
     if not _KEY_PREFIX_RE.fullmatch(text) or "/../" in f"{text}/" or "/./" in f"{text}/":
         raise ConfigError(
-            f"The rendezvous option {name} ('{text}') must be an absolute key path of "
+            f"The {what} ({text!r}) must be an absolute key path of "
             "letters, digits, '.', '_' and '-' segments, such as /elasticctl/jobs."
         )
     return text.rstrip("/")
+
+
+def _key_prefix(name: str, text: str) -> str:
+    return parse_key_prefix(f"rendezvous option {name}", text)
 
 
 def _recovery(name: str, text: str) -> str:
@@ -204,8 +205,8 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
 @dataclasses.dataclass(frozen=True)
 class HotSettings:
     """What the workers of a hot-recovery job need to form their generations
-    (``ELASTICCTL_HOT``, written by the node's rendezvous handler, read by
-    :mod:`elasticctl.train`). Counts are nodes, as in ``--nnodes``."""
+    (written by the node's rendezvous handler for its workers, read by :mod:`elasticctl.train`:
+    see :mod:`elasticctl.job.environment`). Counts are nodes, as in ``--nnodes``."""
 
     min_nodes: int
     max_nodes: int
@@ -229,20 +230,21 @@ class HotSettings:
         return ",".join(f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self))
 
     @classmethod
-    def decode(cls, text: str) -> HotSettings:
-        """The settings in ``text`` (``name=value,...``); a ConfigError naming what is wrong."""
+    def decode(cls, text: str, where: str = "the hot-recovery settings") -> HotSettings:
+        """The settings in ``text`` (``name=value,...``); a ConfigError naming what is wrong
+        (``where``: what carried them)."""
         types = {field.name: field.type for field in dataclasses.fields(cls)}
         values: dict[str, object] = {}
         for item in text.split(","):
             name, _, raw = item.partition("=")
             name = name.strip()
             if name not in types:
-                raise ConfigError(f"The hot-recovery setting '{name}' in {envvars.HOT} is unknown.")
+                raise ConfigError(f"The hot-recovery setting {name!r} in {where} is unknown.")
             try:
                 values[name] = int(raw) if types[name] in ("int", int) else float(raw)
             except ValueError:
-                raise ConfigError(f"The hot-recovery setting {name} ('{raw}') is not a number.") from None
+                raise ConfigError(f"The hot-recovery setting {name} ({raw!r}) is not a number.") from None
         try:
             return cls(**values)
         except TypeError:
-            raise ConfigError(f"The hot-recovery settings ('{text}') miss min_nodes or max_nodes.") from None
+            raise ConfigError(f"The hot-recovery settings ({text!r}) miss min_nodes or max_nodes.") from None

@@ -10,10 +10,19 @@
             loss_fn(group.model(x), y).backward()
             state.commit(samples=len(x))          # a step boundary
     elastic.run(state, train, checkpoint_every=100)
+
+The names load on first use (PEP 562): ``python -m elasticctl.train.entry`` and the
+modules of this package that need no torch import none through this file.
 """
 
-from elasticctl.sampler import ResumableSampler
-from elasticctl.train.runtime import Group, run
-from elasticctl.train.state import State
+import importlib
 
-__all__ = ["Group", "ResumableSampler", "State", "run"]
+_EXPORTS = {"Group": "elasticctl.train.runtime", "run": "elasticctl.train.runtime",
+            "State": "elasticctl.train.state", "ResumableSampler": "elasticctl.train.sampler"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

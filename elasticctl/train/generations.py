@@ -1,6 +1,6 @@
 """This worker's part in its job's generations: who trains together, agreed in etcd.
 
-A generation is a round of the etcd-native rendezvous (:mod:`elasticctl.rdzv_member`)
+A generation is a round of the etcd-native rendezvous (:mod:`elasticctl.rendezvous.member`)
 whose members are workers (``<node>.<local rank>``), under ``generations/`` instead of
 the agents' ``rdzv/``: one lease-bound declaration per worker, one claim holder that
 seals, every worker learns the sealed generation by watch. The worker's lease is its
@@ -14,14 +14,14 @@ import dataclasses
 import logging
 import os
 
-from elasticctl.etcd import EtcdClient
+from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Round
 from elasticctl.job.run_lease import RunLease
 from elasticctl.job.settings import HotSettings
-from elasticctl.rdzv_member import RoundMember
-from elasticctl.rdzv_rounds import Settings
-from elasticctl.rdzv_view import RoundView
+from elasticctl.rendezvous.member import RoundMember
+from elasticctl.rendezvous.rounds import Settings
+from elasticctl.rendezvous.view import RoundView
 
 log = logging.getLogger(__name__)
 

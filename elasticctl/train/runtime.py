@@ -3,7 +3,7 @@
 :func:`run` calls ``train(state, group)`` for each generation of workers. The script
 ends each step with :meth:`State.commit`; a step boundary is where membership changes:
 
-* **Hot recovery** (the job runs with ``--recovery hot``: ``ELASTICCTL_HOT`` is set).
+* **Hot recovery** (the job runs with ``--recovery hot``: the worker environment has hot settings).
   Survivors never restart. A peer's crash makes the step's collective raise at once; a
   frozen peer makes it time out (the process group's timeout is the node TTL). The
   workers then tear the process group down, agree on the next generation in etcd
@@ -20,6 +20,10 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
   which resumes from the newest checkpoint. SIGTERM still ends at a step boundary with a
   final checkpoint.
 
+The two modes are two :class:`elasticctl.train.membership.Membership` implementations
+(``RestartMembership``, ``HotMembership``); what a worker does at a boundary is the pure
+:func:`elasticctl.train.boundary.at_boundary`; where the worker is, :class:`Phase`.
+
 What the runtime cannot handle in process (etcd unreachable for the whole join timeout,
 a process group that will not come down) ends the worker with a non-zero status, and the
 node's restart path takes over.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import logging
 import os
 import signal
@@ -42,15 +47,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticctl import worker as worker_env
-from elasticctl import worker_entry
-from elasticctl.checkpoint import CheckpointError, Checkpointer
+from elasticctl.train import script as worker_env
+from elasticctl.train import entry as worker_entry
+from elasticctl.train.checkpoint import CheckpointError, Checkpointer
 from elasticctl.errors import ElasticctlError
-from elasticctl.job import envvars
+from elasticctl.job import environment as environment_names
+from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
-from elasticctl.job.settings import HotSettings
-from elasticctl.rdzv_member import JoinCancelled
-from elasticctl.train.state import State, StateError
+from elasticctl.rendezvous.member import JoinCancelled
+from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
+from elasticctl.train.membership import HotMembership, Membership, RestartMembership
+from elasticctl.train.state import State
 from elasticctl.train.sync import plan_state_sync
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,6 @@ log = logging.getLogger(__name__)
 EXIT_RECOVERY_FAILED = 75  # the worker cannot recover in process: its node restarts it
 TEARDOWN_BOUND = 10.0      # seconds a process group may take to come down before the worker exits
 SAME_STEP_FAILURES = 3     # failures at one step, none lost: a bug in the script, not a peer
-FORM_ATTEMPTS = 5          # generations in a row that fail while they form
 # Seconds to wait before each retry of a final checkpoint that failed: the last chance to keep
 # the trained state, so a few tries (space freed by a prune elsewhere, a transient error).
 FINAL_CHECKPOINT_RETRY_DELAYS = (1.0, 2.0, 4.0)
@@ -90,18 +96,26 @@ class Group:
     members: tuple[str, ...] = ()
 
 
+class Phase(enum.Enum):
+    """Where the worker is; changed on the training thread only (the SIGTERM handler and the
+    no-step watchdog read it)."""
+
+    FORMING = "forming"        # waiting for its first generation, or setting it up
+    TRAINING = "training"      # in a generation: the script's steps are boundaries
+    RE_FORMING = "re-forming"  # between generations: the group is down, the next one forms
+    LEAVING = "leaving"        # let go at a boundary: a final checkpoint if it is the last, then out
+    FINISHED = "finished"      # the training function returned, or the run ended
+
+
 class _Boundary(BaseException):
     """Raised out of the script's function at a step boundary every worker agreed on (a
     BaseException, like KeyboardInterrupt: a script's ``except Exception`` must not swallow it)."""
 
-    def __init__(self, leaving: int, world_size: int, me_leaving: bool) -> None:
-        super().__init__(f"{leaving} of {world_size} workers leaving" if leaving else "membership change")
-        self.leaving = leaving
-        self.world_size = world_size
-        # Whether this worker's own flag was in the count: one told to leave after the flags
-        # went out re-forms with the others and leaves at the next boundary, so that a worker
-        # that sees "not everyone leaves" can trust that some worker keeps the state.
-        self.me_leaving = me_leaving
+    def __init__(self, action: BoundaryAction, agreed: Agreed) -> None:
+        super().__init__(f"{agreed.leaving} of {agreed.world_size} workers leaving" if agreed.leaving
+                         else "membership change")
+        self.action = action
+        self.leaving = agreed.leaving
 
 
 class Runtime:
@@ -112,7 +126,7 @@ class Runtime:
                  pg_timeout: float | None = None, keep: int = 3, async_checkpoint: bool = True,
                  on_event: Callable[..., object] | None = None, no_step_warning: float | None = None) -> None:
         self.state = state
-        state._runtime = self
+        state.bind(self)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
@@ -120,35 +134,41 @@ class Runtime:
         else:
             self.device, default_backend = torch.device("cpu"), "gloo"
         self.backend = backend or default_backend
-        hot = os.environ.get(envvars.HOT)
-        self.settings = HotSettings.decode(hot) if hot else None
-        default_timeout = self.settings.node_ttl if self.settings else 60.0
+        # Decoded once; everything this worker's runtime starts is handed this object.
+        self.environment = WorkerEnvironment.from_env()
+        hot = self.environment.hot
+        self.membership: Membership = (HotMembership(hot, self._connect_generations) if hot
+                                       else RestartMembership())
+        default_timeout = self.membership.node_ttl or 60.0
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout or default_timeout)
-        self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir)
+        self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir, self.environment)
         self.checkpoint_every = checkpoint_every
         self.keep = keep
         self.async_checkpoint = async_checkpoint
         self._on_event = on_event
         self._wrap = wrap or _ddp
-        self.node = os.environ.get(envvars.NODE, "") or "local"
+        self.node = self.environment.node or "local"
         self.worker = f"{self.node}.{self.local_rank}"
-        self._generations = None
-        self._store: Any = None
+        # Everything below changes on the training thread (the SIGTERM handler runs there too,
+        # between two bytecodes); the no-step watchdog and the stop timer only read phase and
+        # _last_boundary, each replaced whole.
+        self.phase = Phase.FORMING
+        self.store: Any = None  # the current generation's TCPStore (hot mode), kept alive with its group
         self._checkpointer: Checkpointer | None = None
-        self._group: Group | None = None
-        self._flags: torch.Tensor | None = None
-        self._flag_work: Any = None
-        self._leaving = False
-        self._leaving_sent = False
+        self._group: Group | None = None  # the current generation's, while the phase is TRAINING (and its end)
+        # This boundary's flags, summed asynchronously over the group, read at the next boundary.
+        self._flags_sent: tuple[torch.Tensor, Any] | None = None  # (the flags, torch's Work)
+        self._leaving = False       # told to stop (SIGTERM); acted on at an agreed boundary
+        self._leaving_sent = False  # _leaving as this worker sent it with the last flags
         self._noticed_at: float | None = None  # when this worker noticed the fault or change
-        self._recovery_started_at: float | None = None
-        self._first_step_pending = False
+        # When the fault or change this generation recovers from was noticed; cleared once its
+        # first step is recorded (None: the generation ends no recovery, or it is recorded).
+        self._recovering_since: float | None = None
         self._failures_at: tuple[int, int] = (-1, 0)  # (step, failures there in a row)
         self._events: Any = None
         self._progress: Any = None
         self._samples_since = (time.monotonic(), 0)
-        self.no_step_warning = no_step_warning or no_step_warning_after(
-            self.settings.node_ttl if self.settings else None)
+        self.no_step_warning = no_step_warning or no_step_warning_after(self.membership.node_ttl)
         self._last_boundary = time.monotonic()  # of this process: the last step boundary, or start
         self._longest_step = 0.0  # seconds between two boundaries, the longest seen
         self._watchdog = threading.Event()  # set: the run is over
@@ -163,32 +183,34 @@ class Runtime:
         except JoinCancelled:  # told to stop while it waited for a generation: nothing to hand over
             log.warning("[%s] told to stop while it waited for a generation; leaving at step %d",
                         self.worker, self.state.step)
+            self.phase = Phase.LEAVING
             try:
-                self._generations.leave()
+                self.membership.leave()
             except ElasticctlError as exc:  # etcd away: the declaration goes with its lease instead
                 log.warning("[%s] could not withdraw its declaration: %s", self.worker, exc)
         finally:
+            self.phase = Phase.FINISHED
             self._watchdog.set()
             signal.signal(signal.SIGTERM, previous)
             self._close()
 
     def _run(self, train: Callable[[State, Group], object]) -> None:
-        group = self._form()
+        group = self.membership.form(self)
         while True:
             try:
                 train(self.state, group)
             except _Boundary as boundary:
-                if self.settings is None:  # restart mode: the agent re-forms the job
-                    self._stop_restart_mode()
+                if boundary.action is BoundaryAction.STOP_FOR_AGENT:
+                    self._stop_for_agent()
                     return
-                if boundary.me_leaving:
-                    self._leave(everyone=boundary.leaving >= boundary.world_size)
+                if boundary.action in (BoundaryAction.LEAVE, BoundaryAction.LEAVE_WITH_JOB):
+                    self._leave(everyone=boundary.action is BoundaryAction.LEAVE_WITH_JOB)
                     return
                 group = self._re_form(f"{boundary.leaving} leaving" if boundary.leaving
-                                      else self._describe_change())
+                                      else self.membership.describe_change())
                 continue
             except Exception as exc:
-                if self.settings is None or not self._recoverable(exc):
+                if not self.membership.recovers_in_process or not self._recoverable(exc):
                     raise
                 group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
                 continue
@@ -201,8 +223,8 @@ class Runtime:
     def _on_sigterm(self, signum, frame) -> None:
         self._leaving = True  # acted on at the next step boundary every worker agrees on
         worker_entry.note_stop_request()
-        if self._generations is not None and self._group is None:
-            self._generations.cancel()  # between generations there is no boundary to wait for
+        if self.phase in (Phase.FORMING, Phase.RE_FORMING):
+            self.membership.cancel()  # between generations there is no boundary to wait for
         # A script whose steps are long gets twice its longest step to reach the boundary.
         bound = threading.Timer(max(STOP_BOUND, 2 * self._longest_step), self._exit_without_boundary,
                                 args=(self._last_boundary,))
@@ -225,7 +247,7 @@ class Runtime:
         warned_for = None
         while not self._watchdog.wait(min(5.0, self.no_step_warning / 4)):
             last = self._last_boundary
-            if self._group is None or last == warned_for:
+            if self.phase is not Phase.TRAINING or last == warned_for:
                 continue  # between generations waiting is normal; warn once per silence
             idle = time.monotonic() - last
             if idle >= self.no_step_warning:
@@ -251,62 +273,37 @@ class Runtime:
 
     # -- generations ---------------------------------------------------------------------
 
-    def _form(self) -> Group:
-        if self.settings is None:
-            return self._form_restart_mode()
-        from elasticctl.etcd import EtcdClient
-        from elasticctl.job.settings import SECRET_ENV
+    def _connect_generations(self):
+        """Hot mode: this worker's part in its job's generations, from its environment."""
+        from elasticctl.etcd.client import EtcdClient
         from elasticctl.train.generations import Generations
 
-        etcd = envvars.etcd_settings(retry_timeout=30.0)
+        etcd = self.environment.etcd_settings(retry_timeout=30.0)
         if etcd is None:
-            raise ElasticctlError(f"{envvars.HOT} is set but {envvars.ETCD} or {envvars.JOB} is not.")
+            raise ElasticctlError(f"{environment_names.HOT} is set but {environment_names.ETCD} "
+                                  f"or {environment_names.JOB} is not.")
         if self.backend == "nccl":
-            # A lost peer must raise in this process, not end it: waits throw on the timeout
-            # (the node TTL), and NCCL's watchdog only aborts the communicator (2: CleanUpOnly)
-            # instead of tearing the process down (torch's default).
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        addr = os.environ.get(envvars.NODE_ADDR) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        secret = os.environ.get(SECRET_ENV)
-        self._generations = Generations(EtcdClient(etcd), envvars.job_keys(), self.worker, addr, self.settings,
-                                        secret.encode() if secret else None)
-        return self._re_form("")
-
-    def _form_restart_mode(self) -> Group:
-        ctx = worker_env.init(timeout=self.pg_timeout.total_seconds(), backend=self.backend)
-        generation = Round(number=ctx.restart, members=())
-        return self._start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
+            # A lost peer must raise in this process, not end it (why: environment.NCCL_HOT_RECOVERY).
+            for name, value in environment_names.NCCL_HOT_RECOVERY.items():
+                os.environ.setdefault(name, value)
+        addr = self.environment.node_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        return Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
+                           self.membership.settings, self.environment.secret_bytes())
 
     def _re_form(self, why: str) -> Group:
-        """Leave the current generation and train in the next; a generation that fails while it
-        forms (a peer lost while the group connects or the state is sent) is formed again."""
+        """Leave the current generation and train in the next (the membership forms it)."""
         noticed_at = self._noticed_at or time.time()
         if why:
             log.warning("[%s] generation %s ends at step %d: %s", self.worker,
                         self._group.number if self._group else "-", self.state.step, why)
-        for attempt in range(1, FORM_ATTEMPTS + 1):
-            self._teardown()
-            generation = self._generations.join()
-            rank = generation.rank_of(self.worker)
-            try:
-                self._store = build_generation_group(generation, rank, self.backend, self.pg_timeout,
-                                                      self.device)
-                return self._start_generation(generation, rank, generation.world_size,
-                                              noticed_at if why else None)
-            except StateError:
-                raise  # what a peer sent does not fit: another generation would send the same
-            except Exception as exc:  # noqa: BLE001 - a taken port, a peer lost while connecting or sending
-                if not dist.is_initialized():
-                    reset_group_counter()  # the failed init left torch's group counter raised
-                log.warning("[%s] generation %d did not form (attempt %d of %d): %s", self.worker,
-                            generation.number, attempt, FORM_ATTEMPTS, " ".join(str(exc).split())[:300])
-        raise ElasticctlError(f"The worker '{self.worker}' could not form a generation in "
-                              f"{FORM_ATTEMPTS} attempts; its node restarts it.")
+        self.phase = Phase.RE_FORMING
+        return self.membership.re_form(self, why, noticed_at)
 
-    def _start_generation(self, generation: Round, rank: int, world_size: int, noticed_at: float | None) -> Group:
+    def start_generation(self, generation: Round, rank: int, world_size: int, noticed_at: float | None) -> Group:
+        """Train in ``generation`` (its process group is up): the state in sync, the sampler
+        re-dealt, the model wrapped. Called by the membership."""
         self._checkpointer = self._checkpointer_for(rank)
-        previous = self._generations.previous if self._generations is not None else None
+        previous = self.membership.previous
         survivors = [previous is not None and member in previous.members for member in generation.members]
         sent_from = self._sync_state(rank, world_size, survivors or [False] * world_size)
         if self.state.sampler is not None:  # the global position stays; the deal changes
@@ -315,25 +312,25 @@ class Runtime:
                       device=self.device, model=self.state.model, members=generation.members)
         group = dataclasses.replace(group, model=self._wrap(self.state.model, group))
         self._group = group
+        self.phase = Phase.TRAINING
         self._noticed_at = None
-        self._flags = self._flag_work = None
+        self._flags_sent = None
         log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank,
                  world_size, self.state.step, f" (state from rank {sent_from})" if sent_from is not None else "")
         if rank == 0:
             self._progress_publisher()
-            if self.settings is not None:
+            if self.membership.records_generations:
                 duration = None if noticed_at is None else round(time.time() - noticed_at, 3)
                 self._record(EventKind.ROUND_FORMED, round=generation.number, members=generation.members,
                              world_size=world_size, duration=duration, reason="workers' generation (hot)")
-        self._recovery_started_at = noticed_at
-        self._first_step_pending = noticed_at is not None
+        self._recovering_since = noticed_at
         self._last_boundary = time.monotonic()  # steps (and silences) count from here
         self._samples_since = (time.monotonic(), 0)
         return group
 
-    def _teardown(self) -> None:
+    def teardown(self) -> None:
         """Take the process group down, bounded: one that will not come down ends the worker."""
-        self._flags = self._flag_work = None
+        self._flags_sent = None
         self._group = None
         if not dist.is_initialized():
             return
@@ -346,7 +343,7 @@ class Runtime:
             dist.destroy_process_group()
         finally:
             stuck.cancel()
-        self._store = None
+        self.store = None
 
     def _sync_state(self, rank: int, world_size: int, survivors: list[bool]) -> int | None:
         """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);
@@ -385,7 +382,7 @@ class Runtime:
         restored = self._checkpointer.restore(**self.state.objects()) if self._checkpointer else None
         if restored is not None:
             self.state.step = restored.step
-            self.state._fields.update(restored.extra.get("fields", {}))
+            self.state.update_fields(restored.extra.get("fields", {}))
             log.info("[%s] resumed from %s at step %d", self.worker, restored.path, restored.step)
             self._emit("resume", step=restored.step, epoch=self._epoch(), consumed=self._consumed(),
                        from_world_size=restored.world_size, path=str(restored.path))
@@ -396,7 +393,7 @@ class Runtime:
             return None
         if self._checkpointer is None:
             return Checkpointer(self.checkpoint_dir, keep=self.keep, async_save=self.async_checkpoint,
-                                device=self.device)
+                                device=self.device, environment=self.environment)
         self._checkpointer.follow_rank(rank)
         return self._checkpointer
 
@@ -405,91 +402,108 @@ class Runtime:
     def step_done(self, samples: int = 0, loss: float | None = None) -> None:
         """Called by :meth:`State.commit` after the step is applied; may raise _Boundary."""
         now = time.monotonic()
-        if self._group is not None:  # a step within a generation (not the wait for one)
+        if self.phase is Phase.TRAINING:  # a step within a generation (not the wait for one)
             self._longest_step = max(self._longest_step, now - self._last_boundary)
         self._last_boundary = now
-        group, state = self._group, self.state
-        if group is None:
+        if self.phase is not Phase.TRAINING:
             return
-        if self._first_step_pending and group.rank == 0:
-            self._first_step_pending = False
-            self._record(EventKind.RECOVERY_FINISHED, round=group.number, world_size=group.world_size,
-                         step=state.step, duration=round(time.time() - self._recovery_started_at, 3))
-        if self._flag_work is not None:
-            self._flag_work.wait()
-            pending, leaving = (int(v) for v in self._flags.tolist())
-            if pending or leaving:
-                self._noticed_at = time.time()
-                raise _Boundary(leaving, group.world_size, self._leaving_sent)
-        if self._checkpointer and self.checkpoint_every and state.step % self.checkpoint_every == 0:
+        group = self._group
+        self._record_first_step(group)
+        self._act_on(self._flags_in_flight())
+        if self._checkpointer and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
             self._save()
-        if self._progress is not None and group.rank == 0:
-            began, count = self._samples_since
-            count += samples * group.world_size
-            self._samples_since = (began, count)
-            elapsed = time.monotonic() - began
-            self._progress.publish(step=state.step, epoch=self._epoch(), loss=loss,
-                                   samples_per_s=count / elapsed if elapsed > 0 and count else None,
-                                   world_size=group.world_size,
-                                   last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None,
-                                   **self._checkpoint_health())
-        pending = self._generations is not None and self._generations.change_pending()
-        self._leaving_sent = self._leaving
-        self._flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
-        if group.world_size > 1:
-            self._flag_work = dist.all_reduce(self._flags, op=dist.ReduceOp.SUM, async_op=True)
-            if self.settings is None:
-                # Restart mode: the agent waits for these workers to stop before its node can
-                # re-form, so decide at this boundary, not the next (a blocking all-reduce).
-                self._flag_work.wait()
-                pending, leaving = (int(v) for v in self._flags.tolist())
-                self._flag_work = None
-                if leaving:
-                    raise _Boundary(leaving, group.world_size, self._leaving_sent)
-        elif pending or self._leaving:
+        self._publish_progress(group, samples, loss)
+        self._act_on(self._send_flags(group))
+
+    def _act_on(self, agreed: Agreed | None) -> None:
+        """Leave the script's function if what the workers agreed on calls for it."""
+        if agreed is None:
+            return
+        action = at_boundary(self.membership.mode, agreed, self._leaving_sent)
+        if action is not BoundaryAction.CONTINUE:
             self._noticed_at = time.time()
-            raise _Boundary(int(self._leaving), 1, self._leaving)
+            raise _Boundary(action, agreed)
+
+    def _flags_in_flight(self) -> Agreed | None:
+        """The flags sent at the previous boundary, agreed on since (None: none in flight)."""
+        if self._flags_sent is None:
+            return None
+        flags, work = self._flags_sent
+        work.wait()
+        self._flags_sent = None
+        pending, leaving = (int(v) for v in flags.tolist())
+        return Agreed(pending, leaving, self._group.world_size)
+
+    def _send_flags(self, group: Group) -> Agreed | None:
+        """This boundary's flags to every worker; agreed now if the membership wants them at
+        once (restart mode: the agent waits for these workers to stop before its node can
+        re-form, so a blocking all-reduce) or the worker is alone, else at the next boundary."""
+        pending = self.membership.change_pending()
+        self._leaving_sent = self._leaving
+        if group.world_size == 1:
+            return Agreed(int(pending), int(self._leaving), 1)
+        flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
+        self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True))
+        return self._flags_in_flight() if self.membership.agreed_at_once else None
+
+    def _record_first_step(self, group: Group) -> None:
+        """The first step of a generation formed after a fault or change ends that recovery."""
+        if self._recovering_since is not None and group.rank == 0:
+            self._record(EventKind.RECOVERY_FINISHED, round=group.number, world_size=group.world_size,
+                         step=self.state.step, duration=round(time.time() - self._recovering_since, 3))
+            self._recovering_since = None
+
+    def _publish_progress(self, group: Group, samples: int, loss: float | None) -> None:
+        if self._progress is None or group.rank != 0:
+            return
+        began, count = self._samples_since
+        count += samples * group.world_size
+        self._samples_since = (began, count)
+        elapsed = time.monotonic() - began
+        self._progress.publish(step=self.state.step, epoch=self._epoch(), loss=loss,
+                               samples_per_s=count / elapsed if elapsed > 0 and count else None,
+                               world_size=group.world_size,
+                               last_checkpoint_step=self._checkpointer.last_step if self._checkpointer else None,
+                               **self._checkpoint_health())
 
     def checkpoint_now(self) -> None:
         """:meth:`State.checkpoint`: a save at a point every worker reaches (not a boundary)."""
-        if self._checkpointer is not None and self._group is not None:
+        if self._checkpointer is not None and self.phase is Phase.TRAINING:
             self._save()  # even at a step already saved: the state may have moved on (a new epoch)
-
-    def _describe_change(self) -> str:
-        return self._generations.describe_change() if self._generations else "a worker is leaving"
 
     # -- endings -------------------------------------------------------------------------
 
     def _leave(self, everyone: bool) -> None:
         """This worker was told to stop (SIGTERM): a final checkpoint if the whole job stops
         (the state lives on in the others otherwise), then out of the generation."""
-        if everyone or self.settings is None:
+        self.phase = Phase.LEAVING
+        if everyone:
             self._stop_checkpoint()
-        if self._generations is not None:
-            self._generations.leave()
-        self._teardown()
+        self.membership.leave()
+        self.teardown()
         log.warning("[%s] left at step %d%s", self.worker, self.state.step,
                     " with the whole job (final checkpoint)" if everyone else "")
 
-    def _stop_restart_mode(self) -> None:
+    def _stop_for_agent(self) -> None:
         """Restart mode, a worker was told to stop: every rank saves the same final checkpoint;
         the signalled ones exit 0, the others raise PeerLeaving (their agent re-forms without
         the leaver, from that checkpoint)."""
+        self.phase = Phase.LEAVING
         self._stop_checkpoint()
         dist.barrier()
         if not self._leaving:
             raise worker_env.PeerLeaving("A peer is leaving the job; restarting to re-form without it.")
-        self._teardown()
+        self.teardown()
 
     def _finish(self) -> None:
+        self.phase = Phase.FINISHED
         self._final_checkpoint()
-        if self._flag_work is not None:
-            self._flag_work.wait()
+        if self._flags_sent is not None:
+            self._flags_sent[1].wait()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # every rank done with its collectives before gloo's pairs close
-        if self._generations is not None:
-            self._generations.leave()
-        self._teardown()
+        self.membership.leave()
+        self.teardown()
 
     def _final_checkpoint(self) -> None:
         """The checkpoint of the state training ends with, retried, and agreed on by every rank: if
@@ -590,8 +604,7 @@ class Runtime:
             self._progress.close()
         if self._events:  # None: never needed; False: not under elasticctl
             self._events.flush(5.0)
-        if self._generations is not None:
-            self._generations.close()
+        self.membership.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -613,15 +626,16 @@ class Runtime:
 
     def _progress_publisher(self) -> None:
         if self._progress is None:
-            from elasticctl.progress import ProgressPublisher
+            from elasticctl.job.progress import ProgressPublisher
 
-            self._progress = ProgressPublisher.from_env(0, recoveries=self.settings is None)
+            self._progress = ProgressPublisher.from_env(0, recoveries=self.membership.mode is Mode.RESTART,
+                                                        environment=self.environment)
 
     def _record(self, kind: EventKind, **fields) -> None:
         if self._events is None:
-            from elasticctl.events import EventLog
+            from elasticctl.job.events import EventLog
 
-            self._events = EventLog.from_env() or False
+            self._events = EventLog.from_env(self.environment) or False
         if self._events:
             self._events.record_later(kind, self.node, **fields)
 
@@ -669,7 +683,7 @@ def _exit_stuck(worker: str) -> None:
 
 def run(state: State, train: Callable[[State, Group], object], **options: Any) -> None:
     """Train ``state`` with ``train(state, group)``, generation after generation; see the module
-    docstring. ``options``: ``checkpoint_dir`` (default ``ELASTICCTL_CHECKPOINT_DIR``),
+    docstring. ``options``: ``checkpoint_dir`` (default: the one elasticctl hands out),
     ``checkpoint_every`` (steps; 0: only a final checkpoint), ``backend``, ``wrap``
     (``(model, group) -> model``, default DDP), ``pg_timeout`` (seconds), ``keep`` (checkpoints
     kept), ``async_checkpoint`` (periodic saves written by a background thread; default on).

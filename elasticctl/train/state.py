@@ -59,6 +59,14 @@ class State:
     def fields(self) -> dict[str, Any]:
         return dict(self._fields)
 
+    def update_fields(self, values: dict[str, Any]) -> None:
+        """Take ``values`` for these fields (a checkpoint's, on resume)."""
+        self._fields.update(values)
+
+    def bind(self, runtime: Any) -> None:
+        """The runtime that :meth:`commit` and :meth:`checkpoint` report to (elasticctl.train.runtime)."""
+        self._runtime = runtime
+
     def commit(self, samples: int = 0, loss: float | None = None) -> None:
         """End a training step: apply the gradients (``optimizer.step``, ``zero_grad``, the
         scheduler), advance the sampler by ``samples`` per worker, count the step (``loss``

@@ -1,0 +1,1 @@
+"""etcd v3 access: the client, the embedded server, watched prefixes."""

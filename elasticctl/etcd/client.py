@@ -1,0 +1,450 @@
+"""etcd v3 access: endpoint parsing and a client that fails over and rides out blips.
+
+The wire client is ``pyetcd`` (the python-etcd3 API, maintained and protobuf-4
+compatible). This module adds what a training job needs on top of it:
+
+* several endpoints with failover, and a bounded retry window, so a restart or a
+  leader change of a few seconds is invisible to callers;
+* re-authentication when etcd's auth token expires (it does, every 5 minutes by
+  default, and ``pyetcd`` never renews it);
+* errors that are one sentence naming the endpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+
+from elasticctl.errors import (
+    ConfigError,
+    ElasticctlError,
+    EtcdRequestError,
+    EtcdUnavailableError,
+    LeaseNotFoundError,
+)
+from elasticctl.etcd.retry import Backoff, Deadline, retry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+
+_T = TypeVar("_T")
+
+# Errors after which the same request may succeed on another member or a moment later.
+_TRANSIENT_ERRORS = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+)
+
+# Pauses between the attempts of one request: short at first, for a leader change.
+_BACKOFF = Backoff(0.05, 1.0)
+
+# How etcd says that a write was bound to a lease it no longer knows (gRPC NOT_FOUND, which
+# it also uses for members and alarms).
+_LEASE_NOT_FOUND = "lease not found"
+
+# grpc's default reconnect backoff grows to 120 s; an etcd that comes back after a
+# blip must be used again within a second.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+_ENDPOINT_RE = re.compile(r"^(?:(?P<scheme>https?)://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\[\]]+)(?::(?P<port>[0-9]{1,5}))?/?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_endpoints(text: str) -> tuple[tuple[Endpoint, ...], str | None]:
+    """Parse ``"h1:2379,h2:2379"`` (schemes optional) into endpoints and the scheme, if any."""
+    endpoints: list[Endpoint] = []
+    schemes: set[str] = set()
+    for item in (part.strip() for part in text.split(",")):
+        match = _ENDPOINT_RE.match(item)
+        if not item or match is None:
+            raise ConfigError(f"The etcd endpoint '{item}' in '{text}' is not of the form HOST[:PORT].")
+        port = int(match["port"]) if match["port"] else DEFAULT_PORT
+        if not 0 < port < 65536:
+            raise ConfigError(f"The port of the etcd endpoint '{item}' must be between 1 and 65535.")
+        if match["scheme"]:
+            schemes.add(match["scheme"])
+        endpoints.append(Endpoint(match["host"].strip("[]"), port))
+    if len(schemes) > 1:
+        raise ConfigError(f"The etcd endpoints '{text}' mix http and https.")
+    return tuple(endpoints), (schemes.pop() if schemes else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdSettings:
+    """How to reach etcd. ``retry_timeout`` bounds how long one operation keeps retrying."""
+
+    endpoints: tuple[Endpoint, ...]
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    read_timeout: float = 5.0
+    retry_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ConfigError("At least one etcd endpoint is required.")
+        if self.protocol not in ("http", "https"):
+            raise ConfigError(f"The etcd protocol '{self.protocol}' must be http or https.")
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("The etcd client certificate and key must be given together.")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("The etcd user and password must be given together.")
+        for name in ("read_timeout", "retry_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"The etcd {name} ({getattr(self, name)}) must be positive.")
+
+    @classmethod
+    def from_string(cls, text: str, **options) -> EtcdSettings:
+        endpoints, scheme = parse_endpoints(text)
+        if scheme and options.get("protocol") in (None, scheme):
+            options["protocol"] = scheme
+        elif scheme:
+            raise ConfigError(f"The etcd endpoints '{text}' say {scheme} but the protocol is {options['protocol']}.")
+        options = {k: v for k, v in options.items() if v is not None}
+        return cls(endpoints=endpoints, **options)
+
+    def describe(self) -> str:
+        return ",".join(str(ep) for ep in self.endpoints)
+
+    def urls(self) -> str:
+        """The endpoints with their scheme: what another process needs to reach etcd the same way."""
+        return ",".join(f"{self.protocol}://{ep}" for ep in self.endpoints)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    lease: int
+    create_revision: int = 0  # the revision the key was created at (a new one after a delete)
+
+
+def _kv(value: bytes, meta) -> KeyValue:
+    return KeyValue(meta.key, value, meta.mod_revision, meta.lease_id, meta.create_revision)
+
+
+class EtcdClient:
+    """A thread-safe etcd v3 client over one or more endpoints.
+
+    Every method retries transient failures (member down, leader change, timeout)
+    across the endpoints until ``settings.retry_timeout`` has passed, then raises
+    :class:`EtcdUnavailableError`. A request etcd refuses raises :class:`EtcdRequestError`.
+    """
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._raw: pyetcd.MultiEndpointEtcd3Client | None = None
+        # Threads that streaming calls started (pyetcd's watch reader, gRPC's request
+        # consumer and channel spinner): close() waits for them, see _streaming.
+        self._stream_threads: set[threading.Thread] = set()
+
+    # -- connection -----------------------------------------------------------------
+
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        s = self.settings
+        if s.protocol != "https":
+            return None
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as exc:
+                raise ConfigError(f"The etcd TLS file '{path}' cannot be read: {exc.strerror}.") from exc
+
+        return grpc.ssl_channel_credentials(read(s.cacert), read(s.key), read(s.cert))
+
+    def _connect(self) -> pyetcd.MultiEndpointEtcd3Client:
+        with self._lock:
+            if self._raw is None:
+                creds = self._credentials()
+                endpoints = [
+                    pyetcd.Endpoint(
+                        ep.host, ep.port, secure=creds is not None, creds=creds,
+                        time_retry=0.5, opts=_GRPC_OPTIONS,
+                    )
+                    for ep in self.settings.endpoints
+                ]
+                # Authenticates at construction when a user is set.
+                self._raw = pyetcd.MultiEndpointEtcd3Client(
+                    endpoints, timeout=self.settings.read_timeout, user=self.settings.user,
+                    password=self.settings.password, failover=True,
+                )
+                if creds is None:
+                    # grpc refuses call credentials on plaintext channels; the token
+                    # still travels in the metadata pyetcd adds to every call.
+                    self._raw.call_credentials = None
+            return self._raw
+
+    def _reset(self) -> None:
+        with self._lock:
+            raw, self._raw = self._raw, None
+        if raw is not None:
+            raw.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the channels, and wait up to ``timeout`` s for the threads this client's streams
+        started to end: gRPC aborts a fork() while any thread is inside it."""
+        self._reset()
+        with self._lock:
+            threads, self._stream_threads = self._stream_threads, set()
+        deadline = Deadline(timeout)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(deadline.remaining())
+
+    def _streaming(self, op: Callable[[], _T]) -> _T:
+        """Run ``op``, a call that opens a gRPC stream, and remember the threads it started.
+
+        Neither pyetcd nor gRPC hands them out: they are the threads of theirs that appeared
+        during the call, by name (pyetcd's ``pyetcd_watch_*``; gRPC's helpers run a function
+        ``_run``, so threading names them ``Thread-N (_run)``). Another client's stream opened at
+        the same moment may be counted too: joining it costs at most close()'s timeout.
+        """
+        before = set(threading.enumerate())
+        try:
+            return op()
+        finally:
+            started = {t for t in threading.enumerate()
+                       if t not in before and (t.name.startswith("pyetcd_watch_") or t.name.endswith("(_run)"))}
+            with self._lock:
+                self._stream_threads = {t for t in self._stream_threads if t.is_alive()} | started
+
+    def __enter__(self) -> EtcdClient:  # noqa: PYI034 (typing.Self needs Python 3.11)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _call(self, what: str, op: Callable[[pyetcd.MultiEndpointEtcd3Client], _T]) -> _T:
+        def attempt() -> _T:
+            try:
+                return op(self._connect())
+            except grpc.RpcError as exc:
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                if "auth token" in (details or "") and self.settings.user:
+                    # The token expired or the member restarted: log in again.
+                    self._reset()
+                    raise
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # Raised from the constructor's login, outside pyetcd's error mapping.
+                    self._reset()
+                    raise
+                refused = LeaseNotFoundError if _LEASE_NOT_FOUND in (details or "") else EtcdRequestError
+                raise refused(f"etcd at {self.settings.describe()} refused to {what}: {details}.") from exc
+
+        try:
+            return retry(attempt, (*_TRANSIENT_ERRORS, grpc.RpcError), self.settings.retry_timeout,
+                         _BACKOFF, on_retry=lambda exc: log.debug("etcd %s failed (%s); retrying", what,
+                                                                  _describe(exc)))
+        except (*_TRANSIENT_ERRORS, grpc.RpcError) as exc:
+            raise EtcdUnavailableError(
+                f"etcd at {self.settings.describe()} did not answer ({what}) within "
+                f"{self.settings.retry_timeout:g} s: {_describe(exc)}."
+            ) from exc
+
+    # -- key/value --------------------------------------------------------------------
+
+    def get(self, key: bytes | str) -> KeyValue | None:
+        value, meta = self._call("read a key", lambda c: c.get(key))
+        return None if meta is None else _kv(value, meta)
+
+    def get_prefix(self, prefix: bytes | str) -> list[KeyValue]:
+        return self._call(
+            "read keys", lambda c: [_kv(v, m) for v, m in c.get_prefix(prefix, sort_order="ascend")]
+        )
+
+    def get_prefix_at(self, prefix: bytes | str) -> tuple[list[KeyValue], int]:
+        """The keys under ``prefix`` and the store revision they were read at (to watch from)."""
+
+        def read(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[list[KeyValue], int]:
+            response = c.get_prefix_response(prefix)
+            kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease, kv.create_revision) for kv in response.kvs]
+            return kvs, response.header.revision
+
+        return self._call("read keys", read)
+
+    def watch_prefix(self, prefix: bytes | str, start_revision: int):
+        """Watch ``prefix`` from ``start_revision``: (iterator of responses, cancel).
+
+        Each response has ``events`` (pyetcd's PutEvent/DeleteEvent: key, value,
+        mod_revision, lease) and ``header.revision``. The iterator raises when the
+        stream breaks (member gone, revision compacted); the caller re-reads and
+        watches again.
+        """
+        return self._streaming(lambda: self._call(
+            "watch keys", lambda c: c.watch_prefix_response(prefix, start_revision=start_revision)
+        ))
+
+    def keys_prefix(self, prefix: bytes | str) -> list[bytes]:
+        """The keys under ``prefix``, ascending, without their values."""
+
+        def keys(c: pyetcd.MultiEndpointEtcd3Client) -> list[bytes]:
+            return [kv.key for kv in c.get_prefix_response(prefix, keys_only=True, sort_order="ascend").kvs]
+
+        return self._call("read keys", keys)
+
+    def count_prefix(self, prefix: bytes | str) -> int:
+        def count(c: pyetcd.MultiEndpointEtcd3Client) -> int:
+            return c.get_prefix_response(prefix, count_only=True).count
+
+        return self._call("count keys", count)
+
+    def oldest_keys(self, prefix: bytes | str, limit: int) -> list[bytes]:
+        """The first ``limit`` keys under ``prefix`` in key order, without their values."""
+
+        def read(c: pyetcd.MultiEndpointEtcd3Client) -> list[bytes]:
+            response = c.get_prefix_response(prefix, keys_only=True, limit=limit, sort_order="ascend")
+            return [kv.key for kv in response.kvs]
+
+        return self._call("read keys", read)
+
+    def put(self, key: bytes | str, value: bytes | str, lease: int | None = None) -> int:
+        """Write a key; returns the new revision."""
+        return self._call("write a key", lambda c: c.put(key, value, lease=lease).header.revision)
+
+    def compare_and_swap(
+        self, key: bytes | str, value: bytes | str, mod_revision: int, lease: int | None = None,
+        also_delete: bytes | str | None = None,
+    ) -> tuple[bool, KeyValue | None, int]:
+        """Write ``key`` only if its mod revision is ``mod_revision`` (0: only if absent), and
+        then delete ``also_delete`` if given.
+
+        One transaction: on failure it returns the current value read atomically.
+        Returns (succeeded, current or new key/value, revision of the answer).
+        """
+        tx = pyetcd.Transactions()
+
+        def txn(c: pyetcd.MultiEndpointEtcd3Client):
+            compare = tx.version(key) == 0 if mod_revision == 0 else tx.mod(key) == mod_revision
+            success = [tx.put(key, value, lease=lease)]
+            if also_delete is not None:
+                success.append(tx.delete(also_delete))
+            return c.transaction(compare=[compare], success=success, failure=[tx.get(key)])
+
+        succeeded, responses = self._call("compare-and-swap a key", txn)
+        if succeeded:
+            revision = responses[0].response_put.header.revision
+            return True, KeyValue(_bytes(key), _bytes(value), revision, lease or 0), revision
+        current = responses[0][0] if responses and responses[0] else None
+        if current is None:
+            return False, None, 0
+        return False, _kv(*current), current[1].response_header.revision
+
+    def delete(self, key: bytes | str) -> bool:
+        return self._call("delete a key", lambda c: c.delete(key))
+
+    def delete_prefix(self, prefix: bytes | str) -> int:
+        return self._call("delete keys", lambda c: c.delete_prefix(prefix).deleted)
+
+    # -- leases ------------------------------------------------------------------------
+
+    def grant_lease(self, ttl: int) -> int:
+        return self._call("grant a lease", lambda c: c.lease(ttl).id)
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Renew a lease; returns its new TTL, or 0 when it has already expired."""
+
+        def refresh(c: pyetcd.MultiEndpointEtcd3Client) -> int:
+            responses = list(c.refresh_lease(lease_id))
+            return max((r.TTL for r in responses), default=0)
+
+        return self._streaming(lambda: self._call("renew a lease", refresh))
+
+    def lease_ttl(self, lease_id: int) -> tuple[int, int]:
+        """A lease's remaining and granted TTL in seconds; (-1, 0) when it has expired."""
+
+        def ask(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[int, int]:
+            response = c.get_lease_info(lease_id)
+            return response.TTL, response.grantedTTL
+
+        return self._call("report a lease's TTL", ask)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        def revoke(c: pyetcd.MultiEndpointEtcd3Client) -> None:
+            try:
+                c.revoke_lease(lease_id)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+
+        self._call("revoke a lease", revoke)
+
+    # -- cluster -----------------------------------------------------------------------
+
+    def server_version(self) -> str:
+        """Ask the current member for its status; also a cheap health check."""
+        return self._call("report its status", lambda c: c.status().version)
+
+    def member_client_urls(self) -> list[str]:
+        return self._call(
+            "list its members", lambda c: [url for m in c.members for url in m.client_urls]
+        )
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
+        return f"{exc.code().name.lower()}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
+def wait_until_healthy(client: EtcdClient, timeout: float) -> str:
+    """Block until etcd answers a status request; returns its version."""
+    quick = dataclasses.replace(client.settings, retry_timeout=max(0.1, min(timeout, 2.0)))
+    probe = EtcdClient(quick)
+    try:
+        # Each probe retries for up to 2 s itself: ask again at once.
+        return retry(probe.server_version, EtcdUnavailableError, timeout, Backoff(0.0))
+    finally:
+        probe.close()
+
+
+def connect(settings: EtcdSettings, timeout: float = 10.0) -> EtcdClient:
+    """A client whose etcd has answered within ``timeout`` seconds, else a one-sentence error."""
+    client = EtcdClient(settings)
+    try:
+        wait_until_healthy(client, timeout)
+    except EtcdUnavailableError as exc:
+        client.close()
+        raise EtcdUnavailableError(
+            f"Cannot reach etcd at {settings.describe()}: no answer within {timeout:g} s (is it running there?)."
+        ) from exc
+    except ElasticctlError as exc:
+        client.close()
+        raise EtcdUnavailableError(f"etcd at {settings.describe()} refused the connection: {exc}") from exc
+    return client

@@ -1,0 +1,78 @@
+"""Deadlines, and the two ways elasticctl waits on etcd: retrying a call, polling a value.
+
+Every wait in elasticctl that a deadline bounds goes through :func:`retry` or :func:`poll`: a
+pause never outlasts the deadline (the last attempt happens at it, not a pause after it), and
+each caller keeps its own one-sentence error for when time runs out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+class Deadline:
+    """A moment ``seconds`` from now on the monotonic clock."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self._at - time.monotonic())
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self._at
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until the deadline if that comes first."""
+        time.sleep(min(seconds, self.remaining()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Pauses between attempts: ``first``, doubling up to ``longest`` (a fixed pause without it)."""
+
+    first: float
+    longest: float | None = None
+
+    def pauses(self) -> Iterator[float]:
+        pause = self.first
+        while True:
+            yield pause
+            if self.longest is not None:
+                pause = min(pause * 2, self.longest)
+
+
+def retry(attempt: Callable[[], _T], retry_on: type[BaseException] | tuple[type[BaseException], ...],
+          timeout: float, backoff: Backoff, on_retry: Callable[[BaseException], None] | None = None) -> _T:
+    """``attempt()``'s result, calling it again after a ``retry_on`` error until ``timeout``
+    seconds have passed; then that error is raised."""
+    deadline = Deadline(timeout)
+    for pause in backoff.pauses():
+        try:
+            return attempt()
+        except retry_on as exc:
+            if deadline.passed():
+                raise
+            if on_retry is not None:
+                on_retry(exc)
+        deadline.sleep(pause)
+    raise AssertionError("unreachable: Backoff.pauses() never ends")
+
+
+def poll(read: Callable[[], _T], timeout: float, backoff: Backoff,
+         until: Callable[[_T], object] = bool) -> _T:
+    """The first result of ``read()`` that ``until`` accepts (by default: a true one), or its
+    last result once ``timeout`` seconds have passed."""
+    deadline = Deadline(timeout)
+    for pause in backoff.pauses():
+        result = read()
+        if until(result) or deadline.passed():
+            return result
+        deadline.sleep(pause)
+    raise AssertionError("unreachable: Backoff.pauses() never ends")

@@ -1,0 +1,303 @@
+"""What etcd knows about a job: its spec, its nodes, their rounds, requests and progress.
+
+Everything is JSON (never pickle), at the keys :mod:`elasticctl.job.keys` lays out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import socket
+import time
+
+from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JOB_CONTROL, JobKeys, jobs_root
+from elasticctl.job.records import (
+    MEMBER_FIELDS,
+    NODE_FIELDS,
+    PROGRESS_FIELDS,
+    MemberState,
+    Round,
+    json_object,
+    record_json,
+    typed_record,
+)
+from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.job.spec import JobSpec, validate_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """One read of a job, for ``status``."""
+
+    name: str
+    spec: JobSpec | None
+    nodes: dict[str, dict]
+    members: dict[str, dict]
+    progress: dict | None
+    down_requested: bool
+    generation: Round | None = None  # the workers' current generation (hot recovery)
+
+    @property
+    def round(self) -> int | None:
+        if self.generation is not None:
+            return self.generation.number
+        rounds = [m.get("round") for m in self.members.values() if m.get("state") == MemberState.TRAINING]
+        return max(rounds) if rounds else None
+
+    def _generation_ranks(self) -> dict[str, int]:
+        """Hot recovery: each node's lowest worker rank in the current generation."""
+        ranks: dict[str, int] = {}
+        for rank, worker in enumerate(self.generation.members if self.generation else ()):
+            ranks.setdefault(worker.rsplit(".", 1)[0], rank)
+        return ranks
+
+    @property
+    def world_size(self) -> int:
+        if self.generation is not None:
+            return len(self._generation_ranks())
+        current = self.round
+        return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == MemberState.TRAINING])
+
+    def to_dict(self) -> dict:
+        ranks = self._generation_ranks()
+        return {
+            "job": self.name,
+            "spec": None if self.spec is None else self.spec.to_dict(),
+            "round": self.round,
+            "world_size": self.world_size,
+            "nodes": [
+                {**record, **{k: v for k, v in self.members.get(node, {}).items() if k in ("round", "rank", "restarts")},
+                 **({"round": self.generation.number, "rank": ranks[node]} if node in ranks else {}),
+                 "id": node, "rendezvous": self.members.get(node, {}).get("state", "joining")}
+                for node, record in sorted(self.nodes.items())
+            ],
+            "progress": self.progress,
+            "down_requested": self.down_requested,
+            "recovery": "hot" if self.generation is not None else "restart",
+        }
+
+
+class Registry:
+    """Reads and writes one job's records."""
+
+    def __init__(self, client: EtcdClient, job: str, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        validate_name(job, "job name")  # a '/' would reach into another job's keys
+        self.client = client
+        self.job = job
+        self.key_prefix = key_prefix
+        self.keys = JobKeys(job, key_prefix)
+
+    # -- spec --------------------------------------------------------------------------
+
+    def read_spec(self) -> JobSpec | None:
+        kv = self.client.get(self.keys.spec)
+        return None if kv is None else JobSpec.from_dict(json_object(kv.value))
+
+    def run_identity(self) -> str | None:
+        """This run of the job: its spec's create revision (a new one after `down` and `up`), or
+        None without a spec. Records signed with the job secret are bound to it."""
+        kv = self.client.get(self.keys.spec)
+        return None if kv is None or not kv.create_revision else f"r{kv.create_revision}"
+
+    def publish_spec(self, spec: JobSpec) -> bool:
+        """Publish ``spec``; True if it was new, False if an identical one was there.
+
+        A different spec of a job that still has live nodes is an error; one whose
+        nodes are all gone belongs to a finished run, whose keys are cleared first.
+        """
+        key = self.keys.spec
+        for _ in range(3):
+            ok, current, _ = self.client.compare_and_swap(key, record_json(spec.to_dict()), 0)
+            if ok:
+                return True
+            existing = JobSpec.from_dict(json_object(current.value)) if current else None
+            finished = self._rendezvous_closed()
+            if existing == spec and not finished:
+                return False
+            if self.live_nodes():
+                if finished:
+                    raise ConfigError(
+                        f"The job '{spec.name}' has finished and its last nodes are still stopping; "
+                        "run it again in a few seconds."
+                    )
+                raise ConfigError(
+                    f"The job '{spec.name}' is already running with a different spec "
+                    f"({existing.describe_difference(spec) if existing else 'unreadable'}); "
+                    f"use another --job, or stop it first with 'elasticctl down --job {spec.name}'."
+                )
+            log.info("clearing the finished run of job %s", spec.name)
+            self.client.delete_prefix(self.keys.everything)
+        raise ElasticctlError(f"Could not publish the spec of job '{spec.name}': it kept changing under us.")
+
+    def _rendezvous_closed(self) -> bool:
+        # torch closes the rendezvous when a job finishes; a new run needs a fresh one.
+        return self.client.get(self.keys.finished) is not None
+
+    # -- nodes -------------------------------------------------------------------------
+
+    def register_node(self, record: dict, lease: int, wanted_id: str | None = None) -> str:
+        """Claim a node id (``wanted_id``, else the host name, suffixed while taken)."""
+        base = validate_name(wanted_id, "node id") if wanted_id else _host_node_id()
+        for attempt in range(1, 1000):
+            node = base if attempt == 1 else f"{base}-{attempt}"
+            ok, _, _ = self.client.compare_and_swap(
+                self.keys.node(node), record_json({**record, "id": node}), 0, lease=lease
+            )
+            if ok:
+                return node
+            if wanted_id:
+                raise ConfigError(f"The node id '{wanted_id}' is already taken in job '{self.job}'.")
+        raise ElasticctlError(f"No free node id for '{base}' in job '{self.job}'.")
+
+    def update_node(self, node: str, record: dict, lease: int) -> None:
+        self.client.put(self.keys.node(node), record_json({**record, "id": node}), lease=lease)
+
+    def live_nodes(self) -> dict[str, dict]:
+        return self._records(self.keys.nodes, NODE_FIELDS)
+
+    def members(self) -> dict[str, dict]:
+        return self._records(self.keys.members, MEMBER_FIELDS)
+
+    def _records(self, start: str, fields: dict) -> dict[str, dict]:
+        return {kv.key.decode(errors="replace")[len(start):]: typed_record(kv.value, fields)
+                for kv in self.client.get_prefix(start)}
+
+    # -- requests ----------------------------------------------------------------------
+
+    def request_leave(self, node: str) -> None:
+        validate_name(node, "node id")
+        self.client.put(self.keys.control_for(node), "leave")
+
+    def request_down(self) -> None:
+        self.client.put(self.keys.control_for(JOB_CONTROL), "down")
+
+    def requested(self, node: str) -> str | None:
+        """'down' for the whole job, 'leave' for this node, else None."""
+        start = self.keys.control
+        return request_for({kv.key.decode(errors="replace")[len(start):]: kv.value
+                            for kv in self.client.get_prefix(start)}, node)
+
+    def clear_request(self, node: str) -> None:
+        self.client.delete(self.keys.control_for(node))
+
+    def delete_job(self) -> int:
+        """Delete the job's keys but its event history (which expires with its own lease)."""
+        root, deleted = self.keys.everything, 0
+        children = set()
+        for kv in self.client.get_prefix(root):
+            name, slash, _ = kv.key.decode(errors="replace")[len(root):].partition("/")
+            children.add(name + slash)
+        for child in sorted(children - {self.keys.history[len(root):]}):
+            if child.endswith("/"):
+                deleted += self.client.delete_prefix(root + child)
+            else:
+                deleted += int(self.client.delete(root + child))
+        return deleted
+
+    # -- checkpoint marker ---------------------------------------------------------------
+
+    def claim_checkpoint_marker(self, token: str) -> tuple[bool, str | None]:
+        """Store ``token`` as the job's checkpoint marker unless one is there.
+
+        Returns (True, token) when this call stored it, else (False, the marker in etcd).
+        """
+        ok, current, _ = self.client.compare_and_swap(self.keys.checkpoint_marker, token, 0)
+        if ok:
+            return True, token
+        return False, None if current is None else current.value.decode(errors="replace")
+
+    def release_checkpoint_marker(self, token: str) -> None:
+        """Take back the marker ``token`` this process claimed (for an `up` that did not run)."""
+        kv = self.client.get(self.keys.checkpoint_marker)
+        if kv is not None and kv.value == token.encode():
+            self.client.delete(self.keys.checkpoint_marker)
+
+    # -- progress ----------------------------------------------------------------------
+
+    def progress(self) -> dict | None:
+        kv = self.client.get(self.keys.progress)
+        return None if kv is None else typed_record(kv.value, PROGRESS_FIELDS)
+
+    def generation(self) -> Round | None:
+        """The workers' current generation of a hot-recovery job, if there is one (shown, not
+        trusted: a signature is not checked here)."""
+        key = self.keys.generations().rdzv_round
+        kv = self.client.get(key)
+        return None if kv is None else Round.from_json(kv.value, kv.mod_revision, key)
+
+    def view(self) -> JobView:
+        spec = self.read_spec()
+        return JobView(
+            name=self.job, spec=spec, nodes=self.live_nodes(), members=self.members(),
+            progress=self.progress(), down_requested=self.requested("") == "down",
+            generation=self.generation(),
+        )
+
+    def withdraw_spec(self, spec: JobSpec) -> bool:
+        """Delete the spec this process published, for an `up` that failed before its node ran.
+
+        Only while the spec is still ``spec`` and the only key of the job (no node record,
+        no rendezvous, no progress: nothing else uses it). True if it was deleted. A node
+        that registers between the check and the delete loses the spec it has already
+        read: a window of one etcd round trip, and only after a failed `up`.
+        """
+        key = self.keys.spec
+        if self.client.count_prefix(self.keys.everything) != 1:
+            return False
+        kv = self.client.get(key)
+        if kv is None or JobSpec.from_dict(json_object(kv.value)) != spec:
+            return False
+        return bool(self.client.delete(key))
+
+
+def request_for(controls: dict[str, bytes], node: str) -> str | None:
+    """What the keys under ``control/`` (by name) ask of ``node``: 'down', 'leave' or None."""
+    if controls.get(JOB_CONTROL) == b"down":
+        return "down"
+    return "leave" if controls.get(node) == b"leave" else None
+
+
+def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:
+    """Jobs with a published spec, and how many live nodes each has."""
+    root = jobs_root(key_prefix)
+    specs: set[str] = set()
+    nodes: dict[str, int] = {}
+    for kv in client.get_prefix(root):
+        key = kv.key.decode(errors="replace")
+        job = key[len(root):].split("/", 1)[0]
+        keys = JobKeys(job, key_prefix)
+        if key == keys.spec:
+            specs.add(job)
+        elif key.startswith(keys.nodes) and "/" not in key[len(keys.nodes):]:
+            nodes[job] = nodes.get(job, 0) + 1
+    return {job: nodes.get(job, 0) for job in sorted(specs)}
+
+
+def resolve_job(client: EtcdClient, job: str | None, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The job named, or the only job in etcd when none is named."""
+    jobs = list_jobs(client, key_prefix)
+    if job is not None:
+        if job not in jobs:
+            known = ", ".join(jobs) or "none"
+            raise ConfigError(f"The job '{job}' does not exist in etcd (jobs: {known}).")
+        return job
+    if len(jobs) == 1:
+        return next(iter(jobs))
+    if not jobs:
+        raise ConfigError("There is no job in etcd; start one with 'elasticctl up'.")
+    raise ConfigError(f"There are {len(jobs)} jobs in etcd ({', '.join(jobs)}); name one with --job.")
+
+
+def _host_node_id() -> str:
+    """The host name as a node id: its first label, with characters ids may not hold replaced."""
+    label = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname().split(".")[0])[:50].lstrip("-_.")
+    return label or "node"
+
+
+def now() -> float:
+    return round(time.time(), 3)

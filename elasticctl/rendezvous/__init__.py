@@ -1,0 +1,1 @@
+"""The etcd3 rendezvous: its protocol, its pure decisions, torch's handler and backend."""

@@ -1,0 +1,229 @@
+"""One node's part in the etcd-native rendezvous: its lease, its declarations, sealing, waiting.
+
+:meth:`RoundMember.join` declares for the next round (one put) and waits, on the
+watched view, until a round with this node in it is sealed; the node holding the
+claim to seal it (a lease-bound key, won by one compare-and-swap) seals it as soon
+as :func:`seal_due` says so. Nothing polls: every wait is on the view's condition,
+with a timeout only where a deadline (last call, the join timeout) can fire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.lease import Lease
+from elasticctl.job.records import Claim, Declaration, Round
+from elasticctl.rendezvous.rounds import (
+    Change,
+    Settings,
+    change_for,
+    next_members,
+    next_number,
+    seal_due,
+    wanting,
+)
+from elasticctl.rendezvous.view import RoundView
+
+log = logging.getLogger(__name__)
+
+
+class JoinCancelled(ElasticctlError):
+    """:meth:`RoundMember.cancel` ended a join: the node (or worker) was told to stop."""
+
+
+class RoundMember:
+    """This node (``node`` at ``addr``) in the rounds of the run whose keys ``view`` watches."""
+
+    def __init__(self, client: EtcdClient, view: RoundView, node: str, addr: str, settings: Settings,
+                 node_ttl: int, join_timeout: float, run_lease=None, pid: int = 0) -> None:
+        self._client = client
+        self.view = view
+        self.node = node
+        self.addr = addr
+        self.pid = pid
+        self.settings = settings
+        self.node_ttl = node_ttl
+        self.join_timeout = join_timeout
+        self._run_lease = run_lease
+        self._lease: Lease | None = None
+        self._lease_lost = threading.Event()
+        self._cancelled = threading.Event()
+        self._left = False
+        self.round: Round | None = None  # the round this node is in
+        view.on_round_missing(self._restore)
+
+    # -- liveness --------------------------------------------------------------------
+
+    def _kept_lease(self) -> Lease:
+        """This node's own lease, granted and kept alive from its first use until :meth:`leave`."""
+        if self._lease is None:
+            self._lease = Lease(self._client, self.node_ttl, name="rendezvous lease")
+            self._lease.on_regrant(self._on_lease_lost)
+            self._lease.start()
+        return self._lease
+
+    def bound_to_lease(self, write):
+        """``write(lease_id)``, on a fresh lease if etcd no longer knows this node's lease
+        (it expired while the node was frozen or starved): keys on the old one are gone."""
+        return self._kept_lease().bound(write)
+
+    @property
+    def lease_lost(self) -> bool:
+        """Whether this node's lease ended since it last joined (it was frozen or cut off)."""
+        return self._lease_lost.is_set()
+
+    def _on_lease_lost(self, _new_lease: int) -> None:
+        # Frozen or cut off past node_ttl: the others have gone on without this node. It
+        # must not slip back into the old round; it re-joins as a newcomer.
+        log.warning("[%s] its rendezvous lease expired (frozen or cut off); it will join again", self.node)
+        self._lease_lost.set()
+
+    # -- joining ---------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """End a join in progress, now or whenever one starts, with :class:`JoinCancelled`
+        (safe from a signal handler)."""
+        self._cancelled.set()
+        self.view.interrupt()
+
+    def join(self) -> Round:
+        """Declare for the next round and return it once it is sealed with this node in it."""
+        deadline = time.monotonic() + self.join_timeout
+        self._lease_lost.clear()
+        while True:
+            if self._cancelled.is_set():
+                raise JoinCancelled(f"{self.node} was told to stop while it waited for a round.")
+            current, _, closed = self.view.snapshot()
+            if closed:
+                raise RendezvousClosedError()
+            target = next_number(current)
+            declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port())
+            self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
+            log.info("[%s] wants round %d", self.node, target)
+            self._lease_lost.clear()  # the declaration is on the lease in use now
+            sealed = self._await_round(target, deadline)
+            if sealed is not None:
+                self.round = sealed
+                return sealed
+            # Sealed without this node (the round was full): want the one after it.
+
+    def _await_round(self, target: int, deadline: float) -> Round | None:
+        """Wait until round ``target`` is sealed; seal it if this node holds the claim to.
+
+        Every node follows only the ctl/ keys while it waits. When nobody holds a live
+        claim to seal ``target``, each waiting node tries once to take it (a compare-and-
+        swap: one wins); the holder follows the declarations and seals when
+        :func:`seal_due` says so. A holder that dies loses the claim with its lease, and
+        the others try again.
+        """
+        view, settings = self.view, self.settings
+        quorum_since: float | None = None
+        while True:
+            # Read what we wait on before deciding, so that no change slips in between.
+            seen = view.evaluate(lambda *_: view.progress(target))
+            now = time.monotonic()
+            current, declarations, closed = view.snapshot()
+            claim, claim_revision = view.claim, view.claim_revision
+            if closed:
+                raise RendezvousClosedError()
+            if self._cancelled.is_set():
+                raise JoinCancelled(f"{self.node} was told to stop while it waited for round {target}.")
+            if current is not None and current.number >= target:
+                return current if self.node in current.members else None
+            if now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"The rendezvous round {target} did not complete within {self.join_timeout:g} s "
+                    f"(sealed by {claim.node if claim and claim.round == target else 'nobody yet'}).")
+            wake_at = [deadline]
+            if claim is None or claim.round != target:
+                if not self._claim(target, claim_revision):
+                    wake_at.append(now + 0.5)  # etcd refused or was unreachable: try again soon
+            elif claim.node == self.node:
+                view.follow_nodes()
+                live = list(declarations.values()) if view.nodes_followed else []
+                enough = len(wanting(current, live)) >= settings.min_nodes
+                quorum_since = (quorum_since or now) if enough else None
+                if seal_due(current, live, settings, quorum_since, now, len(view.unreadable)):
+                    self._seal(current, live, target)
+                elif quorum_since is not None:
+                    wake_at.append(quorum_since + settings.last_call)
+            view.wait_until(lambda seen=seen: view.progress(target) != seen,
+                            max(0.0, min(wake_at) - time.monotonic()) + 0.01)
+
+    def _claim(self, target: int, expected_revision: int) -> bool:
+        """Try to take the claim to seal ``target``; False if etcd could not be asked (the
+        watch shows who won otherwise)."""
+        try:
+            if self.bound_to_lease(lambda lease: self.view.claim_sealing(
+                    Claim(self.node, target), expected_revision, lease)):
+                log.info("[%s] seals round %d", self.node, target)
+            return True
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot claim the sealing of round %d: %s", self.node, target, exc)
+            return False
+
+    def _seal(self, current: Round | None, live: list[Declaration], target: int) -> None:
+        token = self.view.seal_token()
+        candidates = wanting(current, live)
+        members = next_members(current, candidates, self.settings.max_nodes)
+        by_node = {d.node: d for d in candidates}
+        # Rank 0's address and port travel in the round: nobody waits in the store for them.
+        sealed = Round(number=target, members=members, addrs=tuple(by_node[m].addr for m in members),
+                       master_port=by_node[members[0]].port, sealed_at=round(time.time(), 6))
+        run_lease = self._run_lease.id() if self._run_lease is not None else None
+        try:
+            if self.view.seal(sealed, token, run_lease):
+                log.info("[%s] sealed round %d: %s", self.node, target, ", ".join(members))
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot seal round %d: %s", self.node, target, exc)
+
+    def _restore(self, known: Round, revision: int) -> None:
+        """The record of the round this node runs in is gone from etcd (deleted, expired with a
+        lease, overwritten by a forged or late record): write it back, bound to the run lease.
+        Every member tries; one compare-and-swap wins. A newcomer meanwhile waits (see
+        :func:`seal_due`) and then joins the running round's members."""
+        if self._left or self.round is None or not self.round.same_round(known):
+            return
+        lease = self._run_lease.id if self._run_lease is not None else None
+        try:
+            restored = self.view.restore(known, revision, lease() if lease else None)
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot write back the record of round %d: %s", self.node, known.number, exc)
+            return
+        if restored:
+            log.warning("[%s] wrote back the record of round %d, which etcd no longer held", self.node,
+                        known.number)
+
+    # -- while in a round ------------------------------------------------------------
+
+    def change(self, finished: frozenset[str] = frozenset()) -> Change:
+        """What changed since this node's round was sealed, from the watched view alone
+        (``finished``: members known to have finished, see :func:`change_for`)."""
+        if self.round is None:
+            return Change()
+        if self._lease_lost.is_set():
+            return Change(superseded=True)
+        if not self.view.nodes_followed:
+            # A member restarts its workers on a lost, re-joining or waiting node: it follows
+            # the declarations from its first look on (loaded while its workers start).
+            self.view.follow_nodes(background=True)
+            return Change()
+        return self.view.evaluate(lambda current, declarations, _closed: change_for(
+            self.node, self.round.number, current, declarations, self.settings.max_nodes, finished))
+
+    def leave(self) -> None:
+        """Leave gracefully: the others see this node's key go at once, not after node_ttl."""
+        self._left = True
+        try:
+            self.view.withdraw(self.node)
+        finally:
+            if self._lease is not None:
+                self._lease.stop(revoke=True)
+                self._lease = None

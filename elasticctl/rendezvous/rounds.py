@@ -1,0 +1,120 @@
+"""The etcd-native rendezvous, decided: pure functions over its records.
+
+Protocol (keys under :attr:`JobKeys.rdzv <elasticctl.job.keys.JobKeys.rdzv>`, records in
+:mod:`elasticctl.job.records`, I/O in :mod:`elasticctl.rendezvous.view`):
+
+* ``nodes/<node>`` — a :class:`Declaration`: "this node wants to be in round ``wants``",
+  one put bound to the node's own lease. Liveness is the lease (keep-alives only);
+  leaving is deleting the key. A node declares once per round: O(n) writes.
+* ``ctl/sealer`` — a :class:`Claim`: the node that seals the next round, bound to its
+  lease. Taken by one compare-and-swap when nobody holds it; only the holder needs
+  to follow every declaration.
+* ``ctl/round`` — the sealed :class:`Round`: its number and members in rank order,
+  written (and the claim released) by one transaction on the previous round's
+  revision. Every node learns it from a watch.
+* ``ctl/closed`` — the job is done; no round is sealed after it.
+
+A round is sealed when enough nodes want it and there is nobody left worth waiting
+for (:func:`seal_due`); its members are chosen by :func:`next_members`. Every
+function here is pure: the view and the clock come in as arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+from elasticctl.job.records import Declaration, Round
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    min_nodes: int
+    max_nodes: int
+    last_call: float  # seconds to wait for more nodes once min_nodes want a round
+
+
+def next_number(current: Round | None) -> int:
+    return 1 if current is None else current.number + 1
+
+
+def wanting(current: Round | None, live: Iterable[Declaration]) -> list[Declaration]:
+    """The live nodes that want the next round, in the order they declared."""
+    target = next_number(current)
+    return sorted((d for d in live if d.wants == target), key=lambda d: d.revision)
+
+
+def next_members(current: Round | None, candidates: list[Declaration], max_nodes: int) -> tuple[str, ...]:
+    """Who is in the next round, rank order: the current round's members keep their order
+    (rank 0 stays rank 0 when it can), then newcomers by arrival; at most ``max_nodes``."""
+    names = {d.node for d in candidates}
+    kept = [m for m in (current.members if current else ()) if m in names]
+    newcomers = [d.node for d in candidates if d.node not in kept]
+    return tuple((kept + newcomers)[:max_nodes])
+
+
+def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
+             quorum_since: float | None, now: float, unreadable: int = 0) -> bool:
+    """Whether the next round should be sealed now.
+
+    ``quorum_since``: when this node first saw ``min_nodes`` nodes want the next round.
+    ``unreadable``: live declarations this node cannot read (another secret, another run).
+    Never while a live node wants a round beyond the next one: it is in a round this node
+    does not see (its record was deleted or expired; its members write it back), and a
+    round sealed now would train beside it. Never a first round beside live declarations
+    this node cannot read, for the same reason: at worst the job waits, and says why.
+    Never while only newcomers want it and members of the running round are alive:
+    those members re-form with the newcomers as soon as they see them waiting (a round
+    of newcomers alone would supersede a training job). Otherwise sealed at once when
+    the round is full, or, once a round has run, when every live node wants the next
+    one (nobody is left to wait for: the usual re-forming after a failure or a join);
+    otherwise after ``last_call`` seconds of quorum, so that nodes still starting up
+    make the first round.
+    """
+    target = next_number(current)
+    if any(d.wants > target for d in live) or (current is None and unreadable):
+        return False
+    candidates = wanting(current, live)
+    if current is not None and not any(d.node in current.members for d in candidates):
+        live_names = {d.node for d in live}
+        if any(member in live_names for member in current.members):
+            return False
+    if len(candidates) < settings.min_nodes:
+        return False
+    if len(candidates) >= settings.max_nodes:
+        return True
+    if current is not None and len(candidates) == len(live):
+        return True
+    return quorum_since is not None and now - quorum_since >= settings.last_call
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """Why a member of a round must re-form: counts for torch's ``num_nodes_waiting``."""
+
+    lost: tuple[str, ...] = ()        # members whose key is gone (lease expired, left)
+    moved_on: tuple[str, ...] = ()    # members that want a later round (their workers failed)
+    waiting: tuple[str, ...] = ()     # newcomers that fit in the next round
+    superseded: bool = False          # a later round was sealed without this node
+
+    @property
+    def count(self) -> int:
+        return len(self.lost) + len(self.moved_on) + len(self.waiting) + int(self.superseded)
+
+
+def change_for(node: str, my_round: int, current: Round | None, live: Mapping[str, Declaration],
+               max_nodes: int, finished: frozenset[str] = frozenset()) -> Change:
+    """What changed for ``node``, a member of round ``my_round``, in the watched view.
+
+    ``finished``: members whose agent ended with its workers done. Such a member withdraws
+    its declaration at shutdown, but it is not lost: the others' workers run to their own
+    end (torch's contract: nodes may finish far apart, the exit barrier never fails a job).
+    """
+    if current is None or current.number != my_round or node not in current.members:
+        return Change(superseded=True)
+    lost = tuple(m for m in current.members if m not in live and m not in finished)
+    moved_on = tuple(m for m in current.members if m in live and live[m].wants > my_round)
+    room = max_nodes - current.world_size
+    waiting = tuple(d.node for d in sorted(live.values(), key=lambda d: d.revision)
+                    if d.node not in current.members and d.wants > my_round)[:max(0, room)]
+    return Change(lost=lost, moved_on=moved_on, waiting=waiting)

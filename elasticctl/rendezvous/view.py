@@ -1,0 +1,377 @@
+"""A watched local copy of one run's rendezvous keys, and the few writes of the protocol.
+
+Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl.etcd.watch`):
+
+* ``ctl/`` — the sealed ``round``, ``closed``, and the ``sealer`` claim. Every node
+  follows it: O(1) events per round, so a thousand joiners cost etcd a thousand
+  small notifications, not a million.
+* ``nodes/`` — every node's declaration. Followed only by the node that seals (it
+  must count who wants the round) and by members of a sealed round (a lost lease, a
+  member re-joining, a newcomer waiting are what restarts their workers). Members
+  load it in the background from their first look at it (torch's agent looks once
+  the workers run), not while the round forms.
+
+Nodes answer questions such as "is anybody waiting?" from the view, with no etcd
+request. Writes per node per round: one declaration (a put bound to the node's
+lease), at most one claim to seal; per round: one transaction that seals the round
+and releases the claim. See :mod:`elasticctl.rendezvous.rounds`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd.client import EtcdClient, KeyValue
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Claim, Declaration, Round, preferred_round
+from elasticctl.etcd.watch import PrefixWatch
+
+log = logging.getLogger(__name__)
+
+
+class _Feed(PrefixWatch):
+    """One watched prefix whose full reads and watch responses go to the view."""
+
+    def __init__(self, client: EtcdClient, prefix: str, load, apply) -> None:
+        super().__init__(client, prefix)
+        self._on_load, self._on_apply = load, apply
+
+    def _load(self, kvs: list[KeyValue], revision: int) -> None:
+        self._on_load(kvs, revision)
+
+    def _apply(self, response) -> None:
+        self._on_apply(response)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a joining node waits on, as one comparable value (see :meth:`RoundView.progress`)."""
+
+    closed: bool
+    round: int
+    claim: tuple
+    wanting: int
+    live: int
+
+
+class RoundView:
+    """The rendezvous keys of one run (``keys.rdzv``), kept current by watches.
+
+    Attributes change under the view's lock; read them through :meth:`snapshot` (a copy),
+    :meth:`evaluate`, or in an interest of :meth:`wait_until`. Counts of declarations per
+    wanted round are kept as events arrive, so that a node waiting for a round is woken
+    only when something it waits for changed, not by each of a thousand declarations.
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, secret: bytes | None = None) -> None:
+        self._client = client
+        self.keys = keys
+        self._secret = secret or None  # with a job secret, records are signed and unsigned ones ignored
+        self._nodes_prefix = keys.rdzv_nodes
+        self._ctl_prefix = keys.rdzv_ctl
+        self._round_key = keys.rdzv_round
+        self._closed_key = keys.rdzv_closed
+        self._claim_key = keys.rdzv_sealer
+        self._changed = threading.Condition()
+        self._interests: list[tuple[Callable[[], object], threading.Event]] = []
+        self.declarations: dict[str, Declaration] = {}
+        self.want_counts: collections.Counter[int] = collections.Counter()
+        self.round: Round | None = None
+        self.round_revision = 0  # of the round key as it is in etcd, readable or not: the seal's token
+        self.closed = False
+        self.claim: Claim | None = None  # who seals the next round, if anybody claimed it
+        self.claim_revision = 0  # of the claim key as it is in etcd, readable or not
+        self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
+        # Live declarations (bound to a lease) that this node cannot read: malformed, or signed
+        # with another secret or for another run. Nobody seals a round from scratch beside them.
+        self.unreadable: set[str] = set()
+        # Whether etcd holds the round this view believes (False after a delete, or while an
+        # unreadable, older or forged record is there); see on_round_missing.
+        self.round_in_etcd = True
+        self._round_missing: list[Callable[[Round, int], None]] = []
+        self._ctl = _Feed(client, self._ctl_prefix, self._load_ctl, self._apply_ctl)
+        self._nodes = _Feed(client, self._nodes_prefix, self._load_nodes, self._apply_nodes)
+        self._nodes_state = "off"  # off -> loading -> on
+        self._nodes_lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> RoundView:
+        self._ctl.start()
+        return self
+
+    def follow_nodes(self, background: bool = False) -> None:
+        """Start following the declarations (idempotent); ``background``: return at once."""
+        with self._nodes_lock:
+            if self._nodes_state != "off":
+                return
+            self._nodes_state = "loading"
+        if background:
+            self._loader = threading.Thread(target=self._start_nodes, args=(True,), name="elasticctl-rdzv-nodes",
+                                            daemon=True)
+            self._loader.start()
+        else:
+            self._start_nodes(False)
+
+    def _start_nodes(self, background: bool) -> None:
+        try:
+            self._nodes.start()
+        except ElasticctlError as exc:
+            with self._nodes_lock:
+                self._nodes_state = "off"  # the next follow_nodes() tries again
+            if not background:
+                raise
+            log.warning("cannot read the rendezvous declarations yet (%s); trying again at the next look", exc)
+
+    @property
+    def nodes_followed(self) -> bool:
+        """Whether :attr:`declarations` is a current copy (else it is empty or partial)."""
+        return self._nodes_state == "on"
+
+    def stop(self) -> None:
+        """Stop both watches and wait for their threads (and a background load) to end."""
+        self._ctl.stop()
+        self._nodes.stop()  # a load still running starts no watch after this
+        loader = self._loader
+        if loader is not None and loader is not threading.current_thread():
+            loader.join(timeout=self._client.settings.retry_timeout)
+        self._nodes.stop()  # and joins the watch that load may have started
+
+    # -- reading ---------------------------------------------------------------------
+
+    def wait_for(self, predicate: Callable[[], object], timeout: float | None) -> object:
+        """Block until ``predicate()`` (evaluated under the view's lock) is truthy, or ``timeout``."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def wait_until(self, interest: Callable[[], object], timeout: float | None) -> bool:
+        """Block until ``interest()`` is truthy, or ``timeout``; it is evaluated under the lock
+        by the watch after each change (keep it O(1)), and the waiter is woken only then."""
+        woken = threading.Event()
+        entry = (interest, woken)
+        with self._changed:
+            if interest():
+                return True
+            self._interests.append(entry)
+        try:
+            return woken.wait(timeout)
+        finally:
+            with self._changed:
+                if entry in self._interests:
+                    self._interests.remove(entry)
+
+    def interrupt(self) -> None:
+        """Wake every waiter now, whatever it waits for (each one re-checks why it waits)."""
+        with self._changed:  # a re-entrant lock: safe from a signal handler in a waiting thread
+            self._changed.notify_all()
+            for _, woken in list(self._interests):
+                woken.set()
+
+    def evaluate(self, decide: Callable[[Round | None, dict[str, Declaration], bool], object]) -> object:
+        """``decide(round, declarations, closed)`` under the lock, without copying the view."""
+        with self._changed:
+            return decide(self.round, self.declarations, self.closed)
+
+    def snapshot(self) -> tuple[Round | None, dict[str, Declaration], bool]:
+        with self._changed:
+            return self.round, dict(self.declarations), self.closed
+
+    def progress(self, target: int) -> Progress:
+        """What a node joining round ``target`` waits on; O(1). Call under the lock (in an interest)."""
+        claim = (self.claim.node, self.claim.round, self.claim_revision) if self.claim else (None, 0, self.claim_revision)
+        return Progress(self.closed, self.round.number if self.round else 0, claim,
+                        self.want_counts[target], len(self.declarations))
+
+    def _notify(self) -> None:
+        """Wake the threads waiting on the view; called with the lock held."""
+        self._changed.notify_all()
+        for interest, woken in self._interests:
+            if not woken.is_set() and interest():
+                woken.set()
+
+    def seal_token(self) -> int:
+        with self._changed:
+            return self.round_revision
+
+    # -- the ctl/ feed ---------------------------------------------------------------
+
+    def on_round_missing(self, callback: Callable[[Round, int], None]) -> None:
+        """``callback(round, revision)`` (on the watch thread) whenever etcd stops holding the round
+        this view believes: its key was deleted (``revision`` 0), or holds a record that is
+        unreadable, older or forged (at ``revision``). Members write their round back."""
+        self._round_missing.append(callback)
+
+    def _load_ctl(self, kvs: list[KeyValue], revision: int) -> None:
+        with self._changed:
+            self.round_revision, self.claim, self.claim_revision, self.closed = 0, None, 0, False
+            round_seen = False
+            for kv in kvs:
+                round_seen |= kv.key.decode(errors="replace") == self._round_key
+                self._ctl_key(kv.key, kv.value, kv.mod_revision, kv.lease, deleted=False)
+            if not round_seen:
+                self.round_in_etcd = self.round is None
+            self._notify()
+            missing = self._missing()
+        self._report_missing(missing)
+
+    def _apply_ctl(self, response) -> None:
+        with self._changed:
+            for event in response.events:
+                deleted = type(event).__name__ == "DeleteEvent"
+                self._ctl_key(event.key, b"" if deleted else event.value, event.mod_revision,
+                              0 if deleted else event.lease, deleted)
+            self._notify()
+            missing = self._missing()
+        self._report_missing(missing)
+
+    def _missing(self) -> tuple[Round, int] | None:
+        return None if self.round_in_etcd or self.round is None else (self.round, self.round_revision)
+
+    def _report_missing(self, missing: tuple[Round, int] | None) -> None:
+        if missing is None:
+            return
+        for callback in list(self._round_missing):
+            callback(*missing)
+
+    def _ctl_key(self, key: bytes, value: bytes, revision: int, lease: int, deleted: bool) -> None:
+        name = key.decode(errors="replace")
+        if name == self._round_key:
+            if deleted:
+                self.round_in_etcd = self.round is None
+            else:
+                candidate = Round.from_json(value, revision, name, self._secret)
+                believed = self._believed_round(candidate, revision)
+                self.round_in_etcd = believed is candidate or (believed is None and candidate is None)
+                self.round = believed
+            self.round_revision = 0 if deleted else revision
+        elif name == self._closed_key:
+            self.closed = not deleted
+        elif name == self._claim_key:
+            # A claim must be bound to a lease: one that could never expire would block sealing.
+            claim = None if deleted or not lease else Claim.from_json(value, name, self._secret)
+            self.claim, self.claim_revision = claim, 0 if deleted else revision
+
+    def _believed_round(self, candidate: Round | None, revision: int) -> Round | None:
+        """The round to believe: ``candidate`` unless it is unreadable, older than the round this
+        view holds, or another record of that same round sealed later (a forgery, or a round
+        sealed from scratch while the record was gone): :func:`preferred_round`.
+
+        A planted or replayed round record is never followed (rounds only go forward); its
+        revision is kept, so that the next seal, or a member restoring its round, overwrites it.
+        """
+        believed = preferred_round(self.round, candidate)
+        if believed is candidate or believed is None:
+            return believed
+        if self.round is None or self.round.revision != revision:
+            if candidate is None:
+                why = "unreadable"
+            elif candidate.number < self.round.number:
+                why = f"round {candidate.number} is older than round {self.round.number}"
+            else:
+                why = f"another record of round {candidate.number}, sealed after the one its members run"
+            log.warning("Ignoring the round record at %s (revision %d): %s", self._round_key, revision, why)
+        return self.round
+
+    # -- the nodes/ feed -------------------------------------------------------------
+
+    def _declaration(self, key: bytes, value: bytes, revision: int) -> tuple[str, Declaration | None]:
+        name = key.decode(errors="replace")
+        node = name[len(self._nodes_prefix):]
+        declaration = Declaration.from_json(value, revision, name, self._secret)
+        # A record under another node's name is not that node's declaration.
+        return node, declaration if declaration is not None and declaration.node == node else None
+
+    def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
+        declarations: dict[str, Declaration] = {}
+        unreadable: set[str] = set()
+        for kv in kvs:
+            node, declaration = self._declaration(kv.key, kv.value, kv.mod_revision)
+            if declaration is not None:
+                declarations[node] = declaration
+            elif kv.lease:
+                unreadable.add(node)
+        self._warn_unreadable(unreadable - self.unreadable)
+        with self._changed:
+            self.unreadable = unreadable
+            now = time.monotonic()
+            for node in self.declarations.keys() - declarations.keys():
+                self.gone_at[node] = now
+            self.declarations = declarations
+            self.want_counts = collections.Counter(d.wants for d in declarations.values())
+            self._nodes_state = "on"
+            self._notify()
+
+    def _apply_nodes(self, response) -> None:
+        with self._changed:
+            now = time.monotonic()
+            for event in response.events:
+                deleted = type(event).__name__ == "DeleteEvent"
+                node, value = self._declaration(event.key, b"" if deleted else event.value, event.mod_revision)
+                previous = self.declarations.pop(node, None)
+                if previous is not None:
+                    self.want_counts[previous.wants] -= 1
+                if not deleted and value is None and event.lease:
+                    if node not in self.unreadable:
+                        self._warn_unreadable({node})
+                    self.unreadable.add(node)
+                else:
+                    self.unreadable.discard(node)
+                if deleted or value is None:
+                    if previous is not None:
+                        self.gone_at[node] = now
+                else:
+                    self.declarations[node] = value
+                    self.want_counts[value.wants] += 1
+                    self.gone_at.pop(node, None)
+            self._notify()
+
+    def _warn_unreadable(self, nodes: set[str]) -> None:
+        if nodes:
+            log.warning("Cannot read the rendezvous declaration(s) of %s under %s (malformed, or signed "
+                        "with another secret or for another run); no round is sealed from scratch beside "
+                        "them", ", ".join(sorted(nodes)), self._nodes_prefix)
+
+    # -- the protocol's writes -------------------------------------------------------
+
+    def declare(self, declaration: Declaration, lease: int) -> int:
+        """Put this node's declaration, bound to its lease; returns the new revision."""
+        key = self.keys.rdzv_node(declaration.node)
+        return self._client.put(key, declaration.to_json(key, self._secret), lease=lease)
+
+    def withdraw(self, node: str) -> None:
+        self._client.delete(self.keys.rdzv_node(node))
+
+    def claim_sealing(self, claim: Claim, expected_revision: int, lease: int) -> bool:
+        """Claim the sealing of ``claim.round`` for ``claim.node`` if the claim key is still at
+        ``expected_revision`` (0: absent); bound to the node's lease, so it ends with the node."""
+        ok, _, _ = self._client.compare_and_swap(
+            self._claim_key, claim.to_json(self._claim_key, self._secret), expected_revision, lease)
+        return ok
+
+    def seal(self, sealed: Round, expected_revision: int, lease: int | None = None) -> bool:
+        """Seal ``sealed`` if the round key is still at ``expected_revision``, and release the
+        claim, in one transaction.
+
+        ``lease``: the run's lease, so that an abandoned run's round expires with it.
+        """
+        ok, _, _ = self._client.compare_and_swap(
+            self._round_key, sealed.to_json(self._round_key, self._secret), expected_revision, lease,
+            also_delete=self._claim_key)
+        return ok
+
+    def restore(self, known: Round, expected_revision: int, lease: int | None = None) -> bool:
+        """Write ``known`` back over what the round key holds at ``expected_revision`` (0: absent):
+        a member of a running round puts back its record when it was deleted or replaced."""
+        ok, _, _ = self._client.compare_and_swap(
+            self._round_key, known.to_json(self._round_key, self._secret), expected_revision, lease)
+        return ok
+
+    def close(self, lease: int | None = None) -> None:
+        self._client.put(self._closed_key, "1", lease=lease)

@@ -1,0 +1,164 @@
+"""How a worker's generations come and go: one interface, restart mode and hot mode.
+
+The runtime (:mod:`elasticctl.train.runtime`) trains in a generation and acts on step
+boundaries; which workers form a generation, when the flags of a boundary are agreed
+on, and whether a failure can be recovered in process is its :class:`Membership`'s:
+
+* :class:`RestartMembership`: one generation per process, torchrun's round as the agent
+  formed it. A boundary that lets a worker go ends the process; the agent re-forms.
+* :class:`HotMembership`: generations agreed in etcd by the workers themselves
+  (:mod:`elasticctl.train.generations`), re-formed in process after a failure or a change.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from elasticctl.errors import ElasticctlError
+from elasticctl.job.records import Round
+from elasticctl.job.settings import HotSettings
+from elasticctl.train import script as worker_env
+from elasticctl.train.boundary import Mode
+from elasticctl.train.state import StateError
+
+if TYPE_CHECKING:
+    from elasticctl.train.generations import Generations
+    from elasticctl.train.runtime import Group, Runtime
+
+log = logging.getLogger(__name__)
+
+FORM_ATTEMPTS = 5  # generations in a row that fail while they form
+
+
+class Membership(abc.ABC):
+    """Who trains together, generation after generation, for one worker."""
+
+    mode: Mode
+    node_ttl: float | None = None  # seconds a member may be silent (None: torch's agent decides)
+
+    @property
+    def agreed_at_once(self) -> bool:
+        """Whether a boundary's flags are agreed at that boundary (blocking), not at the next."""
+        return self.mode is Mode.RESTART
+
+    @property
+    def recovers_in_process(self) -> bool:
+        """Whether a failure of the script's step is met with a new generation in this process."""
+        return self.mode is Mode.HOT
+
+    @property
+    def records_generations(self) -> bool:
+        """Whether rank 0 records each generation formed (the agent records torchrun's rounds)."""
+        return self.mode is Mode.HOT
+
+    @property
+    def previous(self) -> Round | None:
+        """The generation before the one joined last (None: none, or not known here)."""
+        return None
+
+    @abc.abstractmethod
+    def form(self, runtime: Runtime) -> Group:
+        """The first generation, its process group up and the state in sync."""
+
+    @abc.abstractmethod
+    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
+        """Leave the current generation and train in the next (``why``: for the log)."""
+
+    def change_pending(self) -> bool:
+        """Whether the generation must re-form (no etcd request: asked at every boundary)."""
+        return False
+
+    def describe_change(self) -> str:
+        return "a worker is leaving"
+
+    def cancel(self) -> None:
+        """End a wait for a generation, now or the next one (the worker was told to stop)."""
+
+    def leave(self) -> None:
+        """Withdraw from the generations: the others see it at once."""
+
+    def close(self) -> None:
+        pass
+
+
+class RestartMembership(Membership):
+    """Restart mode: the generation is torchrun's round, one per process."""
+
+    mode = Mode.RESTART
+
+    def form(self, runtime: Runtime) -> Group:
+        ctx = worker_env.init(timeout=runtime.pg_timeout.total_seconds(), backend=runtime.backend,
+                              environment=runtime.environment)
+        generation = Round(number=ctx.restart, members=())
+        return runtime.start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
+
+    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
+        # Never asked: a restart-mode boundary stops for the agent, a failure ends the worker.
+        raise ElasticctlError(f"A restart-mode worker does not re-form in process ({why}).")
+
+
+class HotMembership(Membership):
+    """Hot mode: generations of workers, agreed in etcd, re-formed in process."""
+
+    mode = Mode.HOT
+
+    def __init__(self, settings: HotSettings, connect: Callable[[], Generations]) -> None:
+        self.settings = settings
+        self.node_ttl = settings.node_ttl
+        self._connect = connect  # the job's generations, from the worker's environment
+        self.generations: Generations | None = None  # connected by form()
+
+    @property
+    def previous(self) -> Round | None:
+        return self.generations.previous if self.generations is not None else None
+
+    def form(self, runtime: Runtime) -> Group:
+        self.generations = self._connect()
+        return self.re_form(runtime, "", None)
+
+    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
+        """A generation that fails while it forms (a peer lost while the group connects or the
+        state is sent) is formed again, up to FORM_ATTEMPTS times."""
+        from elasticctl.train.runtime import build_generation_group, reset_group_counter
+
+        for attempt in range(1, FORM_ATTEMPTS + 1):
+            runtime.teardown()
+            generation = self.generations.join()
+            rank = generation.rank_of(runtime.worker)
+            try:
+                runtime.store = build_generation_group(generation, rank, runtime.backend, runtime.pg_timeout,
+                                                       runtime.device)
+                return runtime.start_generation(generation, rank, generation.world_size,
+                                                noticed_at if why else None)
+            except StateError:
+                raise  # what a peer sent does not fit: another generation would send the same
+            except Exception as exc:  # noqa: BLE001 - a taken port, a peer lost while connecting or sending
+                if not dist.is_initialized():
+                    reset_group_counter()  # the failed init left torch's group counter raised
+                log.warning("[%s] generation %d did not form (attempt %d of %d): %s", runtime.worker,
+                            generation.number, attempt, FORM_ATTEMPTS, " ".join(str(exc).split())[:300])
+        raise ElasticctlError(f"The worker '{runtime.worker}' could not form a generation in "
+                              f"{FORM_ATTEMPTS} attempts; its node restarts it.")
+
+    def change_pending(self) -> bool:
+        return self.generations is not None and self.generations.change_pending()
+
+    def describe_change(self) -> str:
+        return self.generations.describe_change() if self.generations is not None else super().describe_change()
+
+    def cancel(self) -> None:
+        if self.generations is not None:  # not connected yet: there is no wait to end
+            self.generations.cancel()
+
+    def leave(self) -> None:
+        if self.generations is not None:
+            self.generations.leave()
+
+    def close(self) -> None:
+        if self.generations is not None:
+            self.generations.close()

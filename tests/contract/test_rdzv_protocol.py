@@ -1,0 +1,242 @@
+"""The etcd-native rendezvous protocol against a real etcd: concurrent joins, sealing, leaving,
+lease expiry, rounds that supersede rounds, close, a watch that survives an etcd restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from support.rendezvous import Run
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.embedded_etcd import EmbeddedEtcd
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import Declaration
+from elasticctl.rendezvous.member import RoundMember
+from elasticctl.rendezvous.rounds import Settings
+from elasticctl.rendezvous.view import RoundView
+
+
+def test_concurrent_joins_seal_one_round_with_distinct_ranks(run):
+    r = run(Settings(min_nodes=8, max_nodes=8, last_call=30))
+    members = [r.member(f"n{i}") for i in range(8)]
+    started = time.monotonic()
+    results = r.join_all(members)
+    elapsed = time.monotonic() - started
+    rounds = set(results.values())
+    assert len(rounds) == 1, results
+    sealed = rounds.pop()
+    assert sealed.number == 1 and sorted(sealed.members) == sorted(m.node for m in members)
+    # the round is full at max_nodes: nobody waited for the 30 s last call
+    assert elapsed < 15
+
+
+def test_a_round_seals_once_every_live_node_wants_it(run):
+    r = run(Settings(min_nodes=1, max_nodes=8, last_call=5))
+    a, b = r.member("a"), r.member("b")
+    first = r.join_all([a, b])
+    assert first["a"].number == 1 and first["a"] == first["b"]
+    # a's workers failed: it wants round 2; b is still in round 1 until it sees the change
+    waiting = b.change()
+    assert waiting.count == 0
+    t = threading.Thread(target=lambda: first.update(a2=a.join()))
+    t.start()
+    b.view.wait_for(lambda: b.change().count > 0, 10)
+    assert b.change().moved_on == ("a",)
+    rejoined_at = time.monotonic()
+    first["b2"] = b.join()
+    assert time.monotonic() - rejoined_at < 4.5, "re-forming waited for the 5 s last call"
+    t.join()
+    assert first["a2"] == first["b2"] and first["a2"].number == 2
+    assert first["a2"].members == first["a"].members  # ranks kept
+
+
+def test_a_lost_lease_is_a_change_and_the_survivor_reforms_alone(run):
+    r = run(Settings(min_nodes=1, max_nodes=2, last_call=1), node_ttl=2)
+    a, b = r.member("a"), r.member("b")
+    r.join_all([a, b])
+    b._lease.stop(revoke=False)  # b freezes: its keep-alives stop, its lease expires
+    assert a.view.wait_for(lambda: a.change().lost == ("b",), 10)
+    again = a.join()
+    assert again.number == 2 and again.members == ("a",)
+
+
+def test_a_graceful_leave_is_seen_at_once(run):
+    r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))
+    a, b = r.member("a"), r.member("b")
+    r.join_all([a, b])
+    b.leave()
+    assert a.view.wait_for(lambda: a.change().lost == ("b",), 2)
+
+
+def test_nodes_beyond_max_wait_and_are_counted_only_when_there_is_room(run):
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
+    a, b, c = r.member("a"), r.member("b"), r.member("c")
+    results = r.join_all([a, b])
+    assert results["a"].members == ("a", "b") or results["a"].members == ("b", "a")
+    c_joined = {}
+    t = threading.Thread(target=lambda: c_joined.update(c=c.join()))
+    t.start()
+    a.change()  # a member's first look: from then on it follows the declarations
+    assert a.view.wait_for(lambda: a.view.nodes_followed and "c" in a.view.declarations, 5)
+    assert a.change().count == 0  # full round: c waits without disturbing it
+    b.leave()
+    assert a.view.wait_for(lambda: a.change().count >= 1, 5)  # b gone: room for c
+    c_joined["a"] = a.join()
+    t.join(30)
+    assert c_joined["c"] == c_joined["a"] and set(c_joined["c"].members) == {"a", "c"}
+
+
+def test_close_ends_joining(run):
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1), join_timeout=30)
+    a = r.member("a")
+    closer = r.member("closer")
+    threading.Timer(0.5, closer.view.close).start()
+    with pytest.raises(RendezvousClosedError):
+        a.join()
+
+
+def test_join_timeout_names_the_round(run):
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1), join_timeout=1)
+    with pytest.raises(RendezvousTimeoutError, match="round 1"):
+        r.member("a").join()
+
+
+def test_the_view_survives_an_etcd_restart(tmp_path, run_id):
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0).start()
+    try:
+        r = Run(etcd, run_id, Settings(min_nodes=1, max_nodes=2, last_call=1))
+        a, b = r.member("a"), r.member("b")
+        r.join_all([a, b])
+        etcd.kill()
+        etcd.start()
+        # A change made after the restart reaches a's view through a new watch.
+        b.leave()
+        assert a.view.wait_for(lambda: a.change().lost == ("b",), 20)
+        r.close()
+    finally:
+        etcd.stop()
+
+
+class _WritesAFile:
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("planted", ["pickle", "garbage", "replay"])
+def test_a_planted_or_replayed_round_is_ignored_then_overwritten(run, tmp_path, planted):
+    import pickle
+
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
+    a, b = r.member("a"), r.member("b")
+    r.join_all([a, b])
+    round_key = r.keys.rdzv_round
+    old = a._client.get(round_key).value
+    again = r.join_all([a, b])  # round 2
+    assert again["a"].number == 2
+    marker = tmp_path / "pwned"
+    value = {"pickle": pickle.dumps(_WritesAFile(marker)), "garbage": b"\x00\xff not json",
+             "replay": old}[planted]
+    revision = a._client.put(round_key, value)
+    assert a.view.wait_for(lambda: a.view.round_revision == revision, 5)
+    assert a.change().count == 0 and b.change().count == 0, "a planted round disturbed a running round"
+    assert a.view.round.number == 2
+    third = r.join_all([a, b])  # the next seal overwrites the planted value
+    assert third["a"].number == 3 and third["a"] == third["b"]
+    assert not marker.exists()
+
+
+def test_a_planted_declaration_under_another_name_is_ignored(run):
+    r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))
+    a = r.member("a")
+    a._client.put(r.keys.rdzv_node("ghost"), '{"node": "a", "addr": "x", "wants": 1}')
+    a._client.put(r.keys.rdzv_node("junk"), b"\x80\x04not json")
+    assert a.join().members == ("a",)
+
+
+def test_with_a_secret_unsigned_or_foreign_records_are_ignored(default_etcd, run_id):
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=0.5)
+    client = EtcdClient(default_etcd.client_settings())
+    keys = JobKeys(run_id)
+    view = RoundView(client, keys, secret=b"s3cret").start()
+    try:
+        # Someone without the secret declares a node and plants a round.
+        client.put(keys.rdzv_node("intruder"), '{"node": "intruder", "addr": "x", "wants": 1}')
+        client.put(keys.rdzv_round, '{"round": 7, "members": ["intruder"], "addrs": ["x"]}')
+        member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
+        sealed = member.join()
+        assert sealed.members == ("a",) and sealed.number == 1
+        assert view.nodes_followed and "intruder" not in view.declarations
+        # A node with another secret cannot read the signed round either.
+        other = RoundView(client, keys, secret=b"other").start()
+        assert other.round is None
+        other.stop()
+    finally:
+        view.stop()
+        client.close()
+
+
+def test_a_claim_that_cannot_expire_or_is_unsigned_blocks_nothing(default_etcd, run_id):
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=0.5)
+    client = EtcdClient(default_etcd.client_settings())
+    keys = JobKeys(run_id)
+    # No lease: it would hold the sealing forever. Signed by nobody: foreign with a secret.
+    client.put(keys.rdzv_sealer, '{"node": "ghost", "round": 1}')
+    view = RoundView(client, keys, secret=b"s3cret").start()
+    try:
+        member = RoundMember(client, view, "a", "addr-a", settings, node_ttl=2, join_timeout=20)
+        assert member.join().members == ("a",)
+    finally:
+        view.stop()
+        client.close()
+
+
+def test_a_claim_holder_that_dies_is_replaced_when_its_lease_ends(run):
+    r = run(Settings(min_nodes=1, max_nodes=3, last_call=0.5), join_timeout=30)
+    b = r.member("b")
+    # "a" claimed round 1 and died before sealing it: its lease is no longer kept alive.
+    lease = b._client.grant_lease(2)
+    b._client.put(r.keys.rdzv_sealer, '{"node": "a", "round": 1}', lease=lease)
+    assert b.view.wait_for(lambda: b.view.claim is not None, 5)
+    sealed = b.join()
+    assert sealed.members == ("b",) and sealed.number == 1
+
+
+def test_only_the_claim_holder_follows_declarations_while_a_round_forms(run):
+    r = run(Settings(min_nodes=4, max_nodes=4, last_call=30))
+    members = [r.member(n) for n in "abcd"]
+    followed_before_seal = set()
+    for m in members:
+        original = m.view.follow_nodes
+
+        def spy(background=False, m=m, original=original):
+            if m.view.round is None:
+                followed_before_seal.add(m.node)
+            original(background)
+        m.view.follow_nodes = spy
+    results = r.join_all(members)
+    assert {res.number for res in results.values()} == {1}
+    assert len(followed_before_seal) == 1, followed_before_seal
+
+
+def test_a_node_that_dies_after_declaring_costs_one_round(run):
+    """Dying at each step: after its declaration (here), holding the claim (above), in a sealed
+    round (the lost-lease tests): the others go on within one more round."""
+    r = run(Settings(min_nodes=2, max_nodes=3, last_call=0.5))
+    a, b = r.member("a"), r.member("b")
+    # x declared for round 1, then died: its lease is no longer kept alive.
+    lease = a._client.grant_lease(2)
+    a.view.declare(Declaration("x", "addr-x", 1), lease)
+    first = r.join_all([a, b])
+    # Three want round 1 of at most 3: sealed at once, x with them (its lease still runs) ...
+    assert first["a"] == first["b"] and set(first["a"].members) == {"a", "b", "x"}
+    # ... and lost when it ends: one more round, without x.
+    assert a.view.wait_for(lambda: a.change().lost == ("x",), 10)
+    second = r.join_all([a, b])
+    assert second["a"] == second["b"] and set(second["a"].members) == {"a", "b"}
+    assert second["a"].number == 2

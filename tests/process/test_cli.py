@@ -1,0 +1,122 @@
+"""The elasticctl CLI as users meet it: dry runs, one-sentence errors, a real `up`, no orphans."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from support.helpers import ELASTICCTL, MLP, read_records, wait_for
+
+from elasticctl.embedded_etcd import free_port
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*ELASTICCTL, *args], check=False, capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_prints_the_torchrun_command():
+    result = run_cli("up", "--dry-run", "--etcd", "etcd-a:2379,etcd-b", "--job", "exp1", "--nnodes", "2:4",
+                     "--max-restarts", "5", "--local-addr", "127.0.0.1", MLP, "--steps", "7")
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    for expected in ("torch.distributed.run", "--nnodes=2:4", "--rdzv-backend=etcd3",
+                     "--rdzv-endpoint=etcd-a:2379,etcd-b:2379", "--rdzv-id=exp1", "max_restarts=5",
+                     f"{MLP} --steps 7"):
+        assert expected in line
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--nnodes", "3:2"], "'3:2'"),
+        (["--nnodes", "0:2"], "'0:2'"),
+        (["--nnodes", "a:b"], "'a:b'"),
+        (["--nnodes", "1", "--etcd", "host:notaport"], "'host:notaport'"),
+        (["--nnodes", "1", "--nproc-per-node", "zero"], "'zero'"),
+        (["--nnodes", "1", "--job", "bad/name"], "'bad/name'"),
+        (["--nnodes", "1", "--rdzv-conf", "novalue"], "'novalue'"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_nonzero(args, needle):
+    result = run_cli("up", "--dry-run", *args, MLP)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_missing_script_is_named():
+    result = run_cli("up", "--dry-run", "--nnodes", "1", "no/such/train.py")
+    assert result.returncode != 0
+    assert "'no/such/train.py' does not exist" in result.stderr
+
+
+def test_up_with_embedded_etcd_trains_and_leaves_nothing_behind(tmp_path):
+    record = tmp_path / "record.jsonl"
+    port, peer = free_port(), free_port()
+    result = run_cli("up", "--etcd-listen", "127.0.0.1", "--etcd-port", str(port), "--etcd-peer-port", str(peer),
+                     "--etcd-data-dir", str(tmp_path / "etcd"), "--nnodes", "1", MLP, "--steps", "5",
+                     "--record", str(record), timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert f"--etcd 127.0.0.1:{port}" in result.stderr  # the line to run on other hosts
+    assert [r["step"] for r in read_records(record) if "event" not in r] == [0, 1, 2, 3, 4]
+    assert not _listening(port), "the embedded etcd outlived elasticctl"
+
+
+def test_embedded_etcd_port_in_use_is_a_clear_error(default_etcd):
+    result = run_cli("up", "--etcd-listen", "127.0.0.1", "--etcd-port", str(default_etcd.client_port),
+                     "--nnodes", "1", MLP)
+    assert result.returncode != 0
+    assert f"port {default_etcd.client_port}" in result.stderr and "already in use" in result.stderr
+
+
+def test_sigterm_leaves_gracefully_and_stops_every_worker(default_etcd, tmp_path, run_id):
+    up, record = _start_training(default_etcd, tmp_path, run_id)
+    try:
+        wait_for(lambda: read_records(record), 120, "the first training step")
+        tree = psutil.Process(up.pid).children(recursive=True)
+        assert any("mlp.py" in " ".join(p.cmdline()) for p in tree)
+        up.send_signal(signal.SIGTERM)  # preemption: leave like `elasticctl leave`
+        assert up.wait(60) == 0
+        assert "left the job" in (tmp_path / "up.log").read_text()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, f"orphans left behind: {alive}"
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def _start_training(etcd, tmp_path, run_id) -> tuple[subprocess.Popen, Path]:
+    """`elasticctl up` of a long one-node job; its output goes to up.log, its steps to the record."""
+    record = tmp_path / "record.jsonl"
+    with open(tmp_path / "up.log", "wb") as log:
+        up = subprocess.Popen([*ELASTICCTL, "up", "--etcd", etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                               MLP, "--steps", "100000", "--step-sleep", "0.05", "--record", str(record)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    return up, record
+
+
+def _listening(port: int) -> bool:
+    return any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.net_connections("tcp"))
+
+
+def test_sigkill_of_elasticctl_takes_torchrun_and_workers_down(default_etcd, tmp_path, run_id):
+    up, record = _start_training(default_etcd, tmp_path, run_id)
+    tree: list[psutil.Process] = []
+    try:
+        wait_for(lambda: read_records(record), 120, "the first training step")
+        tree = psutil.Process(up.pid).children(recursive=True)
+        up.kill()  # no chance to clean up: the parent-death signal must do it
+        up.wait(10)
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive, f"orphans left behind: {alive}"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()

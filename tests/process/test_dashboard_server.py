@@ -1,0 +1,208 @@
+"""`elasticctl dashboard`: the pure model (table-driven, planted records mixed in), the server's
+JSON and /metrics against a real etcd, and its one-sentence errors. The live page in a real
+browser during a real job: tests/test_dashboard_browser.py.
+
+Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
+subject: tests/unit/test_dashboard.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from support.dashboard import MEMBER, NODE, NOW, Dashboard, sample
+from support.helpers import cli, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.events import EventLog
+from elasticctl.job.keys import JobKeys
+from elasticctl.job.records import EventKind, ProgressSample
+
+
+# -- the server against a real etcd -----------------------------------------------------------
+
+
+@pytest.fixture
+def planted(default_etcd, run_id):
+    client = EtcdClient(default_etcd.client_settings())
+    keys = JobKeys(run_id)
+    lease = client.grant_lease(30)
+    client.put(keys.node("a"), NODE, lease=lease)
+    client.put(keys.node("b"), b"\xff planted")
+    client.put(keys.member("a"), MEMBER)
+    client.put(keys.progress, b'{"step": 50, "last_checkpoint_step": 40, "time": 1}')
+    log = EventLog(client, keys)
+    log.record(EventKind.ROUND_FORMED, "a", round=3, members=("a",), world_size=1)
+    log.record(EventKind.RECOVERY_FINISHED, "a", round=3, duration=2.0)
+    log.record(EventKind.CHECKPOINT_WRITTEN, "a", at=NOW - 30, step=40, duration=0.5)
+    client.put(keys.event(NOW, "x", "bogus"), b'{"time": "garbage"}')
+    client.put(keys.progress_sample(NOW - 4), sample(4, 10))
+    client.put(keys.progress_sample(NOW - 2), sample(2, 30))
+    client.put(keys.progress_sample(NOW - 1), b"NaN")
+    dashboard = Dashboard(default_etcd.endpoint, "--job", run_id)
+    yield dashboard, keys
+    assert dashboard.stop() == 0
+    client.revoke_lease(lease)
+    client.close()
+
+
+def test_the_page_json_and_metrics_come_from_etcd(planted):
+    dashboard, keys = planted
+    view = json.loads(dashboard.get("api/job"))
+    assert view["job"] == keys.job and view["world_size"] == 1 and view["round"] == 3
+    assert [n["id"] for n in view["nodes"]] == ["a"]
+    assert 0 <= view["nodes"][0]["heartbeat_age"] <= 30, "from the node record's lease"
+    assert [e["kind"] for e in view["events"]] == [
+        "recovery_finished",
+        "round_formed",
+        "checkpoint_written",
+    ]
+    assert view["checkpoint"]["step"] == 40 and view["checkpoint"]["age"] >= 30
+    assert view["samples"]["steps_per_s"] == [None, 10.0]
+
+    page = dashboard.get("").decode()
+    assert (
+        'id="world-chart"' in page and "static/dashboard.js" in page and "://" not in page
+    )  # no CDN
+    assert b"uPlot" in dashboard.get("static/uPlot.iife.min.js")
+    with pytest.raises(urllib.error.HTTPError):
+        dashboard.get("static/../server.py")
+
+    families = {
+        f.name: f for f in text_string_to_metric_families(dashboard.get("metrics").decode())
+    }
+    value = {f.name: f.samples[0].value for f in families.values() if f.samples}
+    assert value["elasticctl_world_size"] == 1 and value["elasticctl_round"] == 3
+    assert value["elasticctl_dashboard_etcd_up"] == 1
+    assert families["elasticctl_restarts_spent"].type == "counter"
+    assert families["elasticctl_nodes"].samples[0].labels == {
+        "elastic_job": keys.job,
+        "state": "training",
+    }
+    recovery = {
+        s.name: s for s in families["elasticctl_recovery_seconds"].samples if "le" not in s.labels
+    }
+    assert recovery["elasticctl_recovery_seconds_count"].value == 1
+    assert recovery["elasticctl_recovery_seconds_sum"].value == 2.0
+    assert (
+        value["elasticctl_steps_per_second"] == 10.0
+        and value["elasticctl_steps_since_checkpoint"] == 10
+    )
+    assert value["elasticctl_last_checkpoint_age_seconds"] >= 30
+    assert value["elasticctl_checkpoint_write_seconds"] == 0.5
+    assert families["elasticctl_checkpoint_write_seconds"].type == "gauge"
+    latency = families["elasticctl_dashboard_etcd_request_duration_seconds"]
+    assert latency.type == "histogram" and {s.labels.get("request") for s in latency.samples} >= {
+        "range",
+        "lease",
+    }
+    assert all(
+        s.labels.get("elastic_job", keys.job) == keys.job and "job" not in s.labels
+        for f in families.values()
+        for s in f.samples
+    )
+
+
+# -- one-sentence errors ----------------------------------------------------------------------
+
+
+def _one_sentence(result: subprocess.CompletedProcess, *named: str) -> None:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for text in named:
+        assert text in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [
+        "nohost",
+        "127.0.0.1:http",
+        "127.0.0.1:70000",
+        "example.org:80",
+        ":80",
+        "127.0.0.1:",
+        "[::1:80",
+    ],
+)
+def test_a_bad_listen_is_one_sentence(listen):
+    # checked before etcd: no etcd is needed to be told
+    _one_sentence(cli("dashboard", "--etcd", "127.0.0.1:1", "--listen", listen), f"'{listen}'")
+
+
+def test_a_taken_port_is_one_sentence(default_etcd, run_id):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        EtcdClient(default_etcd.client_settings()).put(JobKeys(run_id).spec, "{}")
+        result = cli(
+            "dashboard",
+            "--etcd",
+            default_etcd.endpoint,
+            "--job",
+            run_id,
+            "--listen",
+            f"127.0.0.1:{port}",
+        )
+    _one_sentence(result, f"127.0.0.1:{port}", "taken")
+
+
+def test_an_address_not_on_this_host_is_one_sentence(default_etcd, run_id):
+    EtcdClient(default_etcd.client_settings()).put(JobKeys(run_id).spec, "{}")
+    result = cli(
+        "dashboard", "--etcd", default_etcd.endpoint, "--job", run_id, "--listen", "192.0.2.1:8080"
+    )
+    _one_sentence(result, "192.0.2.1:8080")
+
+
+def test_an_unknown_job_is_one_sentence(default_etcd):
+    _one_sentence(
+        cli("dashboard", "--etcd", default_etcd.endpoint, "--job", "no-such-job"), "'no-such-job'"
+    )
+    _one_sentence(cli("dashboard", "--etcd", default_etcd.endpoint, "--job", "a/b"), "'a/b'")
+
+
+def test_a_job_that_is_down_is_shown_from_its_history(default_etcd, run_id):
+    client = EtcdClient(default_etcd.client_settings())
+    EventLog(client, JobKeys(run_id)).record(EventKind.JOB_DOWN, reason="by the test")
+    dashboard = Dashboard(default_etcd.endpoint, "--job", run_id)
+    try:
+        view = wait_for(lambda: json.loads(dashboard.get("api/job")), 10, "the job's JSON")
+        assert [e["kind"] for e in view["events"]] == ["job_down"] and view["nodes"] == []
+    finally:
+        assert dashboard.stop() == 0
+        client.close()
+
+
+def test_planted_records_in_etcd_change_neither_live_nodes_nor_the_time_axis(default_etcd, run_id):
+    from werkzeug.test import Client
+
+    from elasticctl.dashboard.server import Dashboard
+    from elasticctl.job.registry import Registry
+
+    keys = JobKeys(run_id)
+    with EtcdClient(default_etcd.client_settings()) as client:
+        lease = client.grant_lease(30)
+        try:
+            Registry(client, run_id).register_node(
+                {"host": "h1", "addr": "127.0.0.1", "pid": 1, "state": "running", "joined_at": NOW}, lease,
+                wanted_id="real")
+            EventLog(client, keys).record(EventKind.NODE_JOINED, "real")
+            now = wait_for(lambda: [e.time for e in EventLog(client, keys).read()], 10, "the event")[0]
+            client.put(keys.progress_sample(now + 1), ProgressSample(time=now + 1, step=1).to_json())
+            # Planted: a node record without a lease, a sample from 1970.
+            client.put(keys.node("ghost"), NODE.replace(b'"a"', b'"ghost"'))
+            client.put(keys.progress_sample(1.0), ProgressSample(time=1.0, step=0).to_json())
+            view = json.loads(Client(Dashboard(client, keys)).get("/api/job").get_data(as_text=True))
+            assert [n["id"] for n in view["nodes"]] == ["real"] and view["live_nodes"] == 1
+            assert view["samples"]["time"] == [now + 1]
+        finally:
+            client.revoke_lease(lease)
+            client.delete_prefix(keys.everything)

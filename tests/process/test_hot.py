@@ -1,0 +1,231 @@
+"""Hot recovery with real worker processes on a real etcd: survivors keep their processes.
+
+The workers (tests/support/workers/hot.py) run elasticctl.train directly, without torchrun: the
+runtime needs only its environment (etcd, job, node, address, hot settings). Every wait is
+on the workers' JSON record, never a sleep.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import sys
+
+import pytest
+import torch
+from support.helpers import WORKERS, read_records, wait_for
+
+from bench.accounting import check_replicas, check_samples
+from elasticctl.embedded_etcd import EmbeddedEtcd
+from elasticctl.job.settings import HotSettings
+
+HOT = str(WORKERS / "hot.py")
+
+
+class HotJob:
+    def __init__(self, nodes, etcd, run_id, tmp_path, settings: HotSettings, args=()) -> None:
+        self.nodes, self.etcd, self.record = nodes, etcd, tmp_path / "record.jsonl"
+        self.env = {"ELASTICCTL_ETCD": etcd.endpoint, "ELASTICCTL_JOB": run_id, "ELASTICCTL_NODE_ADDR": "127.0.0.1",
+                    "ELASTICCTL_HOT": settings.encode(), "LOCAL_RANK": "0"}
+        self.args = ["--record", str(self.record), *args]
+        self.workers = {}
+
+    def start(self, name: str, local_rank: int = 0, extra=()):
+        env = {**self.env, "LOCAL_RANK": str(local_rank)}
+        self.workers[name] = self.nodes(name, [sys.executable, HOT, *self.args, *extra], env=env)
+        return self.workers[name]
+
+    def steps(self) -> list[dict]:
+        return [r for r in read_records(self.record) if "event" not in r]
+
+    def wait_world(self, names: set[str], since: float = 0.0, timeout: float = 120) -> list[dict]:
+        """Until every one of ``names`` trained a step in a generation of exactly them."""
+        def reached():
+            recent = [r for r in self.steps() if r["time"] > since and r["world_size"] == len(names)]
+            by_generation = collections.defaultdict(set)
+            for r in recent:
+                by_generation[r["generation"]].add(r["node"])
+            return [r for r in recent if by_generation[r["generation"]] == names] or None
+        return wait_for(reached, timeout, f"{sorted(names)} training together")
+
+    def declarations(self) -> set[str]:
+        from elasticctl.etcd.client import EtcdClient
+        from elasticctl.job.keys import JobKeys
+
+        with EtcdClient(self.etcd.client_settings()) as client:
+            prefix = JobKeys(self.env["ELASTICCTL_JOB"]).generations().rdzv_nodes
+            return {kv.key.decode()[len(prefix):] for kv in client.get_prefix(prefix)}
+
+    def last_time(self) -> float:
+        return max(r["time"] for r in self.steps())
+
+
+def check_replicas_and_samples(steps: list[dict]) -> None:
+    check_replicas(steps)
+    check_samples(steps)
+
+
+@pytest.fixture
+def hot_job(nodes, default_etcd, run_id, tmp_path):
+    def make(settings: HotSettings, args=()) -> HotJob:
+        return HotJob(nodes, default_etcd, run_id, tmp_path, settings, args)
+    return make
+
+
+def test_survivors_keep_their_processes_through_a_kill_a_join_a_freeze_and_a_leave(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    workers = {name: job.start(name) for name in ("a", "b", "c")}
+    first = job.wait_world({"a", "b", "c"})
+    pids = {r["node"]: r["pid"] for r in first}
+
+    killed_at = job.last_time()
+    workers["c"].kill()
+    shrunk = job.wait_world({"a", "b"}, since=killed_at)
+    assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+
+    joined_at = job.last_time()
+    d = job.start("d")
+    grown = job.wait_world({"a", "b", "d"}, since=joined_at)
+    assert min(r["step"] for r in grown if r["node"] == "d") > 0, "the joiner did not get the state"
+
+    frozen_at = job.last_time()
+    d.signal_tree(signal.SIGSTOP)
+    job.wait_world({"a", "b"}, since=frozen_at)
+    thawed_at = job.last_time()
+    d.signal_tree(signal.SIGCONT)
+    job.wait_world({"a", "b", "d"}, since=thawed_at)
+
+    left_at = job.last_time()
+    d.process.send_signal(signal.SIGTERM)
+    assert d.wait(60) == 0, d.log()
+    after = job.wait_world({"a", "b"}, since=left_at)
+    assert {r["node"]: r["pid"] for r in after} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+
+    check_replicas_and_samples(job.steps())
+
+
+def test_a_newcomer_claiming_a_far_later_step_does_not_send_its_state(hot_job):
+    """Issue 23.2: without a job secret, any process that can write etcd can join a generation.
+    One that claims step 50,000 with constant weights must not become the sender: the state
+    comes from the members of the previous generation, which trained together."""
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    for name in ("a", "b"):
+        job.start(name)
+    before = job.wait_world({"a", "b"})
+    impostor = job.start("x", extra=["--claim-step", "50000"])
+    joined = job.wait_world({"a", "b", "x"}, since=before[-1]["time"])
+    steps = job.steps()
+    assert max(r["step"] for r in steps) < 50000, "the impostor's state was taken"
+    by_node = {r["node"]: r for r in joined}
+    assert by_node["x"]["params"] == by_node["a"]["params"] == by_node["b"]["params"]
+    assert by_node["x"]["step"] == by_node["a"]["step"] > before[-1]["step"]  # a and b's state, a step on
+    check_replicas_and_samples(steps)
+    assert impostor.process.poll() is None
+
+
+def test_two_failures_in_one_recovery_and_a_sender_killed_mid_transfer(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=4, node_ttl=3), args=["--state-mb", "64"])
+    workers = {name: job.start(name) for name in ("a", "b", "c", "d")}
+    job.wait_world({"a", "b", "c", "d"})
+
+    # Two workers die in one recovery: the second while the others re-form after the first.
+    killed_at = job.last_time()
+    workers["c"].kill()
+    workers["d"].kill()
+    job.wait_world({"a", "b"}, since=killed_at)
+
+    # A joiner's state comes from the most advanced member; kill that one as soon as the
+    # joiner has declared: the transfer (64 MB) fails on the others, who re-form and finish it.
+    joined_at = job.last_time()
+    latest = max(r["generation"] for r in job.steps())
+    sender = next(r["node"] for r in job.steps() if r["generation"] == latest and r["rank"] == 0)
+    survivor = ({"a", "b"} - {sender}).pop()
+    workers["e"] = job.start("e")
+    wait_for(lambda: "e.0" in job.declarations(), 120, "e's declaration")
+    workers[sender].kill()
+    job.wait_world({survivor, "e"}, since=joined_at)
+    check_replicas_and_samples(job.steps())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3,
+                    reason=f"the NCCL path needs a GPU per worker, 3; this machine has {torch.cuda.device_count()}")
+def test_on_gpus_survivors_of_a_kill_abort_and_rebuild_their_nccl_group(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=5))
+    workers = {name: job.start(name, local_rank=i) for i, name in enumerate(("a", "b", "c"))}
+    first = job.wait_world({"a", "b", "c"})
+    killed_at = job.last_time()
+    workers["c"].kill()  # the survivors' NCCL kernels wait on c until the group is aborted
+    shrunk = job.wait_world({"a", "b"}, since=killed_at)
+    pids = {r["node"]: r["pid"] for r in first}
+    assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+    joined_at = job.last_time()
+    job.start("d", local_rank=2)  # c's GPU, now free
+    job.wait_world({"a", "b", "d"}, since=joined_at)
+    check_replicas_and_samples(job.steps())
+
+
+def test_sigterm_ends_the_wait_for_a_generation(hot_job):
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=2, node_ttl=5, join_timeout=600))
+    alone = job.start("a")
+    wait_for(lambda: job.declarations(), 60, "a's declaration for the first generation")
+    alone.process.send_signal(signal.SIGTERM)
+    assert alone.wait(30) == 0, alone.log()  # not join_timeout (600 s) later
+    assert "told to stop while it waited for a generation" in alone.log()
+    assert job.declarations() == set(), "the declaration is withdrawn, not left to its lease"
+
+
+def test_a_recovery_rides_out_an_etcd_restart(nodes, run_id, tmp_path):
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path / "etcd"), client_port=0, peer_port=0).start()
+    try:
+        job = HotJob(nodes, etcd, run_id, tmp_path, HotSettings(min_nodes=2, max_nodes=3, node_ttl=5))
+        workers = {name: job.start(name) for name in ("a", "b", "c")}
+        job.wait_world({"a", "b", "c"})
+        killed_at = job.last_time()
+        etcd.stop()  # the survivors re-form while etcd is away, and finish once it is back
+        workers["c"].kill()
+        etcd.start()
+        job.wait_world({"a", "b"}, since=killed_at)
+        check_replicas_and_samples(job.steps())
+    finally:
+        etcd.stop()
+
+
+def test_elasticctl_runs_a_hot_job_whose_survivors_keep_training_and_which_goes_down_whole(
+        nodes, default_etcd, run_id, tmp_path):
+    from test_orchestrator import Job, cli
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    job = Job(nodes, default_etcd, run_id, tmp_path, extra=["--recovery", "hot", "--checkpoint-dir", str(checkpoints),
+                                                            "--node-ttl", "3"],
+              train=[HOT, "--checkpoint-every", "50"])
+    started = job.start("a", "b", "c")
+    first = job.records()
+    pids = {r["node"]: r["pid"] for r in first if "event" not in r}
+
+    killed_at = max(r["time"] for r in first)
+    started["c"].kill()
+    shrunk = job.wait_world(2, {"a", "b"}, since=killed_at)
+    assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+    assert job.registry.members()["a"]["restarts"] == 0
+    status = job.status()
+    assert status["recovery"] == "hot" and status["world_size"] == 2, status
+    ranks = {n["id"]: n.get("rank") for n in status["nodes"]}
+    assert {ranks["a"], ranks["b"]} == {0, 1} and ranks.get("c") is None, ranks  # c: until its record expires
+    assert "generation" in cli("status", "--etcd", default_etcd.endpoint, "--job", run_id).stdout
+
+    left_at = max(r["time"] for r in job.records())
+    d = job.join("d")
+    job.wait_world(3, {"a", "b", "d"}, since=left_at)
+    assert cli("leave", "--etcd", default_etcd.endpoint, "--job", run_id, "--node", "d").returncode == 0
+    assert d.wait(60) == 0, d.log()
+    job.wait_world(2, {"a", "b"}, since=max(r["time"] for r in job.records()))
+
+    assert cli("down", "--etcd", default_etcd.endpoint, "--job", run_id).returncode == 0
+    for name in ("a", "b"):
+        assert started[name].wait(60) == 0, started[name].log()
+    steps = [r for r in job.records() if "event" not in r]
+    check_replicas_and_samples(steps)
+    # the whole job went down: a final checkpoint at the last step trained
+    last = max(r["step"] for r in steps) + 1
+    assert (checkpoints / f"step-{last:08d}.pt").exists(), sorted(p.name for p in checkpoints.iterdir())

@@ -1,0 +1,127 @@
+"""The benchmark harness: its pure parts on synthetic records and results, then a smoke run.
+
+The smoke run asserts no timing (timings belong in bench/); only that every system
+produced a sample and nothing was left running.
+
+Layer tests/unit: no etcd, no processes. The other tests of this subject:
+tests/process/test_bench_crash_host.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import report, scenarios
+from bench.cluster import Cluster, Record
+
+
+def _step(t: float, step: int, world: int, rank: int, node: str) -> dict:
+    return {"time": t, "step": step, "world_size": world, "rank": rank, "node": node}
+
+
+def _start(t: float, world: int, rank: int, process_started: float) -> dict:
+    return {"event": "start", "time": t, "world_size": world, "rank": rank,
+            "process_started": process_started, "initialized": t}
+
+
+def _record(tmp_path: Path, lines: list[dict]) -> SimpleNamespace:
+    path = tmp_path / "record.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return SimpleNamespace(record=Record(path), nodes={})
+
+
+def test_admission_measures_the_pause_and_the_joiners_start_up(tmp_path):
+    # Node d starts at 10.0; its process starts at 10.1, is admitted at 11.0 as rank 2 and trains
+    # at 11.2. Rank 0 (node a) trains at world 2 until 10.9 and at world 3 from 11.3.
+    lines = [_step(9.0 + i / 10, 100 + i, 2, 0, "a") for i in range(20)]  # 9.0 .. 10.9
+    lines += [_step(9.0 + i / 10, 100 + i, 2, 1, "b") for i in range(20)]
+    lines += [_start(11.0, 3, 2, 10.1), _step(11.2, 120, 3, 2, "d"), _step(11.3, 120, 3, 0, "a")]
+    result = scenarios._admission(_record(tmp_path, lines), added=10.0)
+    assert result["pause_s"] == pytest.approx(0.4)
+    assert result["joiner_after_initialized_s"] == pytest.approx(0.2)
+    assert result["joiner_after_process_start_s"] == pytest.approx(1.1)
+
+
+def test_admission_takes_the_joiners_latest_start_in_a_restart(tmp_path):
+    # Restart mode: every worker restarts; a start of rank 2 in a world-3 round that failed comes
+    # first, then d's own, at rank 2 again.
+    lines = [_step(9.5, 50, 2, 0, "a"), _start(12.0, 3, 2, 11.0), _start(15.0, 3, 2, 14.0),
+             _start(15.1, 3, 0, 14.1), _step(15.5, 40, 3, 2, "d"), _step(15.6, 40, 3, 0, "a")]
+    result = scenarios._admission(_record(tmp_path, lines), added=10.0)
+    assert result["pause_s"] == pytest.approx(15.6 - 9.5)
+    assert result["joiner_after_initialized_s"] == pytest.approx(0.5)
+    assert result["joiner_after_process_start_s"] == pytest.approx(1.5)
+
+
+def test_redone_steps_count_from_the_last_step_before_the_resumption(tmp_path):
+    # Hot mode: after the SIGKILL at 10.0 the survivors still finish step 11 at world 3, so
+    # world 2 starts at step 12: nothing re-done (counting from the event would say -1).
+    lines = [_step(9.9, 10, 3, 0, "a"), _step(9.9, 10, 3, 1, "b"), _step(10.1, 11, 3, 0, "a"),
+             _step(10.1, 11, 3, 1, "b"), _step(10.8, 12, 2, 0, "a"), _step(10.8, 12, 2, 1, "b")]
+    cluster = _record(tmp_path, lines)
+    cluster.wait_world = lambda *args, **kwargs: Cluster.wait_world(cluster, *args, **kwargs)
+    result = scenarios._recovery(cluster, 10.0, 2, {"a", "b"}, cap=5)
+    assert result["seconds"] == pytest.approx(0.8)
+    assert result["redone_steps"] == 0
+
+
+def _results(hot_crash: float, pause: float) -> dict:
+    def lifecycle(crash: float, pause_s: float) -> dict:
+        return {"cold_start_s": 15.0, "crash": {"seconds": crash, "cap_s": 60, "redone_steps": 1},
+                "freeze": {"seconds": 6.0, "cap_s": 60, "redone_steps": 0},
+                "scale_up": {"seconds": 3.0, "cap_s": 60, "pause_s": pause_s, "joiner_after_initialized_s": 0.3,
+                             "joiner_after_process_start_s": 2.5}}
+    return {"settings": {"checkpoint_every": 20, "node_ttl_s": 5},
+            "scenarios": {"lifecycle": {"elasticctl": [lifecycle(10.0, 12.0)], "elasticctl-hot": [lifecycle(hot_crash, pause)],
+                                        "torchrun": [lifecycle(20.0, 15.0)]},
+                          "steady": {"elasticctl": [{"steps_per_s": 100.0}], "elasticctl-hot": [{"steps_per_s": 99.0}],
+                                     "torchrun": [{"steps_per_s": 90.0}]}}}
+
+
+def test_report_puts_hot_mode_between_restart_mode_and_torchrun_with_both_ratios():
+    rows = {row[0]: row[1:] for row in report.rows(_results(hot_crash=1.0, pause=0.5))}
+    crash = rows["Crash: SIGKILL node c → first step at world 2 (s)"]
+    assert crash[:3] == ("10.0 (10.0–10.0, n=1)", "1.0 (1.0–1.0, n=1)", "20.0 (20.0–20.0, n=1)")
+    assert crash[3:] == ("0.05", "0.10")  # hot/torchrun, hot/restart
+    assert any(label.startswith("Scale-up: running workers' pause") for label in rows)
+
+
+def test_hot_targets_say_met_or_missed_with_the_measured_value():
+    met = report.hot_targets(_results(hot_crash=1.0, pause=0.5))
+    assert met.startswith("Targets (issue 12), elasticctl hot mode: ")
+    assert "SIGKILL → world 2 ≤ 1.5 s: 1.00 s (met)" in met
+    assert "node TTL 5 s + 1.5) ≤ 6.5 s: 6.00 s (met)" in met
+    assert "at most 1 over 2 failures (met)" in met
+    assert "0.990 × (99.0 vs 100.0 steps/s) (met)" in met
+    missed = report.hot_targets(_results(hot_crash=2.0, pause=1.5))
+    assert "SIGKILL → world 2 ≤ 1.5 s: 2.00 s (missed)" in missed
+    assert "pause for a joiner ≤ 1 s: 1.50 s (missed)" in missed
+
+
+def test_a_scenario_that_never_ran_has_no_ratio_and_a_scale_up_that_never_completed_is_capped():
+    results = _results(hot_crash=1.0, pause=0.5)
+    torchrun = results["scenarios"]["lifecycle"]["torchrun"][0]
+    del torchrun["freeze"]  # the job stopped at the scale-up: the freeze never ran
+    torchrun["scale_up"] = {"seconds": None, "cap_s": 60, "pause_s": None, "joiner_after_initialized_s": None,
+                            "joiner_after_process_start_s": None}
+    rows = {row[0]: row[1:] for row in report.rows(results)}
+    assert rows["Freeze: SIGSTOP node b → first step at world 2 (s)"][2:4] == ("not measured", "—")
+    pause = next(v for k, v in rows.items() if k.startswith("Scale-up: running workers' pause"))
+    assert pause[2:4] == ("none within 60 s (1/1)", "< 0.0083")
+
+
+def test_report_reads_results_from_before_hot_mode():
+    old = _results(hot_crash=1.0, pause=0.5)
+    for runs in old["scenarios"].values():
+        del runs["elasticctl-hot"]
+    for run in old["scenarios"]["lifecycle"]["elasticctl"] + old["scenarios"]["lifecycle"]["torchrun"]:
+        for key in ("pause_s", "joiner_after_initialized_s", "joiner_after_process_start_s"):
+            del run["scale_up"][key]
+    rows = {row[0]: row[1:] for row in report.rows(old)}
+    assert rows["Crash: SIGKILL node c → first step at world 2 (s)"][1] == "not measured"
+    pause = next(v for k, v in rows.items() if k.startswith("Scale-up: running workers' pause"))
+    assert pause[:3] == ("not measured",) * 3

@@ -1,0 +1,80 @@
+"""Smoke test of the rendezvous scale harness: 4 agents over 2 processes on every backend
+(etcd3, etcd3-dynamic = the previous main's torch handler on etcd, c10d), and the report's
+scale table from results of both formats (before and after the scale series).
+
+No timing is asserted; only that each round formed correctly (world size 4, ranks 0..3),
+that etcd's counters were read, and that no child process outlived its round.
+
+Layer tests/unit: no etcd, no processes. The other tests of this subject:
+tests/process/test_bench_rendezvous_harness.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import report
+from bench.rendezvous import BACKENDS, parse_max_agents, planned
+
+
+def test_max_agents_limits_a_backend_to_the_sizes_it_completes():
+    limits = parse_max_agents(["c10d=128", "etcd3-dynamic=64"])
+    assert limits == {"c10d": 128, "etcd3-dynamic": 64}
+    assert planned(64, BACKENDS, limits) == ["etcd3", "etcd3-dynamic", "c10d"]
+    assert planned(128, BACKENDS, limits) == ["etcd3", "c10d"]
+    assert planned(1000, BACKENDS, limits) == ["etcd3"]
+    with pytest.raises(ValueError, match="BACKEND=N"):
+        parse_max_agents(["c10d"])
+
+
+def _round(backend: str, agents: int, seconds: float | None, **extra) -> dict:
+    return {"backend": backend, "agents": agents, "completed": seconds is not None,
+            "correct": True if seconds is not None else None, "seconds": seconds,
+            "setup_s": 3.0, "agents_done": agents if seconds is not None else agents // 4, **extra}
+
+
+def _results(entries: list[dict], **settings) -> dict:
+    return {"mode": "full", "scenarios": {"rendezvous": entries},
+            "settings": {"rendezvous_repeats": 3, **settings}}
+
+
+def test_scale_table_has_ratios_to_the_previous_main_and_c10d_and_failures_as_bounds():
+    limits = {"etcd3-dynamic": 64, "c10d": 128}
+    entries = [
+        {"agents": 64, "timeout": 120.0, "etcd3": [0.5], "etcd3-dynamic": [10.0], "c10d": [5.0],
+         "rounds": [_round("etcd3", 64, 0.5, writes_per_agent=2.0, proposals_per_agent=3.0),
+                    _round("etcd3-dynamic", 64, 10.0, writes_per_agent=1.5, proposals_per_agent=23.0),
+                    _round("c10d", 64, 5.0)]},
+        {"agents": 128, "timeout": 120.0, "etcd3": [0.6], "c10d": [None],
+         "rounds": [_round("etcd3", 128, 0.6, writes_per_agent=2.0), _round("c10d", 128, None)]},
+        {"agents": 2, "timeout": 120.0, "etcd3": [0.03], "etcd3-dynamic": [1.1], "c10d": [1.1],
+         "rounds": [_round("etcd3", 2, 0.03, writes_per_agent=3.5)]},
+        {"agents": 1000, "timeout": 120.0, "etcd3": [4.0],
+         "rounds": [_round("etcd3", 1000, 4.0, writes_per_agent=2.0)]},
+    ]
+    results = _results(entries, rendezvous_max_agents=limits)
+    rows = {row[0]: row for row in report.rendezvous_rows(results)}
+    assert list(rows) == ["64", "128", "2", "1,000"]
+    assert rows["64"][1:4] == ("0.50 (0.50–0.50, n=1)", "2.0", "3.0 / 23.0")
+    assert rows["64"][-2:] == ("0.05", "0.10")
+    assert rows["128"][4] == "not run" and rows["128"][-2] == "—"
+    assert rows["128"][5] == "none within 120 s (1/1); 32/128 returned"
+    assert rows["128"][-1] == "< 0.005"  # c10d made no round: an upper bound, two significant digits
+    assert rows["1,000"][4:] == ("not run", "not run", "—", "—")
+    targets = report.rendezvous_targets(results)
+    assert "1,000 agents in ≤ 10 s: 4.00 s (met)" in targets
+    assert "256 agents in ≤ 3 s: not measured in this run" in targets
+    assert "2.0 × N at 1,000 agents (met); above it only where" in targets
+    assert targets.endswith("weigh most: 3.5 × N at 2 agents.")
+    section = "\n".join(report.rendezvous_section(results))
+    assert "| 1,000 | 4.00 (4.00–4.00, n=1) | 2.0 |" in section
+    assert "previous main up to 64 agents; c10d up to 128 agents" in section
+
+
+def test_scale_table_reads_results_from_before_the_scale_series():
+    entries = [{"agents": 8, "etcd3": [1.2, 1.3, None], "c10d": [1.0, 1.1, 1.2]}]  # no rounds, no timeout
+    (row,) = report.rendezvous_rows(_results(entries))
+    assert row[0] == "8" and row[2] == "—" and row[4] == "not run"
+    assert row[1] == "1.25 (1.20–1.30, n=2); 1 failed"
+    assert row[-1] == "1.14"
+    assert "3 repeats per size." in "\n".join(report.rendezvous_section(_results(entries)))

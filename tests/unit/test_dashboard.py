@@ -1,0 +1,425 @@
+"""`elasticctl dashboard`: the pure model (table-driven, planted records mixed in), the server's
+JSON and /metrics against a real etcd, and its one-sentence errors. The live page in a real
+browser during a real job: tests/test_dashboard_browser.py.
+
+Layer tests/unit: no etcd, no processes. The other tests of this subject:
+tests/process/test_dashboard_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.dashboard import MEMBER, NODE, NOW, sample
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elasticctl.dashboard.model import Reading, histogram, job_metrics, job_view, samples_series
+from elasticctl.job.records import Event, EventKind, ProgressSample
+
+
+def ev(t: float, kind: EventKind, node: str = "a", **fields) -> bytes:
+    return Event(time=NOW - t, kind=kind, node=node, **fields).to_json().encode()
+
+
+GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000, b'{"kind": 5}']
+
+
+# -- the pure model --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reading", "expected"),
+    [
+        pytest.param(
+            Reading("j", NOW),
+            {
+                "round": None,
+                "world_size": 0,
+                "live_nodes": 0,
+                "nodes": [],
+                "progress": None,
+                "events": [],
+                "totals": {"recoveries": 0, "recovery_seconds": 0, "restarts_spent": 0},
+            },
+            id="nothing-in-etcd",
+        ),
+        pytest.param(
+            Reading("j", NOW, nodes={"a": NODE}, members={"a": MEMBER}, heartbeats={"a": 1.25}),
+            {
+                "round": 3,
+                "world_size": 1,
+                "live_nodes": 1,
+                "nodes": [
+                    {
+                        "id": "a",
+                        "host": "h1",
+                        "addr": "10.0.0.1",
+                        "state": "training",
+                        "rank": 0,
+                        "round": 3,
+                        "gpus": 2,
+                        "restarts": 1,
+                        "heartbeat_age": 1.2,
+                    }
+                ],
+            },
+            id="a-training-node",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                nodes={
+                    "a": NODE,
+                    "b/c": NODE,
+                    "": NODE,
+                    "bad": b"\xff",
+                    "x": b"[]",
+                    "h": b'{"host": 5, "gpus": "two", "state": "leaving"}',
+                },
+                members={"a": b'{"state": "training", "round": "3", "rank": -1.5}'},
+            ),
+            {
+                "round": None,
+                "world_size": 0,
+                # "h" names no id or host of its own: not a node's record (issue 23, item 11)
+                "live_nodes": 1,
+                "nodes": [
+                    {
+                        "id": "a",
+                        "host": "h1",
+                        "addr": "10.0.0.1",
+                        "state": "training",
+                        "rank": None,
+                        "round": None,
+                        "gpus": 2,
+                        "restarts": 0,
+                        "heartbeat_age": None,
+                    },
+                ],
+            },
+            id="planted-node-records-and-ids-are-skipped",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                events=[
+                    ev(30, EventKind.ROUND_FORMED, world_size=3, round=1),
+                    *GARBAGE,
+                    ev(20, EventKind.MEMBER_LOST, "c", round=1),
+                    ev(15, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own"),
+                    ev(15, EventKind.FAILURE_JUDGED, "a", charged=False),
+                    # the rendezvous part of the recovery: already inside recovery_finished's
+                    ev(10, EventKind.ROUND_FORMED, world_size=2, round=2, duration=3.0),
+                    ev(10, EventKind.RECOVERY_FINISHED, duration=4.5, round=2, step=40),
+                    ev(5, EventKind.RECOVERY_FINISHED, duration=1.25, round=3),
+                ],
+            ),
+            {
+                "world": {"time": [NOW - 30, NOW - 10], "world_size": [3, 2]},
+                "totals": {"recoveries": 2, "recovery_seconds": 5.75, "restarts_spent": 1},
+                # newest first; of two at the same time, the one written later first
+                "event_kinds": [
+                    "recovery_finished",
+                    "recovery_finished",
+                    "round_formed",
+                    "failure_judged",
+                    "failure_judged",
+                    "member_lost",
+                    "round_formed",
+                ],
+            },
+            id="events-newest-first-with-garbage-mixed-in",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                events=[
+                    ev(30, EventKind.CHECKPOINT_WRITTEN, step=20, duration=0.5),
+                    ev(12.5, EventKind.CHECKPOINT_WRITTEN, step=40, duration=0.25),
+                    b'{"time": 1700000099.5, "kind": "checkpoint_written", "duration": -1}',
+                    ev(1, EventKind.ROUND_FORMED, world_size=2, round=2),
+                ],
+            ),
+            {
+                "checkpoint": {"step": 40, "age": 12.5, "duration": 0.25},
+                "totals": {"recoveries": 0, "recovery_seconds": 0, "restarts_spent": 0},
+                "event_kinds": ["round_formed", "checkpoint_written", "checkpoint_written"],
+            },
+            id="the-newest-checkpoint-and-its-age",
+        ),
+        pytest.param(
+            Reading(
+                "j",
+                NOW,
+                events=[ev(3, EventKind.CHECKPOINT_WRITTEN, step=2**60)],
+                progress=b'{"last_checkpoint_step": 40, "time": 1700000000}',
+            ),
+            {"checkpoint": {"step": None, "age": 3.0, "duration": None}},
+            id="a-checkpoint-step-too-large-for-the-browser",
+        ),
+        pytest.param(
+            Reading("j", NOW, progress=b'{"last_checkpoint_step": 40, "time": 1700000000}'),
+            {"checkpoint": None},
+            id="no-checkpoint-event",
+        ),
+        pytest.param(
+            Reading("j", NOW, progress=b'{"step": 7, "loss": "x", "time": 1699999990, "rank": 0}'),
+            {"progress": {"step": 7, "time": 1699999990, "rank": 0}, "progress_age": 110.0},
+            id="progress-with-a-malformed-field",
+        ),
+        pytest.param(
+            Reading("j", NOW, progress=b"\x00not json"),
+            {"progress": None, "progress_age": None},
+            id="progress-unreadable",
+        ),
+    ],
+)
+def test_job_view(reading, expected):
+    view, expected = job_view(reading), dict(expected)
+    json.dumps(view)  # the page's JSON: serialisable, whatever etcd held
+    if "event_kinds" in expected:
+        assert [e["kind"] for e in view["events"]] == expected.pop("event_kinds")
+    for key, value in expected.items():
+        assert view[key] == value, key
+
+
+def test_every_event_is_listed_generically_with_its_details():
+    view = job_view(
+        Reading(
+            "j",
+            NOW,
+            events=[
+                ev(1, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own\nfailure", round=4)
+            ],
+        )
+    )
+    assert view["events"] == [
+        {
+            "time": NOW - 1,
+            "kind": "failure_judged",
+            "node": "b",
+            "text": "round 4; restart spent; own failure",
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raws", "expected"),
+    [
+        pytest.param([], {"time": [], "step": [], "steps_per_s": []}, id="none"),
+        pytest.param(
+            [sample(10, 0), sample(8, 20), sample(6, 30)],
+            {
+                "time": [NOW - 10, NOW - 8, NOW - 6],
+                "step": [0, 20, 30],
+                "steps_per_s": [None, 10.0, 5.0],
+            },
+            id="steps-per-second-between-samples",
+        ),
+        pytest.param(
+            [sample(6, 30), b"{}", sample(10, 0), b'{"time": 1, "step": -4}', sample(8, 20)],
+            {"time": [NOW - 10, NOW - 8, NOW - 6], "steps_per_s": [None, 10.0, 5.0]},
+            id="out-of-order-and-garbage",
+        ),
+        pytest.param(
+            [sample(10, 100), sample(8, 60), sample(6, 80)],
+            {"steps_per_s": [None, None, 10.0]},
+            id="a-resume-from-an-older-checkpoint-is-a-gap",
+        ),
+        pytest.param(
+            [sample(10, 0, loss=2.0, world=3), sample(10, 5, loss=1.0)],
+            {"loss": [2.0, 1.0], "world_size": [3, None], "steps_per_s": [None, None]},
+            id="same-time-no-rate",
+        ),
+    ],
+)
+def test_samples_series(raws, expected):
+    series = samples_series(raws)
+    for key, value in expected.items():
+        assert series[key] == value, key
+
+
+@pytest.mark.parametrize(
+    ("events", "age", "write_seconds"),
+    [
+        pytest.param([], None, None, id="no-checkpoint-no-metrics"),
+        pytest.param(
+            [ev(8, EventKind.CHECKPOINT_WRITTEN, step=20, duration=1.5)], 8.0, 1.5, id="one"
+        ),
+        pytest.param(
+            [
+                ev(2, EventKind.CHECKPOINT_WRITTEN, step=60, duration=0.75),
+                ev(8, EventKind.CHECKPOINT_WRITTEN, step=20, duration=1.5),
+                ev(1, EventKind.ROUND_FORMED, round=2, duration=0.4),
+            ],
+            2.0,
+            0.75,
+            id="the-newest-by-time-whatever-the-order",
+        ),
+        pytest.param(
+            [ev(4, EventKind.CHECKPOINT_WRITTEN, step=20), b'{"kind": "checkpoint_written"}'],
+            4.0,
+            None,
+            id="no-duration-and-garbage",
+        ),
+        pytest.param(
+            [ev(-5, EventKind.CHECKPOINT_WRITTEN, step=20, duration=0.1)],
+            0.0,
+            0.1,
+            id="a-writer-clock-ahead-is-no-negative-age",
+        ),
+    ],
+)
+def test_checkpoint_metrics(events, age, write_seconds):
+    m = job_metrics(Reading("j", NOW, events=events))
+    assert (m.last_checkpoint_age, m.checkpoint_write_seconds) == (age, write_seconds)
+
+
+def test_histogram_is_cumulative_with_inf_last():
+    assert histogram([0.5, 3, 3, 70], (1, 5, 60)) == ((1, 1), (5, 3), (60, 3), (float("inf"), 4))
+    assert histogram([], (1,)) == ((1, 0), (float("inf"), 0))
+
+
+def test_job_metrics_from_the_same_records():
+    reading = Reading(
+        "j",
+        NOW,
+        nodes={"a": NODE, "b": NODE.replace(b'"a"', b'"b"').replace(b"running", b"leaving"), "z": b"junk"},
+        members={"a": MEMBER},
+        progress=b'{"step": 120, "last_checkpoint_step": 100, "samples_per_s": 64.5, "loss": 0.5, '
+        b'"time": 1699999999}',
+        events=[
+            ev(9, EventKind.RECOVERY_FINISHED, duration=7.0),
+            b"junk",
+            ev(5, EventKind.FAILURE_JUDGED, charged=True),
+            ev(4, EventKind.FAILURE_JUDGED, charged=True),
+        ],
+        samples=[sample(4, 100), sample(2, 120)],
+    )
+    m = job_metrics(reading)
+    assert (m.world_size, m.round, m.nodes_by_state) == (1, 3, {"training": 1, "leaving": 1})
+    assert (m.restarts_spent, m.recoveries, m.recovery_seconds) == (2, 1, 7.0)
+    assert m.recovery_buckets[2:4] == ((5.0, 0), (10.0, 1))
+    assert (m.steps_per_s, m.samples_per_s, m.step, m.loss, m.last_checkpoint_step) == (
+        10.0,
+        64.5,
+        120,
+        0.5,
+        100,
+    )
+    assert m.progress_age == 101.0
+    empty = job_metrics(Reading("j", NOW, progress=b"[1]"))
+    assert (empty.step, empty.steps_per_s, empty.progress_age, empty.round) == (
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+RAW = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([NODE, MEMBER, *GARBAGE]),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "time",
+                "step",
+                "kind",
+                "state",
+                "round",
+                "rank",
+                "world_size",
+                "duration",
+                "charged",
+                "loss",
+                "host",
+                "members",
+            ]
+        ),
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(),
+            st.floats(),
+            st.text(max_size=4),
+            st.sampled_from(
+                ["round_formed", "recovery_finished", "checkpoint_written", "training"]
+            ),
+        ),
+        max_size=6,
+    ).map(lambda d: json.dumps(d).encode()),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.dictionaries(st.text(max_size=6), RAW, max_size=4),
+    members=st.dictionaries(st.text(max_size=6), RAW, max_size=4),
+    progress=st.none() | RAW,
+    events=st.lists(RAW, max_size=6),
+    samples=st.lists(RAW, max_size=6),
+)
+def test_random_readings_never_break_the_page_or_the_metrics(
+    nodes, members, progress, events, samples
+):
+    reading = Reading(
+        "j", NOW, nodes=nodes, members=members, progress=progress, events=events, samples=samples
+    )
+    json.dumps(job_view(reading), allow_nan=False)  # the browser's JSON.parse takes no NaN
+    job_metrics(reading)
+
+
+# -- issue 23, item 11: planted times and node records ---------------------------------------------
+
+@pytest.mark.parametrize(
+    ("events", "lifetime"),
+    [
+        ([], (0.0, NOW + 60)),
+        ([ev(100, EventKind.NODE_JOINED), ev(50, EventKind.ROUND_FORMED)], (NOW - 160, NOW + 60)),
+        ([ev(50, EventKind.ROUND_FORMED)], (NOW - 110, NOW + 60)),  # no node_joined left
+        ([ev(-10_000, EventKind.NODE_JOINED), ev(30, EventKind.NODE_JOINED)], (NOW - 90, NOW + 60)),
+    ],
+    ids=["no-events", "first-join", "earliest-event", "a-join-in-the-future-is-no-start"],
+)
+def test_job_lifetime(events, lifetime):
+    from elasticctl.dashboard.model import job_lifetime
+
+    assert job_lifetime(sorted(map(Event.from_json, events), key=lambda e: e.time), NOW) == lifetime
+
+
+def test_a_sample_or_round_from_1970_does_not_stretch_the_time_axis():
+    reading = Reading(
+        "j", NOW,
+        events=[ev(100, EventKind.NODE_JOINED), ev(90, EventKind.ROUND_FORMED, world_size=1, round=1),
+                Event(time=1.0, kind=EventKind.ROUND_FORMED, world_size=9, round=7).to_json().encode()],
+        samples=[ProgressSample(time=1.0, step=5).to_json().encode(), sample(20, 10), sample(10, 20),
+                 sample(-100_000, 30)],  # and one from the future
+    )
+    view = job_view(reading)
+    assert view["samples"]["time"] == [NOW - 20, NOW - 10]
+    assert view["world"] == {"time": [NOW - 90], "world_size": [1]}
+    assert job_metrics(reading).steps_per_s == 1.0
+
+
+@pytest.mark.parametrize(
+    ("key", "record", "leased", "live"),
+    [
+        ("a", NODE, None, True),  # lease not known (a reading built by hand)
+        ("a", NODE, frozenset({"a"}), True),
+        ("a", NODE, frozenset(), False),  # put without a lease: outlives any process
+        ("b", NODE, frozenset({"b"}), False),  # names another node
+        ("a", NODE.replace(b'"host": "h1", ', b""), frozenset({"a"}), False),
+        ("a", NODE.replace(b'"joined_at": 1', b'"joined_at": 1800000000'), frozenset({"a"}), False),
+    ],
+    ids=["lease-unknown", "leased", "no-lease", "another-id", "no-host", "joined-in-the-future"],
+)
+def test_only_genuine_node_records_count_as_live_nodes(key, record, leased, live):
+    reading = Reading("j", NOW, nodes={key: record}, leased_nodes=leased)
+    assert job_view(reading)["live_nodes"] == int(live)
+    assert sum(job_metrics(reading).nodes_by_state.values()) == int(live)

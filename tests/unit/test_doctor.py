@@ -1,0 +1,272 @@
+"""`elasticctl doctor`: each check's verdicts from a table of facts, then the pass and fail
+paths against a real etcd on loopback, and `up`/`join` refusing a host that fails one.
+
+Layer tests/unit: no etcd, no processes. The other tests of this subject:
+tests/contract/test_doctor_clock.py, tests/process/test_doctor_cli.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticctl import doctor
+from elasticctl.doctor import (
+    Check,
+    DateSample,
+    Gpu,
+    InterfaceFacts,
+    RemoteNode,
+    Report,
+    Status,
+)
+from elasticctl.job.registry import NODE_FIELDS, typed_record
+
+
+PASS, WARN, FAIL = Status.PASS, Status.WARN, Status.FAIL
+GIB = 1 << 30
+
+
+# -- the pure decisions, from tables ------------------------------------------------------------
+
+@pytest.mark.parametrize(("python", "torch", "status", "needle"), [
+    ((3, 11, 7), "2.14.1", PASS, "Python 3.11.7, torch 2.14.1"),
+    ((3, 9, 18), "2.14.1", FAIL, "Python 3.9.18 is older than the 3.10"),
+    ((3, 12, 0), None, FAIL, "torch is not installed"),
+])
+def test_versions(python, torch, status, needle):
+    check = doctor.decide_versions(python, torch)
+    assert (check.status, needle in check.detail) == (status, True), check
+
+
+@pytest.mark.parametrize(("local", "others", "status", "needle"), [
+    ("2.14.1", {}, PASS, "no other live node"),
+    ("2.14.1", {"a": "2.14.1", "b": "2.14.1"}, PASS, "on 2 other node(s)"),
+    ("2.14.1", {"a": "2.14.0"}, WARN, "a has 2.14.0"),
+    ("2.14.1+cu124", {"a": "2.14.1+cpu"}, WARN, "a has 2.14.1+cpu"),
+    ("2.14.1", {"a": "2.13.0", "b": "2.14.1"}, FAIL, "this host has torch 2.14.1 but a has 2.13.0"),
+    # A node of an older elasticctl publishes no version: unknown, not an error.
+    ("2.14.1", {"old": None}, PASS, "1 node(s) did not publish theirs (old)"),
+    ("2.14.1", {"old": None, "a": "2.14.1"}, PASS, "did not publish theirs (old)"),
+    (None, {"a": "2.14.1"}, PASS, "nothing to compare"),
+])
+def test_torch_agreement(local, others, status, needle):
+    check = doctor.decide_torch_agreement(local, others)
+    assert check.status is status and needle in check.detail, check
+
+
+@pytest.mark.parametrize(("args", "status", "needle"), [
+    (("2.14.1", None, False, None, True, 0), PASS, "CUDA none (CPU build)"),
+    (("2.14.1", "12.4", True, "2.21.5", True, 8), PASS, "NCCL 2.21.5"),
+    (("2.14.1", None, False, None, True, 2), FAIL, "but 2 GPU(s) are visible"),
+    (("2.14.1", "12.4", False, None, True, 2), FAIL, "CUDA cannot use the 2 visible GPU(s)"),
+    (("2.14.1", None, False, None, False, 0), FAIL, "gloo is not available"),
+])
+def test_torch_build(args, status, needle):
+    check = doctor.decide_torch_build(*args)
+    assert check.status is status and needle in check.detail, check
+
+
+def test_nvidia_smi_rows_are_parsed_and_junk_is_skipped():
+    text = ("0, NVIDIA A100-SXM4-80GB, 41, 1024, 81920, 0\n"
+            "1, NVIDIA A100-SXM4-80GB, 93, 0, 81920, [N/A]\n"
+            "No devices were found\n")
+    assert doctor.parse_nvidia_smi(text) == [
+        Gpu(0, "NVIDIA A100-SXM4-80GB", 41, 1024, 81920, 0),
+        Gpu(1, "NVIDIA A100-SXM4-80GB", 93, 0, 81920, None),
+    ]
+
+
+HEALTHY = Gpu(0, "A100", 40, 0, 81920, 0)
+
+
+@pytest.mark.parametrize(("gpus", "error", "devices", "peers", "status", "needle"), [
+    (None, None, 0, (), PASS, "no GPU: CPU/gloo"),
+    ([], None, 0, (), PASS, "no GPU: CPU/gloo"),
+    (None, None, 0, ("b",), WARN, "but b have GPUs"),
+    (None, None, 2, (), WARN, "2 /dev/nvidia device(s) but no nvidia-smi"),
+    (None, "exit code 9: NVIDIA-SMI has failed", 1, (), FAIL, "nvidia-smi failed: exit code 9"),
+    ([HEALTHY], None, 1, (), PASS, "1 GPU(s) healthy (0: A100)"),
+    ([HEALTHY, Gpu(1, "A100", 40, 0, 81920, 3)], None, 2, (), WARN, "GPU 1 has 3 uncorrected ECC errors"),
+    ([Gpu(0, "A100", 95, 0, 81920, None)], None, 1, (), WARN, "GPU 0 is at 95 C"),
+])
+def test_gpus(gpus, error, devices, peers, status, needle):
+    check = doctor.decide_gpus(gpus, error, devices, peers)
+    assert check.status is status and needle in check.detail, check
+
+
+OTHER_HOST = RemoteNode("b", "host-b", "10.0.0.2")
+LOOPBACK = InterfaceFacts(local_addr="127.0.0.1", interface="lo", addresses=("127.0.0.1", "::1"),
+                          loopback=True, available=("eth0", "lo"))
+ETH0 = InterfaceFacts(local_addr="10.0.0.1", interface="eth0", addresses=("10.0.0.1",), loopback=False,
+                      available=("eth0", "lo"))
+
+
+@pytest.mark.parametrize(("facts", "status", "needle"), [
+    (LOOPBACK, PASS, "loopback, fine while every node runs on this host"),
+    (InterfaceFacts(**{**LOOPBACK.__dict__, "remote_nodes": (OTHER_HOST,)}), FAIL,
+     "loopback interface lo (127.0.0.1, ::1) while the job has nodes on other hosts: b on host-b (10.0.0.2)"),
+    (InterfaceFacts(**{**ETH0.__dict__, "remote_nodes": (OTHER_HOST,)}), PASS, "eth0 (10.0.0.1) holding 10.0.0.1"),
+    (InterfaceFacts(**{**ETH0.__dict__, "interface": None, "variable": "GLOO_SOCKET_IFNAME",
+                       "requested": "ib0"}), FAIL, "GLOO_SOCKET_IFNAME=ib0 names no interface of this host"),
+    (InterfaceFacts(**{**ETH0.__dict__, "variable": "GLOO_SOCKET_IFNAME", "requested": "eth0"}), PASS,
+     "from GLOO_SOCKET_IFNAME"),
+    (InterfaceFacts(**{**ETH0.__dict__, "nccl_requested": "ib"}), FAIL, "NCCL_SOCKET_IFNAME=ib matches no"),
+    (InterfaceFacts(**{**ETH0.__dict__, "interface": None, "addresses": ()}), WARN,
+     "the local address 10.0.0.1 is on no interface of this host"),
+])
+def test_interface(facts, status, needle):
+    check = doctor.decide_interface(facts)
+    assert check.status is status and needle in check.detail, check
+
+
+@pytest.mark.parametrize(("value", "exact", "chosen"), [
+    ("eth0", True, ("eth0",)),
+    ("eth", True, ()),
+    ("eth0,lo", True, ("eth0", "lo")),
+    ("eth", False, ("eth0", "eth1")),
+    ("=eth", False, ()),
+    ("^docker,lo", False, ("eth0", "eth1")),
+])
+def test_socket_ifname_values_select_interfaces_as_gloo_and_nccl_do(value, exact, chosen):
+    assert doctor._interfaces_named(value, ("docker0", "eth0", "eth1", "lo"), exact) == chosen
+
+
+@pytest.mark.parametrize(("latencies", "error", "status", "needle"), [
+    ([0.6, 0.8, 0.7], None, PASS, "median 0.7 ms over 3 reads"),
+    ([80.0, 90.0, 1.0], None, WARN, "median 80.0 ms over 3 reads (above 50 ms)"),
+    ([], "cannot reach etcd at h:1: no answer", FAIL, "cannot reach etcd at h:1"),
+    ([], None, WARN, "etcd not checked"),
+])
+def test_etcd(latencies, error, status, needle):
+    check = doctor.decide_etcd("h:1", latencies, error)
+    assert check.status is status and needle in check.detail, check
+
+
+def samples_with_offset(offset: float, start: float = 1_000_000.25, count: int = 6) -> list[DateSample]:
+    """What a host whose clock is ``offset`` s behind etcd's would see (1 ms round trips)."""
+    found = []
+    for i in range(count):
+        sent = start + i / count
+        found.append(DateSample(sent, sent + 0.001, float(int(sent + 0.0005 + offset))))
+    return found
+
+
+@pytest.mark.parametrize(("offset", "status"), [
+    (0.0, PASS), (0.4, PASS), (-0.7, PASS), (2.5, WARN), (-5.0, WARN), (45.0, FAIL), (-3600.0, FAIL),
+])
+def test_clock_offset_is_bounded_from_date_headers(offset, status):
+    low, high = doctor.clock_offset_bounds(samples_with_offset(offset))
+    assert low <= offset <= high and high - low < 0.25
+    assert doctor.decide_clock((low, high)).status is status
+
+
+def test_one_date_sample_reports_only_an_offset_it_is_sure_of():
+    # One sample bounds the offset to a second: 1.4 s could be 0.9 s, not enough to warn.
+    bounds = doctor.clock_offset_bounds(samples_with_offset(1.4, count=1))
+    assert bounds[1] - bounds[0] == pytest.approx(1.001)
+    assert doctor.decide_clock(bounds).status is PASS
+    assert doctor.decide_clock(doctor.clock_offset_bounds(samples_with_offset(-31.5, count=1))).status is FAIL
+
+
+def test_clock_that_steps_between_samples_trusts_the_last_one():
+    stepped = [DateSample(100.0, 100.001, 100.0), DateSample(101.0, 101.001, 160.0)]
+    assert doctor.clock_offset_bounds(stepped) == pytest.approx((58.999, 60.0))
+    check = doctor.decide_clock(doctor.clock_offset_bounds(stepped))
+    assert check.status is FAIL and "leases and record timestamps would lie" in check.detail
+
+
+def test_clock_unmeasurable_is_a_warning():
+    check = doctor.decide_clock(None, "Connection refused")
+    assert check.status is WARN and "Connection refused" in check.detail
+
+
+@pytest.mark.parametrize(("total", "free", "status", "needle"), [
+    (24 * GIB, 23 * GIB, PASS, "/dev/shm 24.0 GiB, 23.0 GiB free"),
+    (64 << 20, 64 << 20, WARN, "DataLoader workers and NCCL need more"),
+    (None, None, WARN, "/dev/shm is missing"),
+])
+def test_shm(total, free, status, needle):
+    check = doctor.decide_shm(total, free)
+    assert check.status is status and needle in check.detail, check
+
+
+def test_port():
+    assert doctor.decide_port("0.0.0.0", 4242, None).status is PASS
+    check = doctor.decide_port("0.0.0.0", None, "Address already in use")
+    assert check.status is FAIL and "cannot listen on 0.0.0.0: Address already in use" in check.detail
+
+
+def test_a_free_port_listens_here():
+    assert doctor.gather_port("127.0.0.1").status is PASS
+
+
+@pytest.mark.parametrize(("path", "error", "status", "needle"), [
+    (None, None, PASS, "no checkpoint directory given"),
+    ("/ckpt", None, PASS, "'/ckpt' is writable"),
+    ("/ckpt", "Permission denied", FAIL, "the checkpoint directory '/ckpt' is not writable: Permission denied"),
+])
+def test_checkpoint_dir(path, error, status, needle):
+    check = doctor.decide_checkpoint_dir(path, error)
+    assert check.status is status and needle in check.detail, check
+
+
+@pytest.mark.parametrize(("in_etcd", "in_file", "claimed", "status", "needle"), [
+    ("t1", "t1", True, PASS, "first node of job j"),
+    ("t1", "t1", False, PASS, "the same directory as the other nodes"),
+    ("t1", "t2", False, FAIL, "holds a different marker for job j"),
+    ("t1", None, False, FAIL, "holds no marker for job j"),
+])
+def test_checkpoint_marker(in_etcd, in_file, claimed, status, needle):
+    check = doctor.decide_checkpoint_marker("/ckpt", "j", in_etcd, in_file, claimed)
+    assert check.status is status and needle in check.detail, check
+
+
+@pytest.mark.parametrize(("named", "jobs", "status", "chosen"), [
+    (None, {}, PASS, None),
+    (None, {"a": 2}, PASS, "a"),
+    (None, {"a": 2, "b": 1}, PASS, None),
+    ("b", {"a": 2, "b": 1}, PASS, "b"),
+    ("c", {"a": 2}, WARN, None),
+])
+def test_job(named, jobs, status, chosen):
+    check, job = doctor.decide_job(named, jobs)
+    assert (check.status, job) == (status, chosen)
+
+
+def test_refusal_is_one_sentence_naming_the_first_failure():
+    report = Report((
+        Check("shm", WARN, "small", "Grow it."),
+        Check("checkpoint-dir", FAIL, "the checkpoint directory '/x' is not writable: Permission denied",
+              "Create the directory with write permission for this user."),
+        Check("interface", FAIL, "loopback", "Pass --local-addr."),
+    ))
+    assert doctor.refusal(report, "j") == (
+        "This host cannot join job 'j': the checkpoint directory '/x' is not writable: Permission denied "
+        "(and 1 more failed check(s) above); create the directory with write permission for this user.")
+    assert doctor.refusal(Report((Check("shm", WARN, "small", "Grow it."),)), "j") is None
+
+
+def test_check_lines_show_the_fix_only_when_something_is_wrong():
+    assert Check("a", PASS, "fine").lines() == ["PASS a: fine"]
+    assert Check("b", WARN, "meh", "Do x.").lines() == ["WARN b: meh", "  fix: Do x."]
+
+
+def test_node_records_keep_the_torch_version_and_older_records_still_read():
+    assert typed_record(b'{"id": "a", "torch": "2.14.1"}', NODE_FIELDS) == {"id": "a", "torch": "2.14.1"}
+    assert typed_record(b'{"id": "a", "torch": 2}', NODE_FIELDS) == {"id": "a"}
+
+
+def test_checkpoint_dir_probe_leaves_nothing_behind(tmp_path):
+    assert doctor.probe_writable(str(tmp_path / "new" / "ckpt")) is None
+    assert list((tmp_path / "new" / "ckpt").iterdir()) == []
+
+
+@pytest.mark.parametrize(("progress", "status", "needle"), [
+    (None, PASS, "no failed checkpoint"),
+    ({"step": 5}, PASS, "no failed checkpoint"),
+    ({"checkpoint_error": "Writing ... failed: the disk is full (No space left on device).",
+      "checkpoint_failures": 3}, WARN, "the job's last 3 checkpoint(s) failed: Writing ... failed: the disk is full"),
+])
+def test_checkpoint_health(progress, status, needle):  # issue 23, item 6
+    check = doctor.decide_checkpoint_health(progress)
+    assert check.status is status and needle in check.detail, check

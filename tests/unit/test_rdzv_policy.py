@@ -1,0 +1,131 @@
+"""What a node does when its workers end, before it joins, and when asked: table-driven, no etcd."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticctl.rendezvous.policy import (
+    Budget,
+    BudgetRules,
+    NodeAction,
+    RequestAction,
+    Waiting,
+    after_workers_ended,
+    before_join,
+    charge,
+    kill_for_lost,
+    on_request,
+    when_asked_for_waiting,
+)
+
+E = frozenset()
+
+
+@pytest.mark.parametrize(("hot", "started", "done", "unrecoverable", "action", "message"), [
+    # failed, nothing marked: restart mode judges from the evidence, hot mode charges at once
+    (False, {"0", "1"}, E, None, NodeAction.JUDGE, ""),
+    (True, {"0", "1"}, E, None, NodeAction.CHARGE, ""),
+    (False, E, E, None, NodeAction.JUDGE, ""),  # died before the entry marked anything
+    # every worker that started finished, one died at interpreter exit: the job is complete
+    (False, {"0", "1"}, {"0", "1"}, None, NodeAction.END, ""),
+    (True, {"0"}, {"0"}, None, NodeAction.END, ""),
+    # one failed after another finished: never trained again, the node stops
+    (False, {"0", "1"}, {"0"}, None, NodeAction.STOP,
+     "The node 'a' stops: local worker(s) 1 failed after local worker(s) 0 had finished; "
+     "the group is not started again."),
+    # ... a finish wins over an unrecoverable mark (the job is complete)
+    (False, {"0"}, {"0"}, "disk full", NodeAction.END, ""),
+    # a worker said a restart would fail the same way: stop, spending nothing
+    (False, {"0"}, E, "disk full", NodeAction.STOP, "The node 'a' stops without restarting its workers: disk full"),
+    (True, {"0"}, E, "disk full", NodeAction.STOP, "The node 'a' stops without restarting its workers: disk full"),
+])
+def test_after_workers_ended(hot, started, done, unrecoverable, action, message):
+    decision = after_workers_ended("a", hot, started, done, unrecoverable)
+    assert decision.action is action
+    assert decision.message == message
+    if unrecoverable and action is NodeAction.STOP:
+        assert (decision.cause, decision.failure_event) == (unrecoverable, True)
+
+
+RULES = BudgetRules(max_restarts=2, quarantine_after=2, quarantine_window=600.0)
+
+
+@pytest.mark.parametrize(("rules", "budget", "now", "expected"), [
+    # within budget, the first in the window
+    (RULES, Budget(), 10.0, Budget(spent=1, counted_at=(10.0,))),
+    # the second within the window: quarantine due, a new count starts
+    (RULES, Budget(spent=1, counted_at=(10.0,)), 20.0, Budget(spent=2, quarantine=True)),
+    # ... not when the first fell out of the window
+    (RULES, Budget(spent=1, counted_at=(10.0,)), 700.0, Budget(spent=2, counted_at=(10.0, 700.0))),
+    # over the budget: a stop, whatever the quarantine says
+    (RULES, Budget(spent=2), 30.0, Budget(spent=3, counted_at=(30.0,), stop_reason=(
+        "The node 'a' stops: its workers failed 3 times, more than the 2 restarts allowed; "
+        "the other nodes continue."))),
+    (BudgetRules(max_restarts=0), Budget(), 1.0, Budget(spent=1, counted_at=(1.0,), stop_reason=(
+        "The node 'a' stops: its workers failed 1 times, more than the 0 restarts allowed; "
+        "the other nodes continue."))),
+    # no limit, no quarantine: only counted
+    (BudgetRules(), Budget(spent=41), 1.0, Budget(spent=42, counted_at=(1.0,))),
+])
+def test_charge(rules, budget, now, expected):
+    assert charge(budget, rules, "a", now) == expected
+
+
+@pytest.mark.parametrize(("budget", "action", "after"), [
+    (Budget(spent=1), NodeAction.JOIN, Budget(spent=1)),
+    (Budget(spent=2, quarantine=True), NodeAction.QUARANTINE, Budget(spent=2)),  # sat out once
+    (Budget(spent=3, stop_reason="over"), NodeAction.STOP, Budget(spent=3, stop_reason="over")),
+    (Budget(spent=3, stop_reason="over", quarantine=True), NodeAction.STOP, Budget(spent=3, stop_reason="over")),
+])
+def test_before_join(budget, action, after):
+    decision, taken = before_join(budget)
+    assert decision.action is action
+    assert taken == after
+    if action is NodeAction.STOP:
+        assert decision.message == "over" and decision.cause is None
+
+
+def test_a_node_failing_on_its_own_walks_through_quarantine_to_its_stop():
+    """The rules composed as the handler runs them: charge, then decide before joining."""
+    rules, budget, seen = BudgetRules(max_restarts=2, quarantine_after=2, quarantine_window=600.0), Budget(), []
+    for now in (10.0, 20.0, 30.0):
+        budget = charge(budget, rules, "a", now)
+        decision, budget = before_join(budget)
+        seen.append(decision.action)
+    assert seen == [NodeAction.JOIN, NodeAction.QUARANTINE, NodeAction.STOP]
+    assert budget.spent == 3
+
+
+@pytest.mark.parametrize(("in_round", "left", "finished", "budget", "hot", "waiting"), [
+    (False, False, False, Budget(), False, Waiting.NONE),     # no round yet
+    (True, True, False, Budget(), False, Waiting.NONE),       # left: nothing to restart
+    (True, False, True, Budget(stop_reason="x"), False, Waiting.NONE),  # a finished worker: the group ends
+    (True, False, False, Budget(stop_reason="x"), False, Waiting.OWN_VERDICT),
+    (True, False, False, Budget(quarantine=True), True, Waiting.OWN_VERDICT),
+    (True, False, False, Budget(), True, Waiting.NONE),       # hot: the workers re-form by themselves
+    (True, False, False, Budget(spent=5), False, Waiting.MEMBERSHIP),
+])
+def test_when_asked_for_waiting(in_round, left, finished, budget, hot, waiting):
+    assert when_asked_for_waiting(in_round, left, finished, budget, hot) is waiting
+
+
+@pytest.mark.parametrize(("lost", "states", "kill"), [
+    (("b",), {"b": "left"}, False),            # a graceful leave: the workers stop cleanly
+    (("b",), {}, True),                        # no record: lost
+    (("b", "c"), {"b": "left", "c": "training"}, True),
+    (("b",), {"b": "failed"}, True),
+    ((), {}, False),                           # only newcomers or re-joiners
+])
+def test_kill_for_lost(lost, states, kill):
+    assert kill_for_lost(lost, states) is kill
+
+
+@pytest.mark.parametrize(("request_", "left", "action"), [
+    (None, False, RequestAction.IGNORE),
+    ("leave", False, RequestAction.LEAVE),
+    ("down", False, RequestAction.LEAVE_AND_CLOSE),
+    ("leave", True, RequestAction.IGNORE),   # asked twice, or stopping on its own verdict already
+    ("down", True, RequestAction.IGNORE),
+])
+def test_on_request(request_, left, action):
+    assert on_request(request_, left) is action

@@ -1,0 +1,165 @@
+"""The etcd-native rendezvous's decisions, table-driven on a fake clock (no etcd, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elasticctl.job.records import Declaration, Round, preferred_round
+from elasticctl.rendezvous.rounds import (
+    Settings,
+    change_for,
+    next_members,
+    seal_due,
+    wanting,
+)
+
+
+def d(node: str, wants: int, revision: int) -> Declaration:
+    return Declaration(node=node, addr="10.0.0.1", wants=wants, revision=revision)
+
+
+R1 = Round(number=1, members=("a", "b", "c"), revision=10)
+S = Settings(min_nodes=2, max_nodes=4, last_call=1.0)
+
+
+@pytest.mark.parametrize(("current", "live", "quorum_since", "now", "due"), [
+    # nobody, or fewer than min_nodes, want round 1
+    (None, [], None, 0.0, False),
+    (None, [d("a", 1, 1)], 0.0, 99.0, False),
+    # the first round waits last call for nodes still starting, unless it is full
+    (None, [d("a", 1, 1), d("b", 1, 2)], 0.0, 0.5, False),
+    (None, [d("a", 1, 1), d("b", 1, 2)], 0.0, 1.0, True),
+    (None, [d(n, 1, i) for i, n in enumerate("abcd")], 0.0, 0.0, True),
+    # after a round: every live node wants the next one, nobody to wait for
+    (R1, [d("a", 2, 11), d("b", 2, 12)], 0.0, 0.0, True),
+    # a live node still in round 1 (training, or frozen with its lease alive): wait for last call
+    (R1, [d("a", 2, 11), d("b", 2, 12), d("c", 1, 5)], 0.0, 0.5, False),
+    (R1, [d("a", 2, 11), d("b", 2, 12), d("c", 1, 5)], 0.0, 1.0, True),
+    # full at max_nodes: at once
+    (R1, [d("a", 2, 11), d("b", 2, 12), d("c", 2, 13), d("x", 2, 14), d("y", 1, 3)], None, 0.0, True),
+    # only newcomers want round 2 while members of round 1 train: wait for the members,
+    # who re-form as soon as they see them (never supersede a training job)
+    (R1, [d("x", 2, 11), d("a", 1, 1), d("b", 1, 2), d("c", 1, 3)], 0.0, 99.0, False),
+    (R1, [d("x", 2, 11), d("y", 2, 12), d("z", 2, 13), d("w", 2, 14), d("a", 1, 1)], 0.0, 99.0, False),
+    # ... but once one member wants it too, the usual rules
+    (R1, [d("x", 2, 11), d("a", 2, 12), d("b", 1, 2), d("c", 1, 3)], 0.0, 0.5, False),
+    (R1, [d("x", 2, 11), d("a", 2, 12), d("b", 1, 2), d("c", 1, 3)], 0.0, 1.0, True),
+    # ... and with no member of round 1 alive, newcomers form round 2 after last call
+    (R1, [d("x", 2, 11), d("y", 2, 12)], 0.0, 1.0, True),
+    # declarations for an older round do not count
+    (R1, [d("a", 1, 1), d("b", 1, 2)], 0.0, 99.0, False),
+])
+def test_seal_due(current, live, quorum_since, now, due):
+    assert seal_due(current, live, S, quorum_since, now) is due
+
+
+@pytest.mark.parametrize(("current", "candidates", "max_nodes", "members"), [
+    (None, [d("b", 1, 2), d("a", 1, 1)], 4, ("b", "a")),  # arrival order as given (sorted by caller)
+    (R1, wanting(R1, [d("x", 2, 11), d("c", 2, 12), d("a", 2, 13)]), 4, ("a", "c", "x")),  # old ranks first
+    (R1, wanting(R1, [d("x", 2, 11), d("y", 2, 12), d("b", 2, 13), d("a", 2, 14)]), 3, ("a", "b", "x")),
+])
+def test_next_members_keep_ranks_then_arrival(current, candidates, max_nodes, members):
+    assert next_members(current, candidates, max_nodes) == members
+
+
+@pytest.mark.parametrize(("live", "max_nodes", "expected"), [
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "c": d("c", 1, 3)}, 4, {}),
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2)}, 4, {"lost": ("c",)}),
+    ({"a": d("a", 1, 1), "b": d("b", 2, 20), "c": d("c", 1, 3)}, 4, {"moved_on": ("b",)}),
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "c": d("c", 1, 3), "x": d("x", 2, 9)}, 4, {"waiting": ("x",)}),
+    # a full round has no room: a newcomer waits without disturbing it
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "c": d("c", 1, 3), "x": d("x", 2, 9)}, 3, {}),
+])
+def test_change_for_a_member(live, max_nodes, expected):
+    change = change_for("a", 1, R1, live, max_nodes)
+    assert (change.lost, change.moved_on, change.waiting) == (
+        expected.get("lost", ()), expected.get("moved_on", ()), expected.get("waiting", ()))
+    assert change.count == sum(len(v) for v in expected.values())
+
+
+@pytest.mark.parametrize(("live", "finished", "expected"), [
+    # a member that finished (its agent shut down, its declaration withdrawn) is not lost
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2)}, {"c"}, {}),
+    # ... nor counted when another member is: only that one is
+    ({"a": d("a", 1, 1)}, {"c"}, {"lost": ("b",)}),
+    # finished and still declared (it is shutting down): nothing changed
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "c": d("c", 1, 3)}, {"c"}, {}),
+    # finished members do not hide a newcomer waiting with room
+    ({"a": d("a", 1, 1), "b": d("b", 1, 2), "x": d("x", 2, 9)}, {"c"}, {"waiting": ("x",)}),
+])
+def test_a_finished_member_is_never_lost(live, finished, expected):
+    change = change_for("a", 1, R1, live, 4, frozenset(finished))
+    assert (change.lost, change.moved_on, change.waiting) == (
+        expected.get("lost", ()), expected.get("moved_on", ()), expected.get("waiting", ()))
+    assert change.count == sum(len(v) for v in expected.values())
+
+
+@pytest.mark.parametrize(("my_round", "current"), [
+    (1, Round(number=2, members=("b", "c"))),   # sealed without us
+    (1, Round(number=1, members=("b", "c"))),   # not a member of it
+    (1, None),
+])
+def test_a_node_outside_the_current_round_is_superseded(my_round, current):
+    assert change_for("a", my_round, current, {}, 4).superseded
+
+
+@given(raw=st.binary(max_size=300), revision=st.integers(0, 2**40))
+def test_records_from_untrusted_bytes_are_none_or_valid(raw, revision):
+    declaration = Declaration.from_json(raw, revision)
+    if declaration is not None:
+        assert Declaration.from_json(declaration.to_json().encode(), revision) == declaration
+    sealed = Round.from_json(raw, revision)
+    if sealed is not None:
+        assert Round.from_json(sealed.to_json().encode(), revision) == sealed
+
+
+def test_records_round_trip():
+    assert Declaration.from_json(d("a", 3, 7).to_json().encode(), 7) == d("a", 3, 7)
+    sealed = Round(number=4, members=("a", "b"), addrs=("h1", "h2"), revision=9)
+    assert Round.from_json(sealed.to_json().encode(), 9) == sealed
+    assert Round.from_json(b'{"round": 1, "members": ["a", "a"]}', 1) is None
+    assert Round.from_json(b'{"round": 1, "members": ["a/b"]}', 1) is None
+
+
+# -- issue 18: a missing round record while members of the job are alive --------------------
+
+def _decl(node: str, wants: int, revision: int) -> Declaration:
+    return Declaration(node, f"addr-{node}", wants, revision=revision)
+
+
+@pytest.mark.parametrize("current, live, unreadable, due", [
+    # the record of round 4 is gone (deleted, expired) while its members live: a newcomer alone
+    # must not seal a round 1 beside them, full or not
+    (None, [_decl("a", 4, 1), _decl("b", 4, 2), _decl("c", 1, 3)], 0, False),
+    (None, [_decl("a", 2, 1), _decl("c", 1, 3)], 0, False),
+    # live declarations this node cannot read (another secret, another run): no first round
+    (None, [_decl("c", 1, 3)], 1, False),
+    # a cold start with every declaration readable: sealed once full
+    (None, [_decl("a", 1, 1), _decl("b", 1, 2), _decl("c", 1, 3)], 0, True),
+    # a running round is not held up by an unreadable declaration
+    (Round(3, ("a", "b")), [_decl("a", 4, 5), _decl("b", 4, 6)], 1, True),
+])
+def test_no_round_is_sealed_beside_live_members_it_cannot_see(current, live, unreadable, due):
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=30)
+    assert seal_due(current, live, settings, quorum_since=None, now=0.0, unreadable=unreadable) is due
+
+
+@pytest.mark.parametrize("known, candidate, believed", [
+    # rounds only go forward
+    (Round(2, ("a",), sealed_at=5.0), Round(3, ("a", "b"), sealed_at=9.0), "candidate"),
+    (Round(3, ("a",), sealed_at=5.0), Round(2, ("a", "b"), sealed_at=9.0), "known"),
+    # a restored copy of the same round is that round (at its new revision)
+    (Round(3, ("a",), sealed_at=5.0), Round(3, ("a",), sealed_at=5.0, revision=99), "candidate"),
+    # issue 23.3: a forged record of the same number (no seal time, or a later one) never wins
+    (Round(3, ("a", "b"), sealed_at=5.0), Round(3, ("x",)), "known"),
+    (Round(3, ("a", "b"), sealed_at=5.0), Round(3, ("a", "b", "c"), sealed_at=6.0), "known"),
+    # ... and a node that believed the late one settles on the round sealed first
+    (Round(3, ("a", "b", "c"), sealed_at=6.0), Round(3, ("a", "b"), sealed_at=5.0), "candidate"),
+    # unreadable
+    (Round(3, ("a",), sealed_at=5.0), None, "known"),
+    (None, Round(1, ("a",)), "candidate"),
+])
+def test_preferred_round(known, candidate, believed):
+    assert preferred_round(known, candidate) is (candidate if believed == "candidate" else known)

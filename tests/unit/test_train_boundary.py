@@ -1,0 +1,37 @@
+"""What a worker does at a step boundary, given what every worker agreed on: a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
+
+A = BoundaryAction
+
+
+@pytest.mark.parametrize(("mode", "agreed", "me_leaving", "action"), [
+    # nothing agreed: train on
+    (Mode.HOT, Agreed(0, 0, 4), False, A.CONTINUE),
+    (Mode.RESTART, Agreed(0, 0, 4), False, A.CONTINUE),
+    # hot: a change pending anywhere re-forms everyone
+    (Mode.HOT, Agreed(1, 0, 4), False, A.RE_FORM),
+    (Mode.HOT, Agreed(4, 0, 4), False, A.RE_FORM),
+    # hot: others leave, this one stays: re-form without them
+    (Mode.HOT, Agreed(0, 1, 4), False, A.RE_FORM),
+    # hot: this one leaves, the others keep the state
+    (Mode.HOT, Agreed(0, 1, 4), True, A.LEAVE),
+    (Mode.HOT, Agreed(1, 3, 4), True, A.LEAVE),
+    # hot: everyone leaves: with the whole job (a final checkpoint)
+    (Mode.HOT, Agreed(0, 4, 4), True, A.LEAVE_WITH_JOB),
+    (Mode.HOT, Agreed(0, 1, 1), True, A.LEAVE_WITH_JOB),   # a generation of one
+    (Mode.HOT, Agreed(1, 0, 1), False, A.RE_FORM),         # alone, a newcomer waiting
+    # hot: told to stop after the flags went out: not in the count, re-forms and leaves at the next
+    (Mode.HOT, Agreed(0, 3, 4), False, A.RE_FORM),
+    # restart: any worker leaving stops every rank for the agent; changes are the agent's business
+    (Mode.RESTART, Agreed(0, 1, 4), True, A.STOP_FOR_AGENT),
+    (Mode.RESTART, Agreed(0, 1, 4), False, A.STOP_FOR_AGENT),
+    (Mode.RESTART, Agreed(0, 4, 4), True, A.STOP_FOR_AGENT),
+    (Mode.RESTART, Agreed(1, 0, 4), False, A.CONTINUE),
+])
+def test_at_boundary(mode, agreed, me_leaving, action):
+    assert at_boundary(mode, agreed, me_leaving) is action
