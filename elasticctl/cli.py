@@ -668,8 +668,9 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
         def _apply(self, response) -> None:
             show((e.key, e.value) for e in response.events if type(e).__name__ != "DeleteEvent")
 
-    watch = Follow(client, keys.events).start()
-    try:
+    watch = Follow(client, keys.events)
+    try:  # Ctrl-C while the watch starts too: stop() must run, or its stream keeps the client open
+        watch.start()
         threading.Event().wait()
     except KeyboardInterrupt:
         pass
