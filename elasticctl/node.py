@@ -19,7 +19,7 @@ import threading
 import time
 
 from elasticctl import launcher, processes
-from elasticctl.doctor import installed_torch_version
+from elasticctl.doctor.gather import installed_torch_version
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
 from elasticctl.etcd.lease import Lease

@@ -27,6 +27,14 @@ seals it with one transaction, everyone learns it by watch. On top of the protoc
 What the node does is decided by the pure rules of :mod:`elasticctl.rendezvous.policy` (and
 whose fault a failure was by :mod:`elasticctl.rendezvous.verdicts`); this class gathers the
 facts for them from the workers' marks, the watched view and etcd, and acts on the answer.
+
+Why one module of over 500 lines: it is one class, torch's ``RendezvousHandler``, whose
+methods share one node's state (its round, budget, member record, closed and left flags)
+across the three threads that call it (torch's agent, the watch of leave/down requests,
+the verdicts), with one lock discipline written down in ``__init__``. The protocol
+(``member.py``, ``view.py``, ``rounds.py``) and the decisions (``policy.py``,
+``verdicts.py``) are already elsewhere; what is left gathers facts and acts on them, and
+splitting it would spread those shared fields and their locking over files.
 """
 
 from __future__ import annotations

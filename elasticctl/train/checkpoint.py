@@ -20,38 +20,20 @@ The payload holds replicated (DDP) state, written by global rank 0 only: model
 (unwrapped from DDP, so it loads without DDP and at any world size), optimizer,
 LR scheduler, grad scaler, the :class:`~elasticctl.train.sampler.ResumableSampler`
 position (a global sample count), RNG states, step, epoch and caller extras.
-State sharded across ranks (FSDP, ZeRO) needs every rank to write its shard;
-:class:`ShardedCheckpointer` does that with ``torch.distributed.checkpoint``
-(DCP) into one directory per checkpoint::
-
-    step-00001200/
-        .metadata           DCP's index of the shards (a pickle)
-        __0_0.distcp ...    the shards, one or more per rank
-        extra.json          step, epoch, sampler position, ...
-        manifest.json       {"format": ..., "files": {name: sha256}}: every other file, written last
-
-A sharded checkpoint is used only if its manifest lists exactly the files
-present and every digest matches. DCP unpickles ``.metadata`` with
-``pickle.load``, and a manifest proves integrity, not authorship, so the
-metadata is read with an unpickler that allows only DCP's own metadata classes,
-and non-tensor values are loaded with ``weights_only=True``.
+State sharded across ranks (FSDP, ZeRO) needs every rank to write its shard:
+:class:`~elasticctl.train.sharded_checkpoint.ShardedCheckpointer` (importable
+from here too) does that with ``torch.distributed.checkpoint``. The errors, atomic
+writes and digests both use are in :mod:`elasticctl.train.checkpoint_files`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import functools
-import hashlib
-import io
-import json
 import logging
 import os
-import pickle
 import random
 import re
-import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -61,58 +43,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.errors import ConfigError
+from elasticctl.train.checkpoint_files import (
+    _TMP_PREFIX,
+    _UNFIT_STATE_ERRORS,
+    CheckpointError,
+    CheckpointWriteError,
+    _file_digest,
+    _fsync_dir,
+    _History,
+    _load_error,
+    _rank,
+    _signature,
+    _VerificationMemo,
+    _write_atomically,
+    check_directory,
+    write_failure_reason,
+)
+from elasticctl.train.sharded_checkpoint import ShardedCheckpointer
+
+__all__ = ["FORMAT", "CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored",
+           "ShardedCheckpointer", "check_directory", "write_failure_reason"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = "elasticctl-checkpoint-1"
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "elasticctl-sharded-manifest-1"
 _NAME_RE = re.compile(r"^step-([0-9]{8,})\.pt$")
-_DIR_RE = re.compile(r"^step-([0-9]{8,})$")
 _DIGEST_SUFFIX = ".sha256"
-_TMP_PREFIX = ".tmp-"
-_DCP_METADATA = ".metadata"
-_EXTRA = "extra.json"
 # What the payload of a single-file checkpoint must hold, beyond its format, for restore to use it.
 _PAYLOAD_FIELDS = {"step": int, "epoch": int, "world_size": int, "state": dict, "rng": dict,
                    "extra": dict}
-# What load_state_dict and the RNG setters raise for state of the wrong shape or kind.
-_UNFIT_STATE_ERRORS = (ArithmeticError, AttributeError, LookupError, RuntimeError, TypeError,
-                       ValueError)
-
-
-class CheckpointError(ElasticctlError):
-    """A checkpoint could not be written, or the one every rank agreed on could not be read."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint could not be written; ``reason`` says why in a few words ("the disk is full")."""
-
-    def __init__(self, step: int, directory: Path, reason: str) -> None:
-        super().__init__(f"Writing the checkpoint of step {step} to '{directory}' failed: {reason}.")
-        self.step = step
-        self.directory = directory
-        self.reason = reason
-
-
-# Why a write fails, for the errors where the operator's fix is about the storage itself.
-_STORAGE_REASONS = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is exhausted",
-    errno.EROFS: "the file system is read-only",
-    errno.EIO: "the storage reports an I/O error",
-}
-
-
-def write_failure_reason(exc: BaseException) -> str:
-    """Why a checkpoint write failed, in a few words: the storage's state first when that is the
-    cause ("the disk is full (No space left on device)"), else the error itself."""
-    if isinstance(exc, OSError):
-        text = exc.strerror or str(exc)
-        storage = _STORAGE_REASONS.get(exc.errno or 0)
-        return f"{storage} ({text})" if storage else text
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +84,6 @@ class Restored:
     path: Path
     world_size: int  # the world size that wrote it
     extra: dict
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _unwrap(obj: Any) -> Any:
@@ -189,158 +145,6 @@ def _set_rng_state(state: dict, device: torch.device, rank: int) -> None:
             import numpy as np
 
             np.random.seed(seed % 2**32)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _HashingWriter:
-    """A write-only file wrapper that digests what passes through (torch.save writes sequentially)."""
-
-    def __init__(self, file) -> None:
-        self.file = file
-        self.digest = hashlib.sha256()
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        self.digest.update(data)
-        try:
-            return self.file.write(data)
-        except OSError as exc:
-            # torch.save turns a failed write into RuntimeError("... unexpected pos ..."): keep
-            # the real cause (ENOSPC: the disk is full) for the error the caller sees.
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _signature(*paths: Path) -> tuple:
-    """Name, size and mtime of each file: what verification results are remembered by."""
-    return tuple((p.name, st.st_size, st.st_mtime_ns) for p in paths for st in [p.stat()])
-
-
-def _load_error(exc: BaseException) -> str:
-    """The gist of a torch.load failure (its full text is a page of advice on loading unsafely)."""
-    text = str(exc)
-    gist = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n\n|$)", text, re.DOTALL)
-    lines = text.strip().splitlines()
-    reason = gist[1] if gist else (lines[0] if lines else type(exc).__name__)
-    return " ".join(reason.split()).rstrip(":. ")
-
-
-def _write_atomically(directory: Path, name: str, write) -> str:
-    """Write ``directory/name`` through ``write(file)`` via temp file + fsync + rename; return its sha256."""
-    tmp = directory / f"{_TMP_PREFIX}{name}.{os.getpid()}"
-    writer: _HashingWriter | None = None
-    try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            write(writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if writer is not None and writer.error is not None and not isinstance(exc, OSError):
-            raise writer.error from exc  # what torch.save's RuntimeError hides
-        raise
-    return writer.digest.hexdigest()
-
-
-def check_directory(directory: str | os.PathLike, writable: bool) -> Path:
-    """Create ``directory`` if needed and check access, or raise a one-sentence :class:`ConfigError`."""
-    path = Path(directory)
-    try:  # every rank may create it: readers must not race the writer that would
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"The checkpoint directory '{path}' cannot be created: {exc.strerror}.") from exc
-    if not path.is_dir():
-        raise ConfigError(f"The checkpoint directory '{path}' does not exist or is not a directory.")
-    mode = os.R_OK | os.X_OK | (os.W_OK if writable else 0)
-    if not os.access(path, mode):
-        what = "readable and writable" if writable else "readable"
-        raise ConfigError(f"The checkpoint directory '{path}' is not {what} by this user.")
-    return path
-
-
-class _VerificationMemo:
-    """Which checkpoints verified, remembered per path while their files keep the same
-    signature (names, sizes, mtimes); each failure is warned about once."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self.results: dict[Path, tuple[tuple, bool]] = {}
-        self._warned: set[tuple[Path, tuple]] = set()
-
-    def check(self, path: Path, signature: tuple, verify) -> bool:
-        """``verify()`` raises CheckpointError for a checkpoint that must not count."""
-        cached = self.results.get(path)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-        try:
-            verify()
-            valid = True
-        except CheckpointError as exc:
-            valid = False
-            if (path, signature) not in self._warned:
-                self._warned.add((path, signature))
-                log.warning("Ignoring %s (not counted towards keep=%d, left in place): %s",
-                            path, self.keep, exc)
-        self.results[path] = (signature, valid)
-        return valid
-
-    def forget(self, keep_only) -> None:
-        self.results = {p: v for p, v in self.results.items() if p in keep_only}
-
-
-class _History:
-    """Records ``checkpoint_written`` and ``checkpoint_failed`` in the job's event history (under elasticctl, else nothing),
-    from a background thread: a checkpoint never waits for etcd. ``environment``: the worker's,
-    if its caller decoded it already; else it is decoded at the first event."""
-
-    def __init__(self, environment=None) -> None:
-        self._environment = environment
-        self._log: Any = None
-        self._checked = False
-
-    def written(self, step: int, seconds: float) -> None:
-        self._record("CHECKPOINT_WRITTEN", step=step, duration=round(seconds, 3))
-
-    def failed(self, step: int, reason: str) -> None:
-        self._record("CHECKPOINT_FAILED", step=step, reason=reason)
-
-    def _record(self, kind: str, **fields) -> None:
-        if not self._checked:
-            self._checked = True
-            from elasticctl.job.environment import WorkerEnvironment
-            from elasticctl.job.events import EventLog  # grpc only under elasticctl
-
-            self._environment = self._environment or WorkerEnvironment.from_env()
-            self._log = EventLog.from_env(self._environment)
-        if self._log is not None:
-            from elasticctl.job.records import EventKind
-
-            self._log.record_later(EventKind[kind], self._environment.node, **fields)
-
-    def flush(self, timeout: float = 5.0) -> None:
-        if self._log is not None:
-            self._log.flush(timeout)
 
 
 class Checkpointer:
@@ -636,339 +440,3 @@ class Checkpointer:
         self.last_step = payload["step"]
         return Restored(step=payload["step"], epoch=payload["epoch"], path=Path(payload["path"]),
                         world_size=payload["world_size"], extra=payload["extra"])
-
-
-# Exactly the globals torch 2.14's FileSystemWriter pickles into ``.metadata`` (found by saving
-# model and optimizer state and listing the pickle's globals), plus every torch dtype.
-_DCP_METADATA_GLOBALS = frozenset({
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # where each item lies
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-})
-
-
-@functools.cache
-def _torch_dtype_names() -> frozenset[str]:
-    # vars(), not getattr(): torch's module __getattr__ imports submodules on demand.
-    return frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing every global outside the allow-list (no code runs)."""
-
-    def __init__(self, data: bytes, path: Path) -> None:
-        super().__init__(io.BytesIO(data))
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _DCP_METADATA_GLOBALS or (
-            module == "torch" and name in _torch_dtype_names())
-        if not allowed:
-            raise CheckpointError(
-                f"The DCP metadata '{self.path}' refers to {module}.{name}, which is not one of "
-                f"the torch checkpoint metadata classes it may contain.")
-        return super().find_class(module, name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise CheckpointError(
-            f"The DCP metadata '{self.path}' holds a persistent id, which DCP never writes.")
-
-
-def _load_dcp_metadata(path: Path) -> Any:
-    """The DCP ``Metadata`` in ``path``, unpickled with the allow-list; CheckpointError if not."""
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    try:
-        data = path.read_bytes()  # in memory: a length field in the pickle cannot ask for more
-        metadata = _MetadataUnpickler(data, path).load()
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise CheckpointError(
-            f"The DCP metadata '{path}' cannot be read: {exc.strerror or exc}.") from exc
-    except Exception as exc:  # the unpickler raises many types for a malformed file
-        raise CheckpointError(f"The DCP metadata '{path}' is malformed: {exc!r}.") from exc
-    if not (isinstance(metadata, Metadata)
-            and isinstance(getattr(metadata, "state_dict_metadata", None), dict)
-            and isinstance(getattr(metadata, "storage_data", None), dict)
-            and isinstance(getattr(metadata, "storage_meta", None), (StorageMeta, type(None)))):
-        raise CheckpointError(f"The file '{path}' does not hold DCP checkpoint metadata.")
-    return metadata
-
-
-@functools.cache
-def _dcp_loading() -> tuple[type, type]:
-    """DCP's file reader and load planner, minus their unrestricted unpickling (built on first use:
-    importing torch.distributed.checkpoint takes a second)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class RestrictedReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            rank = kwargs.get("rank")
-            name = _DCP_METADATA if rank is None else f"__{rank}{_DCP_METADATA}"
-            metadata = _load_dcp_metadata(Path(self.checkpoint_id) / name)
-            # As FileSystemReader.read_metadata does after its pickle.load.
-            if metadata.storage_meta is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class WeightsOnlyPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            # DefaultLoadPlanner loads non-tensor values (optimizer hyperparameters, ...) with
-            # weights_only=False. Load them safely, and hand it bytes re-serialized from the result.
-            fqn = read_item.dest_index.fqn
-            try:
-                safe = torch.load(value, weights_only=True)
-            except Exception as exc:  # torch raises many types for malformed bytes
-                raise CheckpointError(
-                    f"The value '{fqn}' in the sharded checkpoint cannot be loaded with "
-                    f"weights_only=True: {_load_error(exc)}.") from exc
-            buffer = io.BytesIO()
-            torch.save(safe, buffer)
-            buffer.seek(0)
-            super().load_bytes(read_item, buffer)
-
-    return RestrictedReader, WeightsOnlyPlanner
-
-
-def _read_manifest(directory: Path) -> dict[str, str]:
-    """The ``{file name: sha256}`` that the manifest of a sharded checkpoint lists."""
-    path = directory / MANIFEST
-    try:
-        manifest = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise CheckpointError(
-            f"The manifest '{path}' cannot be read: {exc.strerror or exc}.") from exc
-    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested absurdly deep
-        raise CheckpointError(f"The manifest '{path}' is not valid JSON: {exc}.") from exc
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not (isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
-            and isinstance(files, dict)):
-        raise CheckpointError(
-            f"The file '{path}' is not an elasticctl sharded checkpoint manifest.")
-    for name, digest in files.items():
-        # Plain names only: a manifest must not point outside its directory, nor at itself.
-        plain = name not in ("", ".", "..", MANIFEST) and "/" not in name and "\\" not in name
-        if not plain or not isinstance(digest, str):
-            raise CheckpointError(f"The manifest '{path}' has an invalid entry {name!r}.")
-    return files
-
-
-def _verify_sharded(directory: Path, digests: Mapping[str, str] | None = None) -> dict:
-    """Check a sharded checkpoint before torch reads any of it; return its extras.
-
-    Raises :class:`CheckpointError` unless the manifest lists exactly the files present, each
-    matches its digest (``digests``: ones just computed, instead of re-reading the files), the
-    metadata passes the allow-list and points only at listed files, and extra.json has the step.
-    """
-    files = _read_manifest(directory)
-    try:
-        present = {p.name for p in directory.iterdir()} - {MANIFEST}
-    except OSError as exc:
-        raise CheckpointError(f"The sharded checkpoint '{directory}' cannot be listed: "
-                              f"{exc.strerror or exc}.") from exc
-    missing, unlisted = sorted(set(files) - present), sorted(present - set(files))
-    if missing or unlisted:
-        raise CheckpointError(f"The sharded checkpoint '{directory}' does not match its manifest "
-                              f"(missing {missing}, unlisted {unlisted}).")
-    for required in (_DCP_METADATA, _EXTRA):
-        if required not in files:
-            raise CheckpointError(
-                f"The manifest of the sharded checkpoint '{directory}' does not list {required}.")
-    for name, expected in sorted(files.items()):
-        try:
-            actual = digests[name] if digests is not None else _file_digest(directory / name)
-        except (OSError, KeyError) as exc:
-            raise CheckpointError(f"The file '{directory / name}' cannot be read: {exc}.") from exc
-        if actual != expected:
-            raise CheckpointError(f"The file '{directory / name}' does not match the digest in its "
-                                  "manifest (corrupt, partial or replaced).")
-    metadata = _load_dcp_metadata(directory / _DCP_METADATA)
-    shards = set(files) - {_DCP_METADATA, _EXTRA}
-    for info in metadata.storage_data.values():
-        # Only getattr and isinstance: the objects' own methods may fail on the __dict__ a
-        # pickle gave them.
-        where = getattr(info, "relative_path", None)
-        if not isinstance(where, str) or where not in shards:
-            raise CheckpointError(f"The DCP metadata '{directory / _DCP_METADATA}' refers to data "
-                                  f"outside the files its manifest lists: {where!r}.")
-    try:
-        extra = json.loads((directory / _EXTRA).read_bytes())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(
-            f"The file '{directory / _EXTRA}' cannot be read as JSON: {exc}.") from exc
-    if not isinstance(extra, dict) or type(extra.get("step")) is not int:
-        raise CheckpointError(f"The file '{directory / _EXTRA}' has no integer 'step'.")
-    return extra
-
-
-class ShardedCheckpointer:
-    """Checkpoints of sharded state (FSDP2 ``fully_shard``, DTensor) with DCP.
-
-    Every rank writes its own shard into a temp directory; once all are done,
-    rank 0 adds ``extra.json`` (step, epoch, sampler position, ...), every rank
-    digests a share of the files, rank 0 writes the manifest and renames the
-    directory to ``step-NNNNNNNN/``, so a partial save is never taken for a
-    complete one. DCP reshards on load, so a checkpoint written at world size W
-    loads at any other size. Model and optimizer go through ``get_state_dict`` /
-    ``set_state_dict``, which understand FSDP's parameter sharding. Saving and
-    restoring are collectives: call them on every rank.
-    """
-
-    def __init__(self, directory: str | os.PathLike, keep: int = 3) -> None:
-        if keep < 1:
-            raise ConfigError(f"The number of checkpoints to keep ({keep}) must be at least 1.")
-        self.rank = _rank()
-        self.directory = check_directory(directory, writable=self.rank == 0)
-        self.keep = keep
-        self.last_step: int | None = None
-        self._memo = _VerificationMemo(keep)
-        self._history = _History()
-
-    def _candidates(self) -> list[tuple[int, Path]]:
-        """Directories named like checkpoints that have a manifest, newest first."""
-        found = []
-        for path in self.directory.iterdir():
-            match = _DIR_RE.match(path.name)
-            if match and (path / MANIFEST).is_file():
-                found.append((int(match[1]), path))
-        return sorted(found, reverse=True)
-
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        """Verified sharded checkpoints (see :func:`_verify_sharded`), newest first.
-
-        A directory is verified again only when one of its files changed (name, size or mtime).
-        """
-        return [(step, path) for step, path in self._candidates() if self._valid(path)]
-
-    def _valid(self, path: Path, digests: Mapping[str, str] | None = None) -> bool:
-        try:
-            signature = _signature(*sorted(path.iterdir()))
-        except OSError:
-            return False
-        return self._memo.check(path, signature, lambda: _verify_sharded(path, digests))
-
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict | None = None) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        began = time.perf_counter()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        name = f"step-{step:08d}"
-        tmp = self.directory / f"{_TMP_PREFIX}{name}"
-        if self.rank == 0:  # files a save killed before its rename left would enter the manifest
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-        # dcp.save returns on every rank once the metadata is written. Every failure below is
-        # shared with all ranks instead of raised alone, which would leave the others waiting.
-        listing: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                (tmp / _EXTRA).write_text(json.dumps({"step": step, **(extra or {})}))
-                listing[0] = sorted(p.name for p in tmp.iterdir())
-            except (TypeError, ValueError) as exc:
-                listing[0] = f"The extras of the checkpoint of step {step} are not JSON: {exc}."
-            except OSError as exc:
-                listing[0] = f"Writing '{tmp / _EXTRA}' failed: {exc.strerror or exc}."
-        dist.broadcast_object_list(listing, src=0)
-        if isinstance(listing[0], str):
-            raise CheckpointError(listing[0])
-        # Each rank digests a share, so rank 0 does not read the whole checkpoint alone.
-        world = dist.get_world_size()
-        share: dict[str, str] | str
-        try:
-            share = {n: _file_digest(tmp / n) for n in listing[0][self.rank::world]}
-        except OSError as exc:
-            share = (f"Rank {self.rank} cannot read '{exc.filename}' to digest it: "
-                     f"{exc.strerror or exc}.")
-        shares: list[Any] = [None] * world
-        dist.all_gather_object(shares, share)
-        errors = [s for s in shares if isinstance(s, str)]
-        if errors:
-            raise CheckpointError(errors[0])
-        outcome: list[str | None] = [None]
-        if self.rank == 0:
-            digests = {n: d for s in shares for n, d in s.items()}
-            try:
-                self._commit(tmp, self.directory / name, digests)
-            except OSError as exc:
-                outcome[0] = (f"Committing the sharded checkpoint '{self.directory / name}' "
-                              f"failed: {exc.strerror or exc}.")
-        dist.broadcast_object_list(outcome, src=0)  # also keeps the ranks together, like a barrier
-        if outcome[0] is not None:
-            raise CheckpointError(outcome[0])
-        self.last_step = step
-        if self.rank == 0:
-            self._history.written(step, time.perf_counter() - began)
-
-    def _commit(self, tmp: Path, final: Path, digests: dict[str, str]) -> None:
-        manifest = json.dumps({"format": MANIFEST_FORMAT, "files": digests}, indent=1,
-                              sort_keys=True)
-        # The manifest goes last, atomically; the rename then publishes the complete directory.
-        _write_atomically(tmp, MANIFEST, lambda f: f.write(manifest.encode()))
-        _fsync_dir(tmp)
-        os.replace(tmp, final)
-        _fsync_dir(self.directory)
-        log.info("rank %d saved sharded checkpoint %s", self.rank, final)
-        self._valid(final, digests)  # checked without re-reading the shards just digested
-        self._prune()
-
-    def _prune(self) -> None:
-        candidates = self._candidates()
-        listed = {path for _, path in candidates}
-        self._memo.forget(listed)
-        # As in Checkpointer: only verified checkpoints count towards keep.
-        for _, old in [(s, p) for s, p in candidates if self._valid(p)][self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
-            self._memo.results.pop(old, None)
-
-    def _newest_verified(self) -> tuple[str, dict] | None:
-        """Rank 0's pick: the newest checkpoint that verifies now (not from memory), and extras."""
-        for _, path in self._candidates():
-            try:
-                return str(path), _verify_sharded(path)
-            except CheckpointError as exc:  # fall back to the previous checkpoint
-                log.warning("Skipping sharded checkpoint %s: %s", path, exc)
-        return None
-
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        """Load the newest verified checkpoint into model and optimizer; return its extras or None.
-
-        Rank 0 picks it (skipping any that fail verification) and tells the others.
-        """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        chosen = [self._newest_verified() if self.rank == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)
-        if chosen[0] is None:
-            return None
-        path, extra = chosen[0]
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        reader, planner = _dcp_loading()
-        try:
-            dcp.load(state, storage_reader=reader(path), planner=planner())
-        except (dcp.CheckpointException, Exception) as exc:  # DCP's is a BaseException
-            # DCP raises every rank's failure on every rank, as {rank: (exception, traceback)}.
-            failures = getattr(exc, "failures", None) or {self.rank: exc}
-            rank = min(failures)
-            cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-            raise CheckpointError(f"Loading the sharded checkpoint '{path}' failed on rank {rank}: "
-                                  f"{_load_error(cause)}.") from exc
-        try:
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-        except _UNFIT_STATE_ERRORS as exc:
-            raise CheckpointError(f"The state in the sharded checkpoint '{path}' does not fit this "
-                                  f"run (other model or flags?): {_load_error(exc)}.") from exc
-        self.last_step = int(extra["step"])
-        return extra

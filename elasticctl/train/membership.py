@@ -24,6 +24,7 @@ from elasticctl.job.records import Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.train import script as worker_env
 from elasticctl.train.boundary import Mode
+from elasticctl.train.process_group import build_generation_group, reset_group_counter
 from elasticctl.train.state import StateError
 
 if TYPE_CHECKING:
@@ -124,8 +125,6 @@ class HotMembership(Membership):
     def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
         """A generation that fails while it forms (a peer lost while the group connects or the
         state is sent) is formed again, up to FORM_ATTEMPTS times."""
-        from elasticctl.train.runtime import build_generation_group, reset_group_counter
-
         for attempt in range(1, FORM_ATTEMPTS + 1):
             runtime.teardown()
             generation = self.generations.join()

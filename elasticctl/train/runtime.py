@@ -27,6 +27,15 @@ The two modes are two :class:`elasticctl.train.membership.Membership` implementa
 What the runtime cannot handle in process (etcd unreachable for the whole join timeout,
 a process group that will not come down) ends the worker with a non-zero status, and the
 node's restart path takes over.
+
+Why one module of over 500 lines: it is one state machine, :class:`Runtime`, whose
+methods are the transitions between its phases and share its fields (the phase, the
+group and its store, the checkpointer, the flags in flight, the last boundary), written
+on the training thread and read by the SIGTERM handler and the watchdog. What can stand
+alone already does: the decisions (``boundary.py``, ``sync.py``), the two modes
+(``membership.py``), the state (``state.py``), checkpoints (``checkpoint.py``) and the
+process-group set-up (``process_group.py``); splitting the class would spread one set of
+fields and their threading rules over files without separating anything.
 """
 
 from __future__ import annotations
@@ -638,34 +647,6 @@ class Runtime:
             self._events = EventLog.from_env(self.environment) or False
         if self._events:
             self._events.record_later(kind, self.node, **fields)
-
-
-def build_generation_group(generation: Round, rank: int, backend: str, timeout: datetime.timedelta,
-                           device: torch.device):
-    """The default process group of ``generation`` on a fresh store; returns the store.
-
-    Every key lives under ``generation-<number>`` of that generation's own TCPStore (rank 0's
-    port from the sealed record), so that nothing of an earlier attempt can meet it.
-    """
-    store = dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
-                          is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"generation-{generation.number}", store),
-                            rank=rank, world_size=generation.world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
-    return store
-
-
-def reset_group_counter() -> None:
-    """Bring torch's default-group counter back to zero after a failed ``init_process_group``.
-
-    torch names the default group after a per-process counter and uses that name as the key
-    prefix in the store; ``init_process_group`` raises the counter before it connects, and only
-    ``destroy_process_group`` of a formed group resets it. A worker whose set-up failed would
-    otherwise wait under ``<generation>/1/`` while its peers wait under ``<generation>/0/``, in
-    every later generation. A group of one on a local store, formed and destroyed, resets it.
-    """
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dist.destroy_process_group()
 
 
 def _ddp(model: torch.nn.Module, group: Group) -> torch.nn.Module:

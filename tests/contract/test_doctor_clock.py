@@ -14,14 +14,14 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from elasticctl import doctor
 from elasticctl.cli import cli
+from elasticctl.doctor import gather
 
 
 @pytest.mark.parametrize(("skew", "status"), [(0.0, "pass"), (-5.0, "warn"), (45.0, "fail")])
 def test_clock_offset_against_a_real_etcd(default_etcd, monkeypatch, skew, status):
     # This host's clock, faked: `skew` seconds ahead of etcd's (the real one).
-    monkeypatch.setattr(doctor, "wall_clock", lambda: time.time() + skew)
+    monkeypatch.setattr(gather, "wall_clock", lambda: time.time() + skew)
     result = CliRunner().invoke(cli, ["doctor", "--json", "--etcd", default_etcd.endpoint,
                                       "--local-addr", "127.0.0.1"])
     clock = {c["name"]: c for c in json.loads(result.output)}["clock"]

@@ -16,7 +16,7 @@ import time
 import pytest
 from support.helpers import ELASTICCTL, MLP
 
-from elasticctl import doctor
+from elasticctl.doctor import gather
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import free_port
 from elasticctl.etcd.lease import Lease
@@ -116,7 +116,7 @@ def test_a_gloo_interface_this_host_lacks_fails(default_etcd):
 
 
 def test_torch_versions_of_the_other_nodes(default_etcd, job, lease):
-    local = doctor.installed_torch_version()
+    local = gather.installed_torch_version()
     add_node(job, lease, "old-elasticctl")  # no torch field: unknown, not an error
     add_node(job, lease, "same", torch=local)
     code, checks, _ = run_doctor("--etcd", default_etcd.endpoint, "--job", job.job, "--local-addr", "127.0.0.1")
@@ -137,7 +137,7 @@ def test_checkpoint_marker_tells_a_different_directory_apart(default_etcd, job, 
     code, checks, _ = run_doctor(*args, "--checkpoint-dir", str(shared))
     assert code == 0 and "no node of job" in checks["checkpoint-shared"]["detail"]  # doctor claims nothing
     # The job's first node (`up` runs the same checks, preparing) claims the marker.
-    outcome = doctor.gather_checkpoint_marker(job, str(shared))
+    outcome = gather.gather_checkpoint_marker(job, str(shared))
     assert "first node of job" in outcome.check.detail
     marker = (shared / f".elasticctl-{job.job}.marker").read_text().strip()
     kv = job.client.get(f"{DEFAULT_KEY_PREFIX}/{job.job}/checkpoint-marker")

@@ -26,7 +26,8 @@ from support.helpers import MLP, read_records, torchrun_command, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.test import Client
 
-from elasticctl import doctor, status
+from elasticctl import status
+from elasticctl.doctor import checks
 from elasticctl.train.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
 from elasticctl.dashboard.server import Dashboard
 from elasticctl.etcd.client import EtcdClient
@@ -155,8 +156,8 @@ def _fill_and_free(default_etcd, run_id: str, disk: Path, record: Path) -> None:
         assert "the disk is full" in progress["checkpoint_error"] and str(disk) in progress["checkpoint_error"]
         assert progress["checkpoint_failures"] >= 1
         assert "CHECKPOINTS FAILING" in status.render(registry.view())
-        check = doctor.decide_checkpoint_health(registry.progress())
-        assert check.status is doctor.Status.WARN and "the disk is full" in check.detail, check
+        check = checks.decide_checkpoint_health(registry.progress())
+        assert check.status is checks.Status.WARN and "the disk is full" in check.detail, check
         events = wait_for(lambda: [e for e in _events(client, run_id) if e.kind is EventKind.CHECKPOINT_FAILED],
                           30, "a checkpoint_failed event")
         assert "the disk is full" in events[0].reason and str(disk) in events[0].reason, events

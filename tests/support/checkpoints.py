@@ -8,7 +8,7 @@ import json
 import torch
 from torch import nn
 
-from elasticctl.train import checkpoint
+from elasticctl.train import sharded_checkpoint
 from elasticctl.train.sampler import ResumableSampler
 
 
@@ -47,6 +47,6 @@ def sharded_state(seed: int):
 def write_manifest(directory) -> None:
     """A valid manifest for what the directory holds now, as anyone with write access can make."""
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in directory.iterdir() if p.name != checkpoint.MANIFEST}
-    (directory / checkpoint.MANIFEST).write_text(
-        json.dumps({"format": checkpoint.MANIFEST_FORMAT, "files": files}))
+             for p in directory.iterdir() if p.name != sharded_checkpoint.MANIFEST}
+    (directory / sharded_checkpoint.MANIFEST).write_text(
+        json.dumps({"format": sharded_checkpoint.MANIFEST_FORMAT, "files": files}))

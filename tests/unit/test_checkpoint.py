@@ -18,7 +18,7 @@ import torch
 from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
 from torch import nn
 
-from elasticctl.train import checkpoint
+from elasticctl.train import checkpoint, sharded_checkpoint
 from elasticctl.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -200,7 +200,7 @@ def test_sharded_round_trip_writes_a_manifest_and_keeps_the_newest_n(tmp_path, p
     for step in (1, 2, 3):
         ckpt.save(step, model, optimizer, extra={"epoch": step})
     assert [s for s, _ in ckpt.checkpoints()] == [3, 2]
-    manifest = json.loads((tmp_path / "step-00000003" / checkpoint.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "step-00000003" / sharded_checkpoint.MANIFEST).read_text())
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "extra.json"}
     fresh, fresh_optimizer = sharded_state(1)
     assert ShardedCheckpointer(tmp_path).restore(fresh, fresh_optimizer) == {"step": 3, "epoch": 3}
@@ -238,14 +238,14 @@ def test_dcp_metadata_swapped_after_verification_is_still_refused_by_the_reader(
     marker = tmp_path / "code-ran"
     model, optimizer = sharded_state(0)
     ShardedCheckpointer(tmp_path / "ckpt", keep=3).save(1, model, optimizer)
-    verify = checkpoint._verify_sharded
+    verify = sharded_checkpoint._verify_sharded
 
     def verify_then_swap(directory, digests=None):  # the file changes between check and use
         extra = verify(directory, digests)
         (directory / ".metadata").write_bytes(pickle.dumps(CreatesAFile(marker)))
         return extra
 
-    monkeypatch.setattr(checkpoint, "_verify_sharded", verify_then_swap)
+    monkeypatch.setattr(sharded_checkpoint, "_verify_sharded", verify_then_swap)
     with pytest.raises(CheckpointError, match=r"step-00000001' failed on rank 0: .*io\.open"):
         ShardedCheckpointer(tmp_path / "ckpt").restore(*sharded_state(1))
     assert not marker.exists()

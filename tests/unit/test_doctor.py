@@ -10,15 +10,8 @@ from __future__ import annotations
 import pytest
 
 from elasticctl import doctor
-from elasticctl.doctor import (
-    Check,
-    DateSample,
-    Gpu,
-    InterfaceFacts,
-    RemoteNode,
-    Report,
-    Status,
-)
+from elasticctl.doctor import Report, checks, gather
+from elasticctl.doctor.checks import Check, DateSample, Gpu, InterfaceFacts, RemoteNode, Status
 from elasticctl.job.registry import NODE_FIELDS, typed_record
 
 
@@ -34,7 +27,7 @@ GIB = 1 << 30
     ((3, 12, 0), None, FAIL, "torch is not installed"),
 ])
 def test_versions(python, torch, status, needle):
-    check = doctor.decide_versions(python, torch)
+    check = checks.decide_versions(python, torch)
     assert (check.status, needle in check.detail) == (status, True), check
 
 
@@ -50,7 +43,7 @@ def test_versions(python, torch, status, needle):
     (None, {"a": "2.14.1"}, PASS, "nothing to compare"),
 ])
 def test_torch_agreement(local, others, status, needle):
-    check = doctor.decide_torch_agreement(local, others)
+    check = checks.decide_torch_agreement(local, others)
     assert check.status is status and needle in check.detail, check
 
 
@@ -62,7 +55,7 @@ def test_torch_agreement(local, others, status, needle):
     (("2.14.1", None, False, None, False, 0), FAIL, "gloo is not available"),
 ])
 def test_torch_build(args, status, needle):
-    check = doctor.decide_torch_build(*args)
+    check = checks.decide_torch_build(*args)
     assert check.status is status and needle in check.detail, check
 
 
@@ -70,7 +63,7 @@ def test_nvidia_smi_rows_are_parsed_and_junk_is_skipped():
     text = ("0, NVIDIA A100-SXM4-80GB, 41, 1024, 81920, 0\n"
             "1, NVIDIA A100-SXM4-80GB, 93, 0, 81920, [N/A]\n"
             "No devices were found\n")
-    assert doctor.parse_nvidia_smi(text) == [
+    assert checks.parse_nvidia_smi(text) == [
         Gpu(0, "NVIDIA A100-SXM4-80GB", 41, 1024, 81920, 0),
         Gpu(1, "NVIDIA A100-SXM4-80GB", 93, 0, 81920, None),
     ]
@@ -90,7 +83,7 @@ HEALTHY = Gpu(0, "A100", 40, 0, 81920, 0)
     ([Gpu(0, "A100", 95, 0, 81920, None)], None, 1, (), WARN, "GPU 0 is at 95 C"),
 ])
 def test_gpus(gpus, error, devices, peers, status, needle):
-    check = doctor.decide_gpus(gpus, error, devices, peers)
+    check = checks.decide_gpus(gpus, error, devices, peers)
     assert check.status is status and needle in check.detail, check
 
 
@@ -115,7 +108,7 @@ ETH0 = InterfaceFacts(local_addr="10.0.0.1", interface="eth0", addresses=("10.0.
      "the local address 10.0.0.1 is on no interface of this host"),
 ])
 def test_interface(facts, status, needle):
-    check = doctor.decide_interface(facts)
+    check = checks.decide_interface(facts)
     assert check.status is status and needle in check.detail, check
 
 
@@ -128,7 +121,7 @@ def test_interface(facts, status, needle):
     ("^docker,lo", False, ("eth0", "eth1")),
 ])
 def test_socket_ifname_values_select_interfaces_as_gloo_and_nccl_do(value, exact, chosen):
-    assert doctor._interfaces_named(value, ("docker0", "eth0", "eth1", "lo"), exact) == chosen
+    assert gather._interfaces_named(value, ("docker0", "eth0", "eth1", "lo"), exact) == chosen
 
 
 @pytest.mark.parametrize(("latencies", "error", "status", "needle"), [
@@ -138,7 +131,7 @@ def test_socket_ifname_values_select_interfaces_as_gloo_and_nccl_do(value, exact
     ([], None, WARN, "etcd not checked"),
 ])
 def test_etcd(latencies, error, status, needle):
-    check = doctor.decide_etcd("h:1", latencies, error)
+    check = checks.decide_etcd("h:1", latencies, error)
     assert check.status is status and needle in check.detail, check
 
 
@@ -155,28 +148,28 @@ def samples_with_offset(offset: float, start: float = 1_000_000.25, count: int =
     (0.0, PASS), (0.4, PASS), (-0.7, PASS), (2.5, WARN), (-5.0, WARN), (45.0, FAIL), (-3600.0, FAIL),
 ])
 def test_clock_offset_is_bounded_from_date_headers(offset, status):
-    low, high = doctor.clock_offset_bounds(samples_with_offset(offset))
+    low, high = checks.clock_offset_bounds(samples_with_offset(offset))
     assert low <= offset <= high and high - low < 0.25
-    assert doctor.decide_clock((low, high)).status is status
+    assert checks.decide_clock((low, high)).status is status
 
 
 def test_one_date_sample_reports_only_an_offset_it_is_sure_of():
     # One sample bounds the offset to a second: 1.4 s could be 0.9 s, not enough to warn.
-    bounds = doctor.clock_offset_bounds(samples_with_offset(1.4, count=1))
+    bounds = checks.clock_offset_bounds(samples_with_offset(1.4, count=1))
     assert bounds[1] - bounds[0] == pytest.approx(1.001)
-    assert doctor.decide_clock(bounds).status is PASS
-    assert doctor.decide_clock(doctor.clock_offset_bounds(samples_with_offset(-31.5, count=1))).status is FAIL
+    assert checks.decide_clock(bounds).status is PASS
+    assert checks.decide_clock(checks.clock_offset_bounds(samples_with_offset(-31.5, count=1))).status is FAIL
 
 
 def test_clock_that_steps_between_samples_trusts_the_last_one():
     stepped = [DateSample(100.0, 100.001, 100.0), DateSample(101.0, 101.001, 160.0)]
-    assert doctor.clock_offset_bounds(stepped) == pytest.approx((58.999, 60.0))
-    check = doctor.decide_clock(doctor.clock_offset_bounds(stepped))
+    assert checks.clock_offset_bounds(stepped) == pytest.approx((58.999, 60.0))
+    check = checks.decide_clock(checks.clock_offset_bounds(stepped))
     assert check.status is FAIL and "leases and record timestamps would lie" in check.detail
 
 
 def test_clock_unmeasurable_is_a_warning():
-    check = doctor.decide_clock(None, "Connection refused")
+    check = checks.decide_clock(None, "Connection refused")
     assert check.status is WARN and "Connection refused" in check.detail
 
 
@@ -186,18 +179,18 @@ def test_clock_unmeasurable_is_a_warning():
     (None, None, WARN, "/dev/shm is missing"),
 ])
 def test_shm(total, free, status, needle):
-    check = doctor.decide_shm(total, free)
+    check = checks.decide_shm(total, free)
     assert check.status is status and needle in check.detail, check
 
 
 def test_port():
-    assert doctor.decide_port("0.0.0.0", 4242, None).status is PASS
-    check = doctor.decide_port("0.0.0.0", None, "Address already in use")
+    assert checks.decide_port("0.0.0.0", 4242, None).status is PASS
+    check = checks.decide_port("0.0.0.0", None, "Address already in use")
     assert check.status is FAIL and "cannot listen on 0.0.0.0: Address already in use" in check.detail
 
 
 def test_a_free_port_listens_here():
-    assert doctor.gather_port("127.0.0.1").status is PASS
+    assert gather.gather_port("127.0.0.1").status is PASS
 
 
 @pytest.mark.parametrize(("path", "error", "status", "needle"), [
@@ -206,7 +199,7 @@ def test_a_free_port_listens_here():
     ("/ckpt", "Permission denied", FAIL, "the checkpoint directory '/ckpt' is not writable: Permission denied"),
 ])
 def test_checkpoint_dir(path, error, status, needle):
-    check = doctor.decide_checkpoint_dir(path, error)
+    check = checks.decide_checkpoint_dir(path, error)
     assert check.status is status and needle in check.detail, check
 
 
@@ -217,7 +210,7 @@ def test_checkpoint_dir(path, error, status, needle):
     ("t1", None, False, FAIL, "holds no marker for job j"),
 ])
 def test_checkpoint_marker(in_etcd, in_file, claimed, status, needle):
-    check = doctor.decide_checkpoint_marker("/ckpt", "j", in_etcd, in_file, claimed)
+    check = checks.decide_checkpoint_marker("/ckpt", "j", in_etcd, in_file, claimed)
     assert check.status is status and needle in check.detail, check
 
 
@@ -229,7 +222,7 @@ def test_checkpoint_marker(in_etcd, in_file, claimed, status, needle):
     ("c", {"a": 2}, WARN, None),
 ])
 def test_job(named, jobs, status, chosen):
-    check, job = doctor.decide_job(named, jobs)
+    check, job = checks.decide_job(named, jobs)
     assert (check.status, job) == (status, chosen)
 
 
@@ -257,7 +250,7 @@ def test_node_records_keep_the_torch_version_and_older_records_still_read():
 
 
 def test_checkpoint_dir_probe_leaves_nothing_behind(tmp_path):
-    assert doctor.probe_writable(str(tmp_path / "new" / "ckpt")) is None
+    assert gather.probe_writable(str(tmp_path / "new" / "ckpt")) is None
     assert list((tmp_path / "new" / "ckpt").iterdir()) == []
 
 
@@ -268,5 +261,5 @@ def test_checkpoint_dir_probe_leaves_nothing_behind(tmp_path):
       "checkpoint_failures": 3}, WARN, "the job's last 3 checkpoint(s) failed: Writing ... failed: the disk is full"),
 ])
 def test_checkpoint_health(progress, status, needle):  # issue 23, item 6
-    check = doctor.decide_checkpoint_health(progress)
+    check = checks.decide_checkpoint_health(progress)
     assert check.status is status and needle in check.detail, check

@@ -1,6 +1,7 @@
-"""Property tests of everything checkpoint.py decodes from disk: digest files, payloads, sharded
-manifests, DCP metadata. Whatever the bytes, the answer is a checkpoint, a CheckpointError or a
-checkpoint skipped in favour of an older one; never another exception, never code running."""
+"""Property tests of everything checkpoint.py and sharded_checkpoint.py decode from disk: digest
+files, payloads, sharded manifests, DCP metadata. Whatever the bytes, the answer is a checkpoint,
+a CheckpointError or a checkpoint skipped in favour of an older one; never another exception, never
+code running."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
 from torch import nn
 
-from elasticctl.train import checkpoint
+from elasticctl.train import checkpoint, sharded_checkpoint
 from elasticctl.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
 
 FUZZ = settings(max_examples=50, deadline=None)
@@ -288,8 +289,9 @@ json_values = st.recursive(
 @FUZZ
 @given(data=st.data())
 def test_any_manifest_verifies_or_the_checkpoint_is_skipped(sharded, data):
-    manifest = json.loads((sharded / checkpoint.MANIFEST).read_text())
-    names = [*manifest["files"], "", ".", "..", "../x", "/etc/passwd", "a/b", checkpoint.MANIFEST]
+    manifest = json.loads((sharded / sharded_checkpoint.MANIFEST).read_text())
+    names = [*manifest["files"], "", ".", "..", "../x", "/etc/passwd", "a/b",
+             sharded_checkpoint.MANIFEST]
     files = st.dictionaries(st.sampled_from(names) | st.text(max_size=8),
                             st.text(max_size=70) | json_values, max_size=5)
     changed = {**manifest, "files": data.draw(files | st.just(dict(manifest["files"])))}
@@ -300,7 +302,7 @@ def test_any_manifest_verifies_or_the_checkpoint_is_skipped(sharded, data):
         st.just(json.dumps({**manifest, "format": data.draw(json_values)}).encode()),
         st.integers(1, 5000).map(lambda depth: b"[" * depth + b"]" * depth)))
     with sharded_copy(sharded) as directory:
-        (directory / checkpoint.MANIFEST).write_bytes(text)
+        (directory / sharded_checkpoint.MANIFEST).write_bytes(text)
         intact = text == json.dumps(manifest).encode() or (
             text == json.dumps(changed).encode() and changed == manifest)
         listed = ShardedCheckpointer(directory.parent).checkpoints()
@@ -315,7 +317,8 @@ def test_mutated_dcp_metadata_is_refused_or_restores(sharded, data, how):
     original = (sharded / ".metadata").read_bytes()
     recompute_manifest = how != "bytes"
     if how == "structure":  # allowed classes only, with one value of the wrong kind
-        metadata = structural_edit(data, checkpoint._load_dcp_metadata(sharded / ".metadata"),
+        metadata = structural_edit(data,
+                                   sharded_checkpoint._load_dcp_metadata(sharded / ".metadata"),
                                    plain_leaves)
         try:
             mutated = pickle.dumps(metadata)
@@ -327,7 +330,7 @@ def test_mutated_dcp_metadata_is_refused_or_restores(sharded, data, how):
     with sharded_copy(sharded) as directory:
         (directory / ".metadata").write_bytes(mutated)
         try:
-            metadata = checkpoint._load_dcp_metadata(directory / ".metadata")
+            metadata = sharded_checkpoint._load_dcp_metadata(directory / ".metadata")
             assert type(metadata).__name__ == "Metadata"
             event("mutated metadata unpickles")
         except CheckpointError:
@@ -357,7 +360,7 @@ def test_dcp_metadata_that_would_run_code_is_refused_and_never_runs(
         (directory / ".metadata").write_bytes(blob)
         write_manifest(directory)
         with pytest.raises(CheckpointError, match="not one of the torch checkpoint metadata"):
-            checkpoint._load_dcp_metadata(directory / ".metadata")
+            sharded_checkpoint._load_dcp_metadata(directory / ".metadata")
         assert restores_or_refuses(directory) is None
     assert not marker.exists()
 
@@ -368,4 +371,4 @@ def test_random_bytes_as_dcp_metadata_are_refused(tmp_path_factory, blob):
     path = tmp_path_factory.mktemp("metadata") / ".metadata"
     path.write_bytes(blob)
     with pytest.raises(CheckpointError):
-        checkpoint._load_dcp_metadata(path)
+        sharded_checkpoint._load_dcp_metadata(path)

@@ -1,0 +1,378 @@
+"""The commands that run and end jobs: ``etcd``, ``up``, ``join``, ``leave``, ``down``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+import click
+
+from elasticctl.cli.job_file import _load_config
+from elasticctl.cli.options import (
+    _FLAT_ENV,
+    _PORT,
+    _checked_name,
+    _fail,
+    _Seconds,
+    _settings,
+    _Whole,
+    etcd_options,
+)
+from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
+from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
+from elasticctl.etcd.retry import Backoff, poll, retry
+from elasticctl.job import environment
+from elasticctl.job.registry import Registry, resolve_job
+from elasticctl.job.spec import (
+    MAX_NODE_TTL,
+    JobSpec,
+    parse_env,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
+
+log = logging.getLogger("elasticctl")
+
+
+@click.command(context_settings=_FLAT_ENV)
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where etcd keeps its data (default: a temporary directory).")
+@click.option("--listen", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--advertise", default=None, help="Address other hosts use to reach this etcd.")
+@click.option("--client-port", type=_PORT, default=2379, show_default=True, help="0: a free port.")
+@click.option("--peer-port", type=_PORT, default=2380, show_default=True, help="0: a free port.")
+@click.option("--name", default="elasticctl", show_default=True,
+              callback=_checked_name("etcd member name"), help="The etcd member name.")
+def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
+    """Run a standalone single-member etcd (v3 API only) until interrupted."""
+    from elasticctl.embedded_etcd import EmbeddedEtcd
+
+    server = EmbeddedEtcd(
+        data_dir=data_dir, listen_host=listen, advertise_host=advertise,
+        client_port=client_port, peer_port=peer_port, name=name,
+    )
+    server.start()
+    click.echo(f"etcd is serving at {server.endpoint} (pid {server.pid}); Ctrl-C stops it.", err=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            if server.exit_code() is not None:
+                _fail(f"etcd exited unexpectedly with code {server.exit_code()}.")
+    finally:
+        server.stop()
+
+
+# -- up / join ------------------------------------------------------------------------------
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False, **_FLAT_ENV})
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
+              help="A YAML job file; any flag can be set there, and flags override it.")
+@etcd_options
+@click.option("--job", default="elastic-job", show_default=True, callback=_checked_name("job name"),
+              help="The job name (torchrun's --rdzv-id).")
+@click.option("--nnodes", default=None, help="Node count: N, or MIN:MAX for an elastic job.  [required]")
+@click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
+@click.option("--max-restarts", type=_Whole(), default=3, show_default=True,
+              help="Failures of this node's own workers tolerated (a lost peer never counts).")
+@click.option("--checkpoint-dir", default=None, help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
+@click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
+@click.option("--node-ttl", type=_Whole(), default=5, show_default=True,
+              help="Seconds a silent node is given before the others re-form without it "
+                   f"(2 to {MAX_NODE_TTL}).")
+@click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, secret, quarantine).")
+@click.option("--recovery", type=click.Choice(["restart", "hot"]), default=None,
+              help="restart (default): a membership change restarts every worker from the newest checkpoint; "
+                   "hot: survivors re-form in process and joiners get the state from them "
+                   "(scripts on elasticctl.train).")
+@click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
+@click.option("--node-id", default=None, callback=_checked_name("node id"),
+              help="This node's id in the job (default: the host name, made unique).")
+@click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
+@click.option("--etcd-listen", default="0.0.0.0", show_default=True, help="Embedded etcd: address to listen on.")
+@click.option("--etcd-port", type=_PORT, default=2379, show_default=True,
+              help="Embedded etcd: client port (0: a free port).")
+@click.option("--etcd-peer-port", type=_PORT, default=2380, show_default=True,
+              help="Embedded etcd: peer port (0: a free port).")
+@click.option("--etcd-data-dir", type=click.Path(file_okay=False), default=None,
+              help="Embedded etcd: data directory (default: temporary).")
+@click.option("-m", "--module", is_flag=True, help="SCRIPT is a Python module name, as with python -m.")
+@click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
+@click.argument("script", required=False)
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, recovery, legacy_local_rank,
+       node_id, local_addr, etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script,
+       script_args, **etcd_params) -> None:
+    """Start a job (or join it with the same spec): publish it, register, run torchrun.
+
+    Without --etcd, an embedded etcd starts on this host and the line for
+    other hosts is printed.
+    """
+    from elasticctl import launcher
+    from elasticctl.embedded_etcd import EmbeddedEtcd, check_listen_host, free_port
+
+    if script is None:
+        raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
+    if nnodes is None:
+        raise ConfigError("--nnodes N or MIN:MAX is required (on the command line or in --config).")
+    low, high = parse_nnodes(nnodes)
+    conf = parse_rdzv_conf(rdzv_conf)
+    if recovery is not None:
+        conf["recovery"] = recovery
+    spec = JobSpec(
+        name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
+        nproc_per_node=str(nproc_per_node), max_restarts=max_restarts,
+        rdzv_conf=tuple(conf.items()), checkpoint_dir=checkpoint_dir, module=module,
+        env=parse_env(env), legacy_local_rank=legacy_local_rank, node_ttl=node_ttl,
+    )
+    launcher.check_script(spec)
+
+    server = None
+    if etcd_params["etcd_endpoints"] is None:
+        check_listen_host(etcd_listen)
+        if etcd_port == etcd_peer_port != 0:
+            raise ConfigError(f"The etcd client and peer ports must differ (both are {etcd_port}).")
+        # Chosen now, so that the endpoint (and --dry-run) names the real port.
+        etcd_port = etcd_port or free_port(etcd_listen)
+        etcd_peer_port = etcd_peer_port or free_port(etcd_listen)
+        server = EmbeddedEtcd(
+            data_dir=etcd_data_dir, listen_host=etcd_listen, client_port=etcd_port, peer_port=etcd_peer_port,
+            advertise_host=None if launcher.is_loopback(etcd_listen) else launcher.primary_address(),
+        )
+        settings = _settings(etcd_params, server.endpoint)
+        _warn_if_exposed(settings, listening=Endpoint(etcd_listen, etcd_port))
+    else:
+        settings = _settings(etcd_params)
+        _warn_if_exposed(settings)
+    local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
+    if dry_run:
+        from elasticctl.node import torchrun_for
+
+        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
+        return
+
+    try:
+        if server is not None:
+            _start_embedded(server, job)
+        client = connect(settings)
+        registry = Registry(client, job, etcd_params["key_prefix"])
+        published = registry.publish_spec(spec)
+        if published:
+            click.echo(f"published job {job} ({spec.nnodes} nodes, script {spec.script})", err=True)
+        else:
+            click.echo(f"job {job} already runs with this spec: joining it", err=True)
+        marker = None
+        try:
+            marker = _quick_doctor(client, registry, spec, local_addr)
+            _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None)
+        except SystemExit:
+            raise  # the node ran: its outcome, and the spec stays like that of any run
+        except BaseException:
+            # Failed before the node could run (a doctor check, registration, lease, a bad
+            # setting, Ctrl-C): take back the spec this `up` published, unless a node or a
+            # round uses it.
+            if published:
+                if marker is not None:
+                    _ignore_etcd_errors(lambda: registry.release_checkpoint_marker(marker))
+                _withdraw_spec(registry, spec)
+            raise
+    finally:
+        if server is not None:
+            from elasticctl.embedded_etcd import forget_embedded
+
+            forget_embedded(os.getpid())
+            server.stop()
+
+
+def _start_embedded(server, job: str) -> None:
+    from elasticctl.embedded_etcd import remember_embedded
+
+    server.start()
+    try:
+        remember_embedded(server.endpoint, os.getpid())
+    except OSError as exc:
+        log.warning("cannot record the embedded etcd for the other commands on this host: %s", exc)
+    click.echo(f"Embedded etcd serving at {server.endpoint}. On every other host run:", err=True)
+    click.echo(f"  elasticctl join --etcd {server.endpoint} --job {job}", err=True)
+    click.echo("The job's etcd lives in this process: when this node stops, the job stops with it "
+               "(run `elasticctl etcd` on a dedicated host for a job that must outlive any node).",
+               err=True)
+
+
+@click.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job to join (default: the only job in etcd).")
+@click.option("--wait", "wait_seconds", type=_Seconds(min=0), default=0.0, show_default=True,
+              help="Wait this long for the job to be published (nodes started before `up`).")
+@click.option("--node-id", default=None, callback=_checked_name("node id"),
+              help="This node's id in the job (default: the host name, made unique).")
+@click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
+@click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
+def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None:
+    """Join a running job: read its spec from etcd, register, run the same torchrun."""
+    from elasticctl import launcher
+
+    settings = _settings(etcd_params)
+    _warn_if_exposed(settings)
+    client = connect(settings)
+    # Nodes may start before `up` published the job: look for it until --wait has passed.
+    job = retry(lambda: resolve_job(client, job, etcd_params["key_prefix"]), ConfigError, wait_seconds,
+                Backoff(0.5))
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    spec = registry.read_spec()
+    local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
+    if dry_run:
+        from elasticctl.node import torchrun_for
+
+        launcher.check_script(spec)
+        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
+        return
+    _quick_doctor(client, registry, spec, local_addr)
+    _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False)
+
+
+def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str) -> str | None:
+    """The doctor's quick checks before this node registers: warnings are printed, a failure
+    refuses the node. Returns the checkpoint marker this node claimed as the job's first, if any."""
+    from elasticctl import doctor
+
+    report = doctor.run_checks(settings=client.settings, client=client, etcd_error=None, registry=registry,
+                               checkpoint_dir=spec.checkpoint_dir, local_addr=local_addr, quick=True)
+    for check in report.checks:
+        if check.status is doctor.Status.WARN:
+            click.echo(f"elasticctl: warning: doctor {check.name}: {check.detail}; fix: {check.fix}", err=True)
+    for check in report.failed[1:]:
+        click.echo(f"elasticctl: doctor FAIL {check.name}: {check.detail}; fix: {check.fix}", err=True)
+    reason = doctor.refusal(report, spec.name)
+    if reason is not None:
+        if report.claimed_marker is not None:
+            _ignore_etcd_errors(lambda: registry.release_checkpoint_marker(report.claimed_marker))
+        raise ConfigError(reason)
+    return report.claimed_marker
+
+
+def _ignore_etcd_errors(action) -> None:
+    try:
+        action()
+    except ElasticctlError as exc:
+        log.warning("%s", exc)
+
+
+def _withdraw_spec(registry: Registry, spec: JobSpec) -> None:
+    try:
+        if registry.withdraw_spec(spec):
+            log.info("withdrew the spec of job %s, which no node runs", spec.name)
+    except ElasticctlError as exc:
+        log.warning("cannot withdraw the spec of job %s: %s", spec.name, exc)
+
+
+def _warn_if_exposed(settings: EtcdSettings, listening: Endpoint | None = None) -> None:
+    """One line when anyone on the network could read and alter the job through its etcd.
+
+    ``listening`` is where an embedded etcd (plain http, no users) binds: 0.0.0.0 is
+    reachable from other hosts whatever address this node uses to reach it.
+    """
+    from elasticctl.launcher import is_loopback
+
+    if listening is not None:
+        exposed = [] if is_loopback(listening.host) else [str(listening)]
+    elif settings.protocol == "https" or settings.cacert or settings.user:
+        exposed = []
+    else:
+        exposed = [str(ep) for ep in settings.endpoints if not is_loopback(ep.host)]
+    if exposed:
+        click.echo(f"elasticctl: warning: etcd at {','.join(exposed)} is reached without TLS or "
+                   "authentication; anyone who can reach it can read and alter this job "
+                   "(see SECURITY.md).", err=True)
+
+
+def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> None:
+    from elasticctl.node import NodeSession, wait_for_other_nodes
+
+    session = NodeSession(client, registry, spec, local_addr, node_id, echo=lambda m: click.echo(m, err=True))
+    outcome = session.run()
+    if hosts_etcd:
+        # The others need this etcd to stop cleanly; down also clears the job's keys.
+        wait_for_other_nodes(registry, session.node_id, timeout=60)
+        if session.request == "down":
+            registry.delete_job()
+    click.echo(f"elasticctl: {outcome.reason}", err=True)
+    sys.exit(outcome.code)
+
+
+# -- leave / down ----------------------------------------------------------------------------
+
+@click.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd).")
+@click.option("--node", "node_id", default=None, callback=_checked_name("node id"),
+              help="The node to remove (default: the one on this host).")
+@click.option("--timeout", type=_Seconds(min=0), default=120.0, show_default=True,
+              help="Seconds to wait for the node to go.")
+@click.option("--no-wait", is_flag=True, help="Ask the node to leave and return at once.")
+def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
+    """Scale down by one node: it checkpoints, stops, and the others continue without a restart."""
+    # Short retries: the leaving node may be the one whose embedded etcd we talk to.
+    client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
+    job = resolve_job(client, job, etcd_params["key_prefix"])
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    nodes = registry.live_nodes()
+    if node_id is None:
+        host = socket.gethostname()
+        local = sorted(n for n, r in nodes.items() if r.get("host") == host)
+        if len(local) != 1:
+            raise ConfigError(
+                f"{len(local)} nodes of job '{job}' run on this host ({', '.join(local) or 'none'}); name one with --node."
+            )
+        node_id = local[0]
+    elif node_id not in nodes:
+        raise ConfigError(f"The node '{node_id}' is not in job '{job}' (nodes: {', '.join(sorted(nodes)) or 'none'}).")
+    registry.request_leave(node_id)
+    if no_wait:
+        click.echo(f"asked node {node_id} to leave job {job}")
+        return
+    try:
+        _wait_until(lambda: node_id not in registry.live_nodes(), timeout, f"node {node_id} to leave")
+    except EtcdUnavailableError:
+        click.echo(f"node {node_id} left job {job}, and the embedded etcd it ran stopped with it")
+        return
+    click.echo(f"node {node_id} left job {job}")
+
+
+@click.command(context_settings=_FLAT_ENV)
+@etcd_options
+@click.option("--job", default=None, callback=_checked_name("job name"),
+              help="The job (default: the only job in etcd).")
+@click.option("--timeout", type=_Seconds(min=0), default=120.0, show_default=True,
+              help="Seconds to wait for the nodes to stop.")
+def down(job, timeout, **etcd_params) -> None:
+    """Stop the job on every node (each exits 0) and remove its keys (not its event history)."""
+    # Short retries: an embedded etcd may stop with the job, right after its nodes.
+    client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
+    job = resolve_job(client, job, etcd_params["key_prefix"])
+    registry = Registry(client, job, etcd_params["key_prefix"])
+    from elasticctl.job.events import EventLog
+    from elasticctl.job.records import EventKind
+
+    registry.request_down()
+    count = len(registry.live_nodes())
+    EventLog(client, registry.keys).record(EventKind.JOB_DOWN, reason=f"elasticctl down: {count} node(s) asked to stop")
+    try:
+        _wait_until(lambda: not registry.live_nodes(), timeout, f"the {count} nodes of job {job} to stop")
+        registry.delete_job()
+    except EtcdUnavailableError:
+        pass  # the embedded etcd of the `up` node stopped with the job, keys and all
+    click.echo(f"job {job} is down ({count} node{'s' if count != 1 else ''} stopped)")
+
+
+def _wait_until(done, timeout: float, what: str) -> None:
+    if not poll(done, timeout, Backoff(0.5)):
+        raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")

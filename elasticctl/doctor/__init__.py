@@ -1,0 +1,124 @@
+"""`elasticctl doctor`: can this host run a node of the job, and what to fix if not.
+
+Each check is a pure ``decide_*`` function (facts in, :class:`Check` out) in
+``checks.py``, so every verdict is testable with a table of facts; the ``gather_*``
+functions of ``gather.py`` do the I/O (psutil, nvidia-smi, etcd, the checkpoint
+directory). This module runs them: ``up`` and ``join`` run the quick subset
+(:func:`run_checks` with ``quick=True``): no torch import, no nvidia-smi, one clock
+sample, nothing that waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import psutil
+
+from elasticctl import launcher
+from elasticctl.doctor.checks import (
+    Check,
+    Status,
+    decide_checkpoint_dir,
+    decide_checkpoint_health,
+    decide_etcd,
+    decide_interface,
+    decide_job,
+    decide_torch_agreement,
+    decide_versions,
+)
+from elasticctl.doctor.gather import (
+    MarkerOutcome,
+    gather_checkpoint_marker,
+    gather_clock,
+    gather_etcd_latency,
+    gather_gpus,
+    gather_interface,
+    gather_port,
+    gather_shm,
+    gather_torch_build,
+    installed_torch_version,
+    probe_creatable,
+    probe_writable,
+    read_checkpoint_marker,
+)
+from elasticctl.etcd.client import EtcdClient, EtcdSettings
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
+
+
+__all__ = ["Check", "Report", "Status", "decide_job", "refusal", "run_checks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    checks: tuple[Check, ...]
+    claimed_marker: str | None = None
+
+    @property
+    def failed(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if c.status is Status.FAIL)
+
+
+def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd_error: str | None,
+               registry: Registry | None, checkpoint_dir: str | None, local_addr: str,
+               quick: bool, deep: bool = False, key_prefix: str = DEFAULT_KEY_PREFIX,
+               prepare: bool = True) -> Report:
+    """Every check this host can answer. ``client`` None: etcd is unreachable (``etcd_error``)
+    or not given; ``registry`` None: no job to compare with. ``quick``: what up/join run.
+    ``prepare``: create the checkpoint directory and claim the job's marker when this is its
+    first node (up and join); without it (``elasticctl doctor``) nothing is changed but a probe
+    file, removed again."""
+    checks: list[Check] = [decide_versions(sys.version_info, installed_torch_version())]
+    nodes: dict[str, dict] = {}
+    if registry is not None:
+        nodes = {n: r for n, r in registry.live_nodes().items() if r.get("pid") != os.getpid()}
+        checks.append(decide_torch_agreement(installed_torch_version(),
+                                             {n: r.get("torch") for n, r in nodes.items()}))
+        checks.append(decide_checkpoint_health(registry.progress()))
+    if deep:
+        checks.append(gather_torch_build(launcher.visible_gpu_count()))
+    if not quick:
+        checks.append(gather_gpus(sorted(n for n, r in nodes.items() if r.get("gpus"))))
+    checks.append(decide_interface(gather_interface(local_addr, nodes)))
+    described = settings.describe() if settings else "(none)"
+    if client is not None and settings is not None:
+        probe_key = f"{key_prefix.rstrip('/')}/doctor-probe"  # absent: a read of nothing
+        read = registry.read_spec if registry else (lambda: client.get(probe_key))
+        checks.append(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
+        checks.append(gather_clock(settings, 1 if quick else 6))
+    else:
+        checks.append(decide_etcd(described, [], etcd_error))
+    checks.append(gather_port())
+    checks.append(gather_shm())
+    claimed = None
+    if checkpoint_dir is not None:
+        missing = not prepare and not os.path.isdir(checkpoint_dir)
+        created_under = None
+        if missing:
+            error, created_under = probe_creatable(checkpoint_dir)
+        else:
+            error = probe_writable(checkpoint_dir, create=prepare)
+        free = None if error else psutil.disk_usage(created_under or checkpoint_dir).free
+        checks.append(decide_checkpoint_dir(checkpoint_dir, error, free, created_under))
+        if error is None and registry is not None:
+            try:
+                outcome = (gather_checkpoint_marker(registry, checkpoint_dir) if prepare
+                           else read_checkpoint_marker(registry, checkpoint_dir))
+            except OSError as exc:
+                outcome = MarkerOutcome(decide_checkpoint_dir(checkpoint_dir, exc.strerror or str(exc)), None)
+            checks.append(outcome.check)
+            claimed = outcome.claimed_token
+    else:
+        checks.append(decide_checkpoint_dir(None, None))
+    return Report(tuple(checks), claimed)
+
+
+def refusal(report: Report, job: str) -> str | None:
+    """The one sentence with which up/join refuse to join ``job``, or None when nothing failed."""
+    if not report.failed:
+        return None
+    first = report.failed[0]
+    more = f" (and {len(report.failed) - 1} more failed check(s) above)" if len(report.failed) > 1 else ""
+    fix = first.fix[:1].lower() + first.fix[1:].rstrip(".")
+    return f"This host cannot join job '{job}': {first.detail}{more}; {fix}."
