@@ -634,7 +634,7 @@ class _Since(click.ParamType):
               help="Only events from this many seconds ago, or from this ISO 8601 time, on.")
 def events(job, follow, as_json, since, **etcd_params) -> None:
     """The job's event history: rounds, lost and joining nodes, failures and their verdicts, recoveries."""
-    from elasticctl.job.events import render_line
+    from elasticctl.job.events import event_records, render_line
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.records import Event
     from elasticctl.etcd.watch import PrefixWatch
@@ -658,7 +658,7 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
                 click.echo(json.dumps(event.to_dict(), sort_keys=True) if as_json else render_line(event))
 
     if not follow:
-        show((kv.key, kv.value) for kv in client.get_prefix(keys.events))
+        show(event_records(client, keys))
         return
 
     class Follow(PrefixWatch):

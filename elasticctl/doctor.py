@@ -32,7 +32,7 @@ import psutil
 from elasticctl import launcher
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
 from elasticctl.etcd.retry import Backoff, poll
-from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, read_probe
 
 MIN_PYTHON = (3, 10)
 # The rendezvous does a few etcd round trips per heartbeat and per round; on a LAN
@@ -592,9 +592,7 @@ def gather_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerO
 
 def read_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerOutcome:
     """Compare this directory's marker with the job's in etcd, claiming nothing (``doctor``)."""
-    kv = registry.client.get(registry.keys.checkpoint_marker)
-    in_etcd = None if kv is None else kv.value.decode(errors="replace")
-    return compare_checkpoint_marker(registry, checkpoint_dir, in_etcd)
+    return compare_checkpoint_marker(registry, checkpoint_dir, registry.checkpoint_marker())
 
 
 def compare_checkpoint_marker(registry: Registry, checkpoint_dir: str, in_etcd: str | None) -> MarkerOutcome:
@@ -689,8 +687,7 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     checks.append(decide_interface(gather_interface(local_addr, nodes)))
     described = settings.describe() if settings else "(none)"
     if client is not None and settings is not None:
-        probe_key = f"{key_prefix.rstrip('/')}/doctor-probe"  # absent: a read of nothing
-        read = registry.read_spec if registry else (lambda: client.get(probe_key))
+        read = registry.read_spec if registry else (lambda: read_probe(client, key_prefix))
         checks.append(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
         checks.append(gather_clock(settings, 1 if quick else 6))
     else:

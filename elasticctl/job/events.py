@@ -159,6 +159,11 @@ class EventLog:
                 if since is None or e.time >= since]
 
 
+def event_records(client: EtcdClient, keys: JobKeys) -> list[tuple[bytes, bytes]]:
+    """The job's history as stored: (key, raw event) in key order, which is time order."""
+    return [(kv.key, kv.value) for kv in client.get_prefix(keys.events)]
+
+
 def parse_events(raws: Iterable[bytes]) -> Iterator[Event]:
     for raw in raws:
         event = Event.from_json(raw)
