@@ -20,6 +20,7 @@ from elasticctl.job.records import (
     Event,
     EventKind,
     MemberState,
+    NodeState,
     ProgressSample,
     typed_record,
 )
@@ -104,8 +105,8 @@ def _current_round(members: Mapping[str, dict]) -> int | None:
 def _state(node: dict, member: dict | None) -> str:
     """The node's state as `status` shows it: its rendezvous state while its process runs."""
     state = node.get("state", "?")
-    if state == "running":
-        return (member or {}).get("state", "joining")
+    if state == NodeState.RUNNING:
+        return (member or {}).get("state", MemberState.JOINING.value)
     return state
 
 

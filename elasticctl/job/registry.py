@@ -88,7 +88,7 @@ class JobView:
             "nodes": [
                 {**record, **{k: v for k, v in self.members.get(node, {}).items() if k in ("round", "rank", "restarts")},
                  **({"round": self.generation.number, "rank": ranks[node]} if node in ranks else {}),
-                 "id": node, "rendezvous": self.members.get(node, {}).get("state", "joining")}
+                 "id": node, "rendezvous": self.members.get(node, {}).get("state", MemberState.JOINING.value)}
                 for node, record in sorted(self.nodes.items())
             ],
             "progress": self.progress,

@@ -56,7 +56,7 @@ from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog, recovery_start
 from elasticctl.job import environment as worker_environment
 from elasticctl.job.environment import WorkerEnvironment
-from elasticctl.job.records import EventKind, MemberState, Round
+from elasticctl.job.records import EventKind, FailureCause, MemberState, Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.rendezvous.member import RoundMember
 from elasticctl.rendezvous.rounds import Settings
@@ -267,7 +267,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if not left:  # a node that left recorded why when it did
             try:
                 if crashed:
-                    self._write_member(state=MemberState.FAILED, reason="agent crashed", lease=self._run_lease.id())
+                    self._write_member(state=MemberState.FAILED, cause=FailureCause.AGENT_CRASHED,
+                                       reason="agent crashed", lease=self._run_lease.id())
                 else:
                     # DONE before the declaration goes: the others read it when they see it go.
                     self._write_member(state=MemberState.DONE, lease=self._run_lease.id())
@@ -323,7 +324,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Leave the round as failed and end torchrun with ``decision``'s message."""
         with self._lock:
             self._left = True  # so that torchrun's shutdown does not close the job for the others
-        self._leave(MemberState.FAILED, **({} if decision.cause is None else {"reason": decision.cause}))
+        self._leave(MemberState.FAILED, cause=FailureCause.STOPPED,
+                    **({} if decision.cause is None else {"reason": decision.cause}))
         _stop_agent(decision.message)
 
     # -- hot recovery --------------------------------------------------------------------
