@@ -634,10 +634,9 @@ class _Since(click.ParamType):
               help="Only events from this many seconds ago, or from this ISO 8601 time, on.")
 def events(job, follow, as_json, since, **etcd_params) -> None:
     """The job's event history: rounds, lost and joining nodes, failures and their verdicts, recoveries."""
-    from elasticctl.job.events import event_records, render_line
+    from elasticctl.job.events import event_records, follow_events, render_line
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.records import Event
-    from elasticctl.etcd.watch import PrefixWatch
 
     client = connect(_settings(etcd_params))
     if job is None:
@@ -661,14 +660,7 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
         show(event_records(client, keys))
         return
 
-    class Follow(PrefixWatch):
-        def _load(self, kvs, revision) -> None:
-            show((kv.key, kv.value) for kv in kvs)
-
-        def _apply(self, response) -> None:
-            show((e.key, e.value) for e in response.events if type(e).__name__ != "DeleteEvent")
-
-    watch = Follow(client, keys.events).start()
+    watch = follow_events(client, keys, show)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
@@ -688,13 +680,14 @@ def dashboard(job, listen, **etcd_params) -> None:
     Prometheus metrics at /metrics, from etcd alone."""
     from elasticctl.dashboard.server import parse_listen, serve
     from elasticctl.job.keys import JobKeys
+    from elasticctl.job.registry import job_has_keys
 
     host, port = parse_listen(listen)  # before etcd: a typo is reported at once
     client = connect(_settings(etcd_params))
     keys = JobKeys(job, etcd_params["key_prefix"]) if job else None
     if keys is None:
         keys = JobKeys(resolve_job(client, None, etcd_params["key_prefix"]), etcd_params["key_prefix"])
-    elif client.count_prefix(keys.everything) == 0:  # neither running nor a history left
+    elif not job_has_keys(client, keys):  # neither running nor a history left
         resolve_job(client, job, etcd_params["key_prefix"])  # raises: names the job and the known ones
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request, once a second

@@ -214,7 +214,7 @@ class NodeSession:
                 self._note_request(request)
 
         try:
-            return WatchedKeys(self.client, self.registry.keys.control, on_change).start()
+            return self.registry.watch_requests(on_change)
         except ElasticctlError as exc:
             log.warning("cannot follow requests for node %s: %s", self.node_id, exc)
             return None

@@ -13,6 +13,7 @@ import time
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.watch import WatchedKeys
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JOB_CONTROL, JobKeys, job_of, jobs_root, name_under, probe_key
 from elasticctl.job.records import (
     MEMBER_FIELDS,
@@ -201,6 +202,11 @@ class Registry:
         return request_for({name_under(start, kv.key): kv.value
                             for kv in self.client.get_prefix(start)}, node)
 
+    def watch_requests(self, on_controls) -> WatchedKeys:
+        """Follow the requests (started): ``on_controls`` gets every name under ``control/`` and
+        its value, at once and after each change (:func:`request_for` reads them for a node)."""
+        return WatchedKeys(self.client, self.keys.control, on_controls).start()
+
     def clear_request(self, node: str) -> None:
         self.client.delete(self.keys.control_for(node))
 
@@ -339,6 +345,11 @@ def request_for(controls: dict[str, bytes], node: str) -> str | None:
     if controls.get(JOB_CONTROL) == b"down":
         return "down"
     return "leave" if controls.get(node) == b"leave" else None
+
+
+def job_has_keys(client: EtcdClient, keys: JobKeys) -> bool:
+    """Whether the job has any key in etcd: it runs, or its history outlived its `down`."""
+    return client.count_prefix(keys.everything) > 0
 
 
 def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:

@@ -77,7 +77,6 @@ from elasticctl.rendezvous.policy import (
 from elasticctl.rendezvous.verdicts import Evidence, Verdict, failure_verdict
 from elasticctl.rendezvous.view import RoundView
 from elasticctl.job.registry import Registry, now, request_for
-from elasticctl.etcd.watch import WatchedKeys
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
-        self._requests = WatchedKeys(client, registry.keys.control, self._on_requests).start()
+        self._requests = registry.watch_requests(self._on_requests)
 
     # -- torch's contract ----------------------------------------------------------------
 

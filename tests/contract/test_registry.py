@@ -6,9 +6,11 @@ Layer tests/contract: a real etcd, no processes. Key parsing: tests/unit/test_jo
 
 from __future__ import annotations
 
-from elasticctl.job.events import EventLog, event_records
+import threading
+
+from elasticctl.job.events import EventLog, event_records, follow_events
 from elasticctl.job.records import EventKind, MemberState, json_object
-from elasticctl.job.registry import JobView, Registry
+from elasticctl.job.registry import JobView, Registry, job_has_keys, request_for
 from elasticctl.job.snapshot import Part
 from elasticctl.job.spec import JobSpec
 
@@ -81,3 +83,45 @@ def test_one_snapshot_reads_what_status_and_the_dashboard_each_ask_for(etcd_clie
     assert set(dashboard.heartbeats) == {"n1"} and dashboard.heartbeats["n1"] >= 0
     assert len(dashboard.events) == 1 and dashboard.members == status.members
     assert [raw for _, raw in event_records(etcd_client, registry.keys)] == dashboard.events
+
+
+def test_requests_are_followed_and_a_job_has_keys_while_it_has_any(etcd_client, run_id):
+    registry = Registry(etcd_client, run_id)
+    assert not job_has_keys(etcd_client, registry.keys)
+    seen = []
+    asked = threading.Event()
+
+    def on_controls(controls):
+        seen.append(request_for(controls, "n1"))
+        if seen[-1]:
+            asked.set()
+
+    watch = registry.watch_requests(on_controls)
+    try:
+        assert seen == [None]  # what was there when it started
+        registry.request_leave("n1")
+        assert asked.wait(10) and seen[-1] == "leave"
+    finally:
+        watch.stop()
+    assert job_has_keys(etcd_client, registry.keys)
+
+
+def test_following_the_history_shows_what_is_there_then_what_is_written(etcd_client, run_id):
+    keys = Registry(etcd_client, run_id).keys
+    log = EventLog(etcd_client, keys)
+    log.record(EventKind.NODE_JOINED, "a", at=1000.0)
+    shown, more = [], threading.Event()
+
+    def show(pairs):
+        shown.extend(pairs)
+        if len(shown) >= 2:
+            more.set()
+
+    watch = follow_events(etcd_client, keys, show)
+    try:
+        assert len(shown) == 1
+        log.record(EventKind.NODE_JOINED, "b", at=1001.0)
+        assert more.wait(10)
+    finally:
+        watch.stop()
+    assert [key for key, _ in shown] == [key for key, _ in event_records(etcd_client, keys)]
