@@ -26,7 +26,7 @@ from elasticctl.etcd.lease import Lease
 from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.events import EventLog
 from elasticctl.job import environment
-from elasticctl.job.records import EventKind, MemberState
+from elasticctl.job.records import EventKind, FailureCause, MemberState, NodeState
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, now, request_for
 from elasticctl.job.spec import JobSpec
 from elasticctl.etcd.watch import WatchedKeys
@@ -128,7 +128,7 @@ class NodeSession:
         nproc = launcher.resolve_nproc(self.spec.nproc_per_node)
         self.record = {
             "host": socket.gethostname(), "addr": self.local_addr, "pid": os.getpid(), "nproc": nproc,
-            "gpus": launcher.visible_gpu_count(), "joined_at": now(), "state": "running",
+            "gpus": launcher.visible_gpu_count(), "joined_at": now(), "state": NodeState.RUNNING,
         }
         torch = installed_torch_version()
         if torch:  # what `doctor` on the other nodes compares with (absent: unknown)
@@ -202,7 +202,7 @@ class NodeSession:
     def _announce_leave(self) -> None:
         """Tell the torchrun handler (it leaves the round) and `status` that this node leaves."""
         self._ignore_errors(lambda: self.registry.request_leave(self.node_id))
-        self.record = {**self.record, "state": "leaving"}
+        self.record = {**self.record, "state": NodeState.LEAVING}
         self._ignore_errors(lambda: self._rewrite_record(self._lease.id()))
 
     def _watch_requests(self) -> WatchedKeys | None:
@@ -214,7 +214,7 @@ class NodeSession:
                 self._note_request(request)
 
         try:
-            return WatchedKeys(self.client, self.registry.keys.control, on_change).start()
+            return self.registry.watch_requests(on_change)
         except ElasticctlError as exc:
             log.warning("cannot follow requests for node %s: %s", self.node_id, exc)
             return None
@@ -238,7 +238,7 @@ class NodeSession:
     def _note_request(self, request: str) -> None:
         if not self._request:
             self._request, self._request_at = request, time.monotonic()
-            self.record = {**self.record, "state": "leaving"}
+            self.record = {**self.record, "state": NodeState.LEAVING}
             self._ignore_errors(lambda: self._rewrite_record(self._lease.id()))
 
     def _outcome(self, code: int) -> Outcome:
@@ -248,7 +248,7 @@ class NodeSession:
         if code == 0:
             return Outcome(0, f"node {self.node_id}: training finished")
         member = self._ignore_errors(lambda: self.registry.members().get(self.node_id)) or {}
-        if member.get("state") == MemberState.FAILED and member.get("reason") == "agent crashed":
+        if member.get("state") == MemberState.FAILED and member.get("cause") == FailureCause.AGENT_CRASHED:
             return Outcome(code, f"node {self.node_id}: its torchrun agent crashed (exit code {code}); "
                                  "its log above says why")
         if member.get("state") == MemberState.FAILED and member.get("reason"):

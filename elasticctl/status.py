@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import time
 
+from elasticctl.job.records import MemberState, NodeState
 from elasticctl.job.registry import JobView
 
 
@@ -43,8 +44,8 @@ def render(view: JobView) -> str:
     rows = [["NODE", "HOST", "ADDRESS", "STATE", "RANK", "GPUS", "NPROC", "RESTARTS", "JOINED"]]
     for node in data["nodes"]:
         state = node.get("state", "?")
-        if state == "running":
-            state = node.get("rendezvous", "joining")
+        if state == NodeState.RUNNING:
+            state = node.get("rendezvous", MemberState.JOINING.value)
         rows.append([
             node["id"], str(node.get("host", "-")), str(node.get("addr", "-")), state,
             str(node.get("rank", "-")), str(node.get("gpus", 0)), str(node.get("nproc", "-")),

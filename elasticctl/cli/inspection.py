@@ -146,10 +146,9 @@ class _Since(click.ParamType):
               help="Only events from this many seconds ago, or from this ISO 8601 time, on.")
 def events(job, follow, as_json, since, **etcd_params) -> None:
     """The job's event history: rounds, lost and joining nodes, failures and their verdicts, recoveries."""
-    from elasticctl.job.events import render_line
+    from elasticctl.job.events import event_records, follow_events, render_line
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.records import Event
-    from elasticctl.etcd.watch import PrefixWatch
 
     client = connect(_settings(etcd_params))
     if job is None:
@@ -170,17 +169,10 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
                 click.echo(json.dumps(event.to_dict(), sort_keys=True) if as_json else render_line(event))
 
     if not follow:
-        show((kv.key, kv.value) for kv in client.get_prefix(keys.events))
+        show(event_records(client, keys))
         return
 
-    class Follow(PrefixWatch):
-        def _load(self, kvs, revision) -> None:
-            show((kv.key, kv.value) for kv in kvs)
-
-        def _apply(self, response) -> None:
-            show((e.key, e.value) for e in response.events if type(e).__name__ != "DeleteEvent")
-
-    watch = Follow(client, keys.events)
+    watch = follow_events(client, keys, show)
     try:  # Ctrl-C while the watch starts too: stop() must run, or its stream keeps the client open
         watch.start()
         threading.Event().wait()
@@ -201,13 +193,14 @@ def dashboard(job, listen, **etcd_params) -> None:
     Prometheus metrics at /metrics, from etcd alone."""
     from elasticctl.dashboard.server import parse_listen, serve
     from elasticctl.job.keys import JobKeys
+    from elasticctl.job.registry import job_has_keys
 
     host, port = parse_listen(listen)  # before etcd: a typo is reported at once
     client = connect(_settings(etcd_params))
     keys = JobKeys(job, etcd_params["key_prefix"]) if job else None
     if keys is None:
         keys = JobKeys(resolve_job(client, None, etcd_params["key_prefix"]), etcd_params["key_prefix"])
-    elif client.count_prefix(keys.everything) == 0:  # neither running nor a history left
+    elif not job_has_keys(client, keys):  # neither running nor a history left
         resolve_job(client, job, etcd_params["key_prefix"])  # raises: names the job and the known ones
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request, once a second

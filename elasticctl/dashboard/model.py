@@ -20,9 +20,11 @@ from elasticctl.job.records import (
     Event,
     EventKind,
     MemberState,
+    NodeState,
     ProgressSample,
     typed_record,
 )
+from elasticctl.job.snapshot import JobSnapshot
 from elasticctl.job.spec import validate_name
 
 # Upper bounds (seconds) of the recovery-time histogram: from a free in-place re-form to a slow
@@ -48,6 +50,21 @@ class Reading:
     progress: bytes | None = None
     events: Sequence[bytes] = ()  # history/events/, in key (= time) order
     samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
+
+    @classmethod
+    def of(cls, snapshot: JobSnapshot, now: float) -> Reading:
+        """The dashboard's look at ``snapshot`` (read with ``Part.DASHBOARD``) at time ``now``."""
+        return cls(
+            job=snapshot.job,
+            now=now,
+            nodes=snapshot.nodes,
+            members=snapshot.members,
+            heartbeats=snapshot.heartbeats,
+            leased_nodes=frozenset(node for node, lease in snapshot.node_leases.items() if lease),
+            progress=snapshot.progress,
+            events=snapshot.events,
+            samples=snapshot.samples,
+        )
 
 
 def _valid_ids(records: Mapping[str, bytes], fields: dict) -> dict[str, dict]:
@@ -88,8 +105,8 @@ def _current_round(members: Mapping[str, dict]) -> int | None:
 def _state(node: dict, member: dict | None) -> str:
     """The node's state as `status` shows it: its rendezvous state while its process runs."""
     state = node.get("state", "?")
-    if state == "running":
-        return (member or {}).get("state", "joining")
+    if state == NodeState.RUNNING:
+        return (member or {}).get("state", MemberState.JOINING.value)
     return state
 
 

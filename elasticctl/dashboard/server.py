@@ -30,57 +30,29 @@ from elasticctl.dashboard.model import Reading, job_metrics, job_view
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
+from elasticctl.job.registry import Registry
+from elasticctl.job.snapshot import Part
 from elasticctl.job.spec import quote, whole_number
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
-MAX_HEARTBEAT_LOOKUPS = 128  # one lease request per node and look: bounded for very large jobs
 
 
 class JobReader:
     """Reads what the dashboard shows of one job; times every etcd request in ``latency``."""
 
     def __init__(self, client: EtcdClient, keys: JobKeys, latency: Histogram) -> None:
-        self.client = client
         self.keys = keys
+        self.registry = Registry(client, keys.job, keys.key_prefix)
         self._latency = latency
 
     def _timed(self, request: str, call):
         with self._latency.labels(request).time():
             return call()
 
-    def _by_node(self, prefix: str) -> tuple[dict[str, bytes], dict[str, int]]:
-        kvs = self._timed("range", lambda: self.client.get_prefix(prefix))
-        values = {kv.key.decode(errors="replace")[len(prefix) :]: kv.value for kv in kvs}
-        leases = {kv.key.decode(errors="replace")[len(prefix) :]: kv.lease for kv in kvs}
-        return values, leases
-
     def read(self) -> Reading:
-        nodes, leases = self._by_node(self.keys.nodes)
-        members, _ = self._by_node(self.keys.members)
-        heartbeats = {}
-        for node, lease in sorted(leases.items())[:MAX_HEARTBEAT_LOOKUPS]:
-            if lease:
-                remaining, granted = self._timed(
-                    "lease", lambda lease=lease: self.client.lease_ttl(lease)
-                )
-                if remaining >= 0:  # the lease's keep-alive resets it to its granted TTL
-                    heartbeats[node] = float(granted - remaining)
-        progress = self._timed("range", lambda: self.client.get(self.keys.progress))
-        events = self._timed("range", lambda: self.client.get_prefix(self.keys.events))
-        samples = self._timed("range", lambda: self.client.get_prefix(self.keys.progress_samples))
-        return Reading(
-            job=self.keys.job,
-            now=time.time(),
-            nodes=nodes,
-            members=members,
-            heartbeats=heartbeats,
-            leased_nodes=frozenset(node for node, lease in leases.items() if lease),
-            progress=None if progress is None else progress.value,
-            events=[kv.value for kv in events],
-            samples=[kv.value for kv in samples],
-        )
+        return Reading.of(self.registry.snapshot(Part.DASHBOARD, self._timed), time.time())
 
 
 class JobCollector(Collector):

@@ -44,7 +44,7 @@ from elasticctl.doctor.gather import (
     read_checkpoint_marker,
 )
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
-from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry
+from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, read_probe
 
 
 __all__ = ["Check", "Report", "Status", "decide_job", "refusal", "run_checks"]
@@ -83,8 +83,7 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     checks.append(decide_interface(gather_interface(local_addr, nodes)))
     described = settings.describe() if settings else "(none)"
     if client is not None and settings is not None:
-        probe_key = f"{key_prefix.rstrip('/')}/doctor-probe"  # absent: a read of nothing
-        read = registry.read_spec if registry else (lambda: client.get(probe_key))
+        read = registry.read_spec if registry else (lambda: read_probe(client, key_prefix))
         checks.append(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
         checks.append(gather_clock(settings, 1 if quick else 6))
     else:

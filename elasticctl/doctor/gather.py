@@ -247,9 +247,7 @@ def gather_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerO
 
 def read_checkpoint_marker(registry: Registry, checkpoint_dir: str) -> MarkerOutcome:
     """Compare this directory's marker with the job's in etcd, claiming nothing (``doctor``)."""
-    kv = registry.client.get(registry.keys.checkpoint_marker)
-    in_etcd = None if kv is None else kv.value.decode(errors="replace")
-    return compare_checkpoint_marker(registry, checkpoint_dir, in_etcd)
+    return compare_checkpoint_marker(registry, checkpoint_dir, registry.checkpoint_marker())
 
 
 def compare_checkpoint_marker(registry: Registry, checkpoint_dir: str, in_etcd: str | None) -> MarkerOutcome:

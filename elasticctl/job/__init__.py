@@ -5,5 +5,10 @@
 * :mod:`elasticctl.job.records` — the records under those keys: typed, JSON (never
   pickle), validated when read, signed with the job secret where it matters.
 
-Everything that reads or writes a job's keys goes through these two modules.
+* :mod:`elasticctl.job.registry`, :mod:`elasticctl.job.rdzv_records` and
+  :mod:`elasticctl.job.events` — the reads and writes of those records, as typed methods;
+  :mod:`elasticctl.job.snapshot` — one read of a job, which ``status`` and the dashboard present.
+
+Everything that reads or writes a job's keys goes through these modules: no module above
+``job/`` calls the etcd client for them.
 """

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.etcd.watch import PrefixWatch
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.history import HISTORY_TTL, HistoryLease, trim_oldest
 from elasticctl.job.keys import JobKeys
@@ -157,6 +158,27 @@ class EventLog:
         """The events in time order (from ``since``, epoch seconds); malformed ones are skipped."""
         return [e for e in parse_events(kv.value for kv in self._client.get_prefix(self._keys.events))
                 if since is None or e.time >= since]
+
+
+def event_records(client: EtcdClient, keys: JobKeys) -> list[tuple[bytes, bytes]]:
+    """The job's history as stored: (key, raw event) in key order, which is time order."""
+    return [(kv.key, kv.value) for kv in client.get_prefix(keys.events)]
+
+
+def follow_events(client: EtcdClient, keys: JobKeys,
+                  show: Callable[[Iterable[tuple[bytes, bytes]]], None]) -> PrefixWatch:
+    """A watch of the job's history, to ``start()``: ``show`` gets the (key, raw event) pairs there
+    are, then each new or rewritten one as it is written (deletions, the history's trimming, are
+    not news)."""
+
+    class Follow(PrefixWatch):
+        def _load(self, kvs, revision) -> None:
+            show((kv.key, kv.value) for kv in kvs)
+
+        def _apply(self, response) -> None:
+            show((e.key, e.value) for e in response.events if type(e).__name__ != "DeleteEvent")
+
+    return Follow(client, keys.events)
 
 
 def parse_events(raws: Iterable[bytes]) -> Iterator[Event]:

@@ -174,7 +174,35 @@ class JobKeys:
     def torch_state(self) -> str:
         return f"{self.root}/rdzv"
 
+    # -- keys back to names ------------------------------------------------------------
+
+    def node_of(self, key: str | bytes) -> str:
+        """The node a ``nodes/<node>`` key is of."""
+        return name_under(self.nodes, key)
+
+
+def name_under(prefix: str, key: str | bytes) -> str:
+    """What ``key`` (bytes as etcd returns them, or text) names under ``prefix``: the rest of it.
+
+    Keys come from etcd, where anyone may have written them: bytes that are not UTF-8 are
+    replaced, not an error. A key not under ``prefix`` is a bug of the caller's.
+    """
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    if not text.startswith(prefix):
+        raise ValueError(f"The key {text!r} is not under {prefix!r}.")
+    return text[len(prefix):]
+
 
 def jobs_root(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The prefix under which every job has its keys."""
     return key_prefix.rstrip("/") + "/"
+
+
+def job_of(key: str | bytes, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The job a key under :func:`jobs_root` belongs to (its first name there)."""
+    return name_under(jobs_root(key_prefix), key).split("/", 1)[0]
+
+
+def probe_key(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """A key no job has and nothing writes: ``doctor`` times reads of it without a job."""
+    return f"{key_prefix.rstrip('/')}/doctor-probe"

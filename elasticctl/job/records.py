@@ -22,11 +22,26 @@ from elasticctl.job.spec import validate_name
 class MemberState(str, enum.Enum):
     """Where a node's torchrun agent is (``members/<node>``)."""
 
+    JOINING = "joining"          # no record yet: in the rendezvous (shown, never written)
     TRAINING = "training"
-    FAILED = "failed"            # over its restart budget, or its agent crashed
+    FAILED = "failed"            # stopped (its cause says how), or its agent crashed
     DONE = "done"                # its workers finished the script
     LEFT = "left"                # left gracefully (leave, down, SIGTERM)
     QUARANTINED = "quarantined"  # sitting out a cooldown after repeated own failures
+
+
+class FailureCause(str, enum.Enum):
+    """Why a member record is FAILED (its ``cause``); the ``reason`` beside it is for people."""
+
+    AGENT_CRASHED = "agent_crashed"  # torchrun's agent ended on an exception: its log says why
+    STOPPED = "stopped"              # the handler stopped the node (over budget, a finished group, ...)
+
+
+class NodeState(str, enum.Enum):
+    """Where a node's elasticctl process is (``nodes/<node>``)."""
+
+    RUNNING = "running"  # its torchrun runs: the member record says more
+    LEAVING = "leaving"  # asked to leave or stop (leave, down)
 
 
 def record_json(value: object) -> str:
@@ -49,7 +64,8 @@ _NUMBER = (int, float)
 NODE_FIELDS = {"id": str, "host": str, "addr": str, "pid": int, "nproc": int, "gpus": int,
                "joined_at": _NUMBER, "state": str, "torch": str}
 MEMBER_FIELDS = {"node": str, "addr": str, "pid": int, "state": str, "round": int, "rank": int,
-                 "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str}
+                 "world_size": int, "restarts": int, "since": _NUMBER, "until": _NUMBER, "reason": str,
+                 "cause": str}
 PROGRESS_FIELDS = {"step": int, "epoch": int, "loss": _NUMBER, "samples_per_s": _NUMBER, "world_size": int,
                    "last_checkpoint_step": int, "time": _NUMBER, "rank": int,
                    # set while checkpoints fail: the newest failure's sentence, how many in a row

@@ -13,7 +13,8 @@ import time
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd.client import EtcdClient
-from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JOB_CONTROL, JobKeys, jobs_root
+from elasticctl.etcd.watch import WatchedKeys
+from elasticctl.job.keys import DEFAULT_KEY_PREFIX, JOB_CONTROL, JobKeys, job_of, jobs_root, name_under, probe_key
 from elasticctl.job.records import (
     MEMBER_FIELDS,
     NODE_FIELDS,
@@ -25,9 +26,13 @@ from elasticctl.job.records import (
     typed_record,
 )
 from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.job.snapshot import MAX_HEARTBEAT_LOOKUPS, JobSnapshot, Part
 from elasticctl.job.spec import JobSpec, validate_name
 
 log = logging.getLogger(__name__)
+
+def _untimed(request: str, call):
+    return call()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,17 @@ class JobView:
     progress: dict | None
     down_requested: bool
     generation: Round | None = None  # the workers' current generation (hot recovery)
+
+    @classmethod
+    def of(cls, snapshot: JobSnapshot) -> JobView:
+        """``status``'s reading of ``snapshot`` (read with :attr:`Part.STATUS`)."""
+        return cls(
+            name=snapshot.job, spec=snapshot.spec,
+            nodes={node: typed_record(raw, NODE_FIELDS) for node, raw in snapshot.nodes.items()},
+            members={node: typed_record(raw, MEMBER_FIELDS) for node, raw in snapshot.members.items()},
+            progress=None if snapshot.progress is None else typed_record(snapshot.progress, PROGRESS_FIELDS),
+            down_requested=snapshot.down_requested, generation=snapshot.generation,
+        )
 
     @property
     def round(self) -> int | None:
@@ -73,7 +89,7 @@ class JobView:
             "nodes": [
                 {**record, **{k: v for k, v in self.members.get(node, {}).items() if k in ("round", "rank", "restarts")},
                  **({"round": self.generation.number, "rank": ranks[node]} if node in ranks else {}),
-                 "id": node, "rendezvous": self.members.get(node, {}).get("state", "joining")}
+                 "id": node, "rendezvous": self.members.get(node, {}).get("state", MemberState.JOINING.value)}
                 for node, record in sorted(self.nodes.items())
             ],
             "progress": self.progress,
@@ -164,8 +180,12 @@ class Registry:
         return self._records(self.keys.members, MEMBER_FIELDS)
 
     def _records(self, start: str, fields: dict) -> dict[str, dict]:
-        return {kv.key.decode(errors="replace")[len(start):]: typed_record(kv.value, fields)
+        return {name_under(start, kv.key): typed_record(kv.value, fields)
                 for kv in self.client.get_prefix(start)}
+
+    def write_member(self, node: str, record: dict, lease: int) -> None:
+        """The record of ``node``'s torchrun agent (``members/<node>``), bound to ``lease``."""
+        self.client.put(self.keys.member(node), record_json(record), lease=lease)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -179,8 +199,13 @@ class Registry:
     def requested(self, node: str) -> str | None:
         """'down' for the whole job, 'leave' for this node, else None."""
         start = self.keys.control
-        return request_for({kv.key.decode(errors="replace")[len(start):]: kv.value
+        return request_for({name_under(start, kv.key): kv.value
                             for kv in self.client.get_prefix(start)}, node)
+
+    def watch_requests(self, on_controls) -> WatchedKeys:
+        """Follow the requests (started): ``on_controls`` gets every name under ``control/`` and
+        its value, at once and after each change (:func:`request_for` reads them for a node)."""
+        return WatchedKeys(self.client, self.keys.control, on_controls).start()
 
     def clear_request(self, node: str) -> None:
         self.client.delete(self.keys.control_for(node))
@@ -190,9 +215,9 @@ class Registry:
         root, deleted = self.keys.everything, 0
         children = set()
         for kv in self.client.get_prefix(root):
-            name, slash, _ = kv.key.decode(errors="replace")[len(root):].partition("/")
+            name, slash, _ = name_under(root, kv.key).partition("/")
             children.add(name + slash)
-        for child in sorted(children - {self.keys.history[len(root):]}):
+        for child in sorted(children - {name_under(root, self.keys.history)}):
             if child.endswith("/"):
                 deleted += self.client.delete_prefix(root + child)
             else:
@@ -211,11 +236,39 @@ class Registry:
             return True, token
         return False, None if current is None else current.value.decode(errors="replace")
 
+    def checkpoint_marker(self) -> str | None:
+        """The job's checkpoint marker in etcd, if one was claimed (read only: ``doctor``)."""
+        kv = self.client.get(self.keys.checkpoint_marker)
+        return None if kv is None else kv.value.decode(errors="replace")
+
     def release_checkpoint_marker(self, token: str) -> None:
         """Take back the marker ``token`` this process claimed (for an `up` that did not run)."""
         kv = self.client.get(self.keys.checkpoint_marker)
         if kv is not None and kv.value == token.encode():
             self.client.delete(self.keys.checkpoint_marker)
+
+    # -- progress ----------------------------------------------------------------------
+
+    # -- the rounds' failures, the end, the agents' stores ---------------------------------
+
+    def record_failure(self, round_number: int, node: str, lease: int) -> None:
+        """``node``'s workers failed in round ``round_number``; bound to its member lease, so a
+        node cut off from etcd cannot leave a failure behind it (the verdicts rely on that)."""
+        self.client.put(self.keys.failure(round_number, node), record_json({"time": now()}), lease=lease)
+
+    def failures_of_round(self, round_number: int) -> list[str]:
+        """The nodes that recorded a failure in round ``round_number``, in the order they did."""
+        prefix = self.keys.failures(round_number)
+        return [name_under(prefix, kv.key)
+                for kv in sorted(self.client.get_prefix(prefix), key=lambda kv: kv.mod_revision)]
+
+    def record_finished(self, node: str, lease: int) -> None:
+        """``node``'s workers all succeeded: the job is done (a new `up` starts a fresh run)."""
+        self.client.put(self.keys.finished, record_json({"node": node, "time": now()}), lease=lease)
+
+    def delete_round_store(self, round_number: int) -> int:
+        """Delete the agents' c10d store of round ``round_number``; how many keys went."""
+        return self.client.delete_prefix(self.keys.store(round_number))
 
     # -- progress ----------------------------------------------------------------------
 
@@ -231,11 +284,43 @@ class Registry:
         return None if kv is None else Round.from_json(kv.value, kv.mod_revision, key)
 
     def view(self) -> JobView:
-        spec = self.read_spec()
-        return JobView(
-            name=self.job, spec=spec, nodes=self.live_nodes(), members=self.members(),
-            progress=self.progress(), down_requested=self.requested("") == "down",
-            generation=self.generation(),
+        return JobView.of(self.snapshot(Part.STATUS))
+
+    def snapshot(self, parts: Part = Part.NONE, timed=_untimed) -> JobSnapshot:
+        """One read of the job for a reader: nodes, members, progress and ``parts``.
+
+        ``timed(request, call)`` makes each etcd request (``"range"`` or ``"lease"``): the
+        dashboard times them for its metrics.
+        """
+        def by_node(prefix: str):
+            kvs = timed("range", lambda: self.client.get_prefix(prefix))
+            return {name_under(prefix, kv.key): kv for kv in kvs}
+
+        spec = timed("range", self.read_spec) if Part.SPEC in parts else None
+        nodes, members = by_node(self.keys.nodes), by_node(self.keys.members)
+        heartbeats = {}
+        if Part.HEARTBEATS in parts:
+            for node, kv in sorted(nodes.items())[:MAX_HEARTBEAT_LOOKUPS]:
+                if kv.lease:
+                    remaining, granted = timed("lease", lambda lease=kv.lease: self.client.lease_ttl(lease))
+                    if remaining >= 0:  # the lease's keep-alive resets it to its granted TTL
+                        heartbeats[node] = float(granted - remaining)
+        progress = timed("range", lambda: self.client.get(self.keys.progress))
+        history = Part.HISTORY in parts
+        return JobSnapshot(
+            job=self.job,
+            nodes={node: kv.value for node, kv in nodes.items()},
+            node_leases={node: kv.lease for node, kv in nodes.items()},
+            members={node: kv.value for node, kv in members.items()},
+            progress=None if progress is None else progress.value,
+            spec=spec,
+            down_requested=Part.REQUESTS in parts and timed("range", lambda: self.requested("")) == "down",
+            generation=timed("range", self.generation) if Part.GENERATION in parts else None,
+            heartbeats=heartbeats,
+            events=[kv.value for kv in timed("range", lambda: self.client.get_prefix(self.keys.events))]
+            if history else [],
+            samples=[kv.value for kv in timed("range", lambda: self.client.get_prefix(self.keys.progress_samples))]
+            if history else [],
         )
 
     def withdraw_spec(self, spec: JobSpec) -> bool:
@@ -262,6 +347,11 @@ def request_for(controls: dict[str, bytes], node: str) -> str | None:
     return "leave" if controls.get(node) == b"leave" else None
 
 
+def job_has_keys(client: EtcdClient, keys: JobKeys) -> bool:
+    """Whether the job has any key in etcd: it runs, or its history outlived its `down`."""
+    return client.count_prefix(keys.everything) > 0
+
+
 def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[str, int]:
     """Jobs with a published spec, and how many live nodes each has."""
     root = jobs_root(key_prefix)
@@ -269,11 +359,11 @@ def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[
     nodes: dict[str, int] = {}
     for kv in client.get_prefix(root):
         key = kv.key.decode(errors="replace")
-        job = key[len(root):].split("/", 1)[0]
+        job = job_of(key, key_prefix)
         keys = JobKeys(job, key_prefix)
         if key == keys.spec:
             specs.add(job)
-        elif key.startswith(keys.nodes) and "/" not in key[len(keys.nodes):]:
+        elif key.startswith(keys.nodes) and "/" not in keys.node_of(key):
             nodes[job] = nodes.get(job, 0) + 1
     return {job: nodes.get(job, 0) for job in sorted(specs)}
 
@@ -291,6 +381,11 @@ def resolve_job(client: EtcdClient, job: str | None, key_prefix: str = DEFAULT_K
     if not jobs:
         raise ConfigError("There is no job in etcd; start one with 'elasticctl up'.")
     raise ConfigError(f"There are {len(jobs)} jobs in etcd ({', '.join(jobs)}); name one with --job.")
+
+
+def read_probe(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
+    """One read of a key nothing writes: what ``doctor`` times when there is no job to read."""
+    client.get(probe_key(key_prefix))
 
 
 def _host_node_id() -> str:

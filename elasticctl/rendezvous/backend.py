@@ -48,6 +48,7 @@ from elasticctl.etcd.client import EtcdClient, EtcdSettings, connect
 from elasticctl.etcd.retry import Backoff, Deadline, poll
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.keys import JobKeys
+from elasticctl.job.rdzv_records import StoreRecords, TorchStateRecord
 from elasticctl.job.records import run_secret
 from elasticctl.job.run_lease import RunLease
 from elasticctl.job.settings import (
@@ -100,8 +101,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
     ) -> None:
         validate_name(run_id, "run id")
         self._client = client
-        self._key = JobKeys(run_id, key_prefix).torch_state
         self._lease = lease or RunLease(client, DEFAULT_TTL)
+        self._record = TorchStateRecord(client, JobKeys(run_id, key_prefix), self._lease)
+        self._key = self._record.key
         self._secret = secret or None
         self._lock = threading.Lock()
         self._newest_seq = 0
@@ -127,7 +129,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class."""
         try:
-            kv = self._client.get(self._key)
+            kv = self._record.read()
         except ElasticctlError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
         if kv is None:
@@ -155,9 +157,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             seq = self._newest_seq + 1
         sealed = seal_state(state, seq, self._secret)
         try:
-            succeeded, kv, _ = self._lease.bound(
-                lambda lease_id: self._client.compare_and_swap(self._key, sealed, expected_revision, lease_id),
-            )
+            succeeded, kv = self._record.swap(sealed, expected_revision)
         except ElasticctlError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
         if succeeded:
@@ -225,20 +225,13 @@ class EtcdStore(dist.Store):
         timeout: datetime.timedelta | None = None,
     ) -> None:
         super().__init__()  # required by the pybind trampoline
-        self._client = client
-        self._prefix = prefix.rstrip("/").encode() + b"/"
         self._lease = lease or RunLease(client, DEFAULT_TTL)
+        self._records = StoreRecords(client, prefix, self._lease)
         if timeout is not None:
             self.set_timeout(timeout)
 
-    def _key(self, key: str) -> bytes:
-        return self._prefix + key.encode()
-
-    def _put(self, key: str, value: bytes) -> None:
-        self._lease.put(self._key(key), value)
-
     def set(self, key: str, value: str | bytes) -> None:
-        self._put(key, _as_bytes(value))
+        self._records.write(key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, waiting up to the store timeout for it to appear."""
@@ -250,15 +243,11 @@ class EtcdStore(dist.Store):
         A compare-and-swap loop on the key's revision. Caveat: a swap whose answer
         was lost to a timeout is retried, so such a rare ambiguous failure can add twice.
         """
-        full_key = self._key(key)
-        current = self._client.get(full_key)
+        current = self._records.read(key)
         while True:
             base = 0 if current is None else int(current.value)
-            new_value = str(base + amount).encode()
             revision = 0 if current is None else current.mod_revision
-            succeeded, current, _ = self._lease.bound(
-                lambda lease_id, v=new_value, r=revision: self._client.compare_and_swap(full_key, v, r, lease_id),
-            )
+            succeeded, current = self._records.swap(key, str(base + amount).encode(), revision)
             if succeeded:
                 return base + amount
 
@@ -269,17 +258,14 @@ class EtcdStore(dist.Store):
         except that a missing key with a non-empty expectation returns ``expected_value``.
         """
         expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
-        full_key = self._key(key)
         while True:
-            current = self._client.get(full_key)
+            current = self._records.read(key)
             if current is None and expected:
                 return expected
             if current is not None and current.value != expected:
                 return current.value
             revision = 0 if current is None else current.mod_revision
-            succeeded, _, _ = self._lease.bound(
-                lambda lease_id, r=revision: self._client.compare_and_swap(full_key, desired, r, lease_id),
-            )
+            succeeded, _ = self._records.swap(key, desired, revision)
             if succeeded:
                 return desired
             # Someone changed the key between our read and our write: decide again.
@@ -291,13 +277,13 @@ class EtcdStore(dist.Store):
             self._wait_for(key, datetime.timedelta(seconds=deadline.remaining()))
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._client.get(self._key(key)) is not None for key in keys)
+        return all(self._records.read(key) is not None for key in keys)
 
     def delete_key(self, key: str) -> bool:
-        return self._client.delete(self._key(key))
+        return self._records.delete(key)
 
     def num_keys(self) -> int:
-        return self._client.count_prefix(self._prefix)
+        return self._records.count()
 
     # The pybind trampoline looks these two up by their C++ names.
     getNumKeys = num_keys
@@ -311,8 +297,7 @@ class EtcdStore(dist.Store):
             self.set(key, value)
 
     def _wait_for(self, key: str, timeout: datetime.timedelta):
-        full_key = self._key(key)
-        kv = poll(lambda: self._client.get(full_key), timeout.total_seconds(), self._POLL)
+        kv = poll(lambda: self._records.read(key), timeout.total_seconds(), self._POLL)
         if kv is None:
             raise dist.DistStoreError(
                 f"Timed out after {timeout.total_seconds():g} s waiting for key '{key}' in the etcd store."

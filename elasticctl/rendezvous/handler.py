@@ -64,7 +64,7 @@ from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog, recovery_start
 from elasticctl.job import environment as worker_environment
 from elasticctl.job.environment import WorkerEnvironment
-from elasticctl.job.records import EventKind, MemberState, Round, record_json
+from elasticctl.job.records import EventKind, FailureCause, MemberState, Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.rendezvous.member import RoundMember
 from elasticctl.rendezvous.rounds import Settings
@@ -85,7 +85,6 @@ from elasticctl.rendezvous.policy import (
 from elasticctl.rendezvous.verdicts import Evidence, Verdict, failure_verdict
 from elasticctl.rendezvous.view import RoundView
 from elasticctl.job.registry import Registry, now, request_for
-from elasticctl.etcd.watch import WatchedKeys
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
-        self._requests = WatchedKeys(client, registry.keys.control, self._on_requests).start()
+        self._requests = registry.watch_requests(self._on_requests)
 
     # -- torch's contract ----------------------------------------------------------------
 
@@ -221,7 +220,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._export_worker_environment()
         log.info("[%s] round %d: rank %d of %d", self._node_id, sealed.number, rank, sealed.world_size)
         if rank == 0 and sealed.number > 2:
-            self._ignore_errors(lambda: self._client.delete_prefix(self._keys.store(sealed.number - 2)))
+            self._ignore_errors(lambda: self._registry.delete_round_store(sealed.number - 2))
         return RendezvousInfo(store, rank, sealed.world_size, bootstrap)
 
     def num_nodes_waiting(self) -> int:
@@ -275,12 +274,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if not left:  # a node that left recorded why when it did
             try:
                 if crashed:
-                    self._write_member(state=MemberState.FAILED, reason="agent crashed", lease=self._run_lease.id())
+                    self._write_member(state=MemberState.FAILED, cause=FailureCause.AGENT_CRASHED,
+                                       reason="agent crashed", lease=self._run_lease.id())
                 else:
                     # DONE before the declaration goes: the others read it when they see it go.
                     self._write_member(state=MemberState.DONE, lease=self._run_lease.id())
-                    self._client.put(self._keys.finished,
-                                     record_json({"node": self._node_id, "time": now()}), lease=self._run_lease.id())
+                    self._registry.record_finished(self._node_id, self._run_lease.id())
                     self.set_closed()
             except ElasticctlError as exc:
                 log.warning("[%s] cannot record the end of its agent: %s", self._node_id, exc)
@@ -332,7 +331,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Leave the round as failed and end torchrun with ``decision``'s message."""
         with self._lock:
             self._left = True  # so that torchrun's shutdown does not close the job for the others
-        self._leave(MemberState.FAILED, **({} if decision.cause is None else {"reason": decision.cause}))
+        self._leave(MemberState.FAILED, cause=FailureCause.STOPPED,
+                    **({} if decision.cause is None else {"reason": decision.cause}))
         _stop_agent(decision.message)
 
     # -- hot recovery --------------------------------------------------------------------
@@ -395,29 +395,27 @@ class EtcdRendezvousHandler(RendezvousHandler):
         failed_at = time.monotonic()
         at_failure = self._member.change()  # what the view showed as the workers failed
         self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=failed.number)
-        prefix = self._keys.failures(failed.number)
         try:
-            self._member.bound_to_lease(lambda lease: self._client.put(
-                self._keys.failure(failed.number, self._node_id), record_json({"time": now()}), lease=lease))
+            self._member.bound_to_lease(
+                lambda lease: self._registry.record_failure(failed.number, self._node_id, lease))
             cut_off = False
         except ElasticctlError:
             cut_off = True
         # Decided now when the evidence already is in (then the restarted workers see the
         # right count); otherwise gathered in the background while the node re-joins.
-        if not self._judge(failed, prefix, failed_at, cut_off, at_failure, wait=False):
-            verdict = threading.Thread(target=self._judge, args=(failed, prefix, failed_at, cut_off, at_failure),
+        if not self._judge(failed, failed_at, cut_off, at_failure, wait=False):
+            verdict = threading.Thread(target=self._judge, args=(failed, failed_at, cut_off, at_failure),
                                        name="elasticctl-verdict", daemon=True)
             self._verdicts = [t for t in self._verdicts if t.is_alive()] + [verdict]
             verdict.start()
 
-    def _judge(self, failed: Round, prefix: str, failed_at: float, cut_off: bool, at_failure,
+    def _judge(self, failed: Round, failed_at: float, cut_off: bool, at_failure,
                wait: bool = True) -> bool:
         """Reach the verdict on a failure and act on it; False if ``wait`` is off and it is open."""
         verdict: Verdict | None = None
         while verdict is None:
             try:
-                failures = [kv.key.decode(errors="replace")[len(prefix):]
-                            for kv in sorted(self._client.get_prefix(prefix), key=lambda kv: kv.mod_revision)]
+                failures = self._registry.failures_of_round(failed.number)
                 gone = {m: t for m, t in self._view.gone_at.items() if m in failed.members}
                 departed = self._departed(tuple(gone))
             except ElasticctlError:
@@ -499,11 +497,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._record_lock:
             self._record = {**self._record, **fields, "node": self._node_id, "addr": self._local_addr,
                             "pid": os.getpid(), "restarts": self.restarts_spent, "since": now()}
-            key, value = self._keys.member(self._node_id), record_json(self._record)
+            record = self._record
             if lease is not None:
-                self._client.put(key, value, lease=lease)
+                self._registry.write_member(self._node_id, record, lease)
             else:
-                self._member.bound_to_lease(lambda member_lease: self._client.put(key, value, lease=member_lease))
+                self._member.bound_to_lease(
+                    lambda member_lease: self._registry.write_member(self._node_id, record, member_lease))
 
     def _leave(self, state: MemberState, **fields) -> None:
         """Leave the round now: the others see it at once, not after node_ttl."""

@@ -29,24 +29,10 @@ from collections.abc import Callable
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient, KeyValue
 from elasticctl.job.keys import JobKeys
+from elasticctl.job.rdzv_records import RoundRecords
 from elasticctl.job.records import Claim, Declaration, Round, preferred_round
-from elasticctl.etcd.watch import PrefixWatch
 
 log = logging.getLogger(__name__)
-
-
-class _Feed(PrefixWatch):
-    """One watched prefix whose full reads and watch responses go to the view."""
-
-    def __init__(self, client: EtcdClient, prefix: str, load, apply) -> None:
-        super().__init__(client, prefix)
-        self._on_load, self._on_apply = load, apply
-
-    def _load(self, kvs: list[KeyValue], revision: int) -> None:
-        self._on_load(kvs, revision)
-
-    def _apply(self, response) -> None:
-        self._on_apply(response)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +56,9 @@ class RoundView:
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, secret: bytes | None = None) -> None:
-        self._client = client
         self.keys = keys
-        self._secret = secret or None  # with a job secret, records are signed and unsigned ones ignored
+        self.records = RoundRecords(client, keys, secret)  # the keys this view follows and writes
         self._nodes_prefix = keys.rdzv_nodes
-        self._ctl_prefix = keys.rdzv_ctl
         self._round_key = keys.rdzv_round
         self._closed_key = keys.rdzv_closed
         self._claim_key = keys.rdzv_sealer
@@ -95,8 +79,8 @@ class RoundView:
         # unreadable, older or forged record is there); see on_round_missing.
         self.round_in_etcd = True
         self._round_missing: list[Callable[[Round, int], None]] = []
-        self._ctl = _Feed(client, self._ctl_prefix, self._load_ctl, self._apply_ctl)
-        self._nodes = _Feed(client, self._nodes_prefix, self._load_nodes, self._apply_nodes)
+        self._ctl = self.records.ctl_feed(self._load_ctl, self._apply_ctl)
+        self._nodes = self.records.nodes_feed(self._load_nodes, self._apply_nodes)
         self._nodes_state = "off"  # off -> loading -> on
         self._nodes_lock = threading.Lock()
         self._loader: threading.Thread | None = None
@@ -141,7 +125,7 @@ class RoundView:
         self._nodes.stop()  # a load still running starts no watch after this
         loader = self._loader
         if loader is not None and loader is not threading.current_thread():
-            loader.join(timeout=self._client.settings.retry_timeout)
+            loader.join(timeout=self.records.retry_timeout)
         self._nodes.stop()  # and joins the watch that load may have started
 
     # -- reading ---------------------------------------------------------------------
@@ -246,7 +230,7 @@ class RoundView:
             if deleted:
                 self.round_in_etcd = self.round is None
             else:
-                candidate = Round.from_json(value, revision, name, self._secret)
+                candidate = self.records.round_from(value, revision)
                 believed = self._believed_round(candidate, revision)
                 self.round_in_etcd = believed is candidate or (believed is None and candidate is None)
                 self.round = believed
@@ -255,7 +239,7 @@ class RoundView:
             self.closed = not deleted
         elif name == self._claim_key:
             # A claim must be bound to a lease: one that could never expire would block sealing.
-            claim = None if deleted or not lease else Claim.from_json(value, name, self._secret)
+            claim = None if deleted or not lease else self.records.claim_from(value)
             self.claim, self.claim_revision = claim, 0 if deleted else revision
 
     def _believed_round(self, candidate: Round | None, revision: int) -> Round | None:
@@ -281,18 +265,11 @@ class RoundView:
 
     # -- the nodes/ feed -------------------------------------------------------------
 
-    def _declaration(self, key: bytes, value: bytes, revision: int) -> tuple[str, Declaration | None]:
-        name = key.decode(errors="replace")
-        node = name[len(self._nodes_prefix):]
-        declaration = Declaration.from_json(value, revision, name, self._secret)
-        # A record under another node's name is not that node's declaration.
-        return node, declaration if declaration is not None and declaration.node == node else None
-
     def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
         declarations: dict[str, Declaration] = {}
         unreadable: set[str] = set()
         for kv in kvs:
-            node, declaration = self._declaration(kv.key, kv.value, kv.mod_revision)
+            node, declaration = self.records.declaration_at(kv.key, kv.value, kv.mod_revision)
             if declaration is not None:
                 declarations[node] = declaration
             elif kv.lease:
@@ -313,7 +290,7 @@ class RoundView:
             now = time.monotonic()
             for event in response.events:
                 deleted = type(event).__name__ == "DeleteEvent"
-                node, value = self._declaration(event.key, b"" if deleted else event.value, event.mod_revision)
+                node, value = self.records.declaration_at(event.key, b"" if deleted else event.value, event.mod_revision)
                 previous = self.declarations.pop(node, None)
                 if previous is not None:
                     self.want_counts[previous.wants] -= 1
@@ -338,40 +315,27 @@ class RoundView:
                         "with another secret or for another run); no round is sealed from scratch beside "
                         "them", ", ".join(sorted(nodes)), self._nodes_prefix)
 
-    # -- the protocol's writes -------------------------------------------------------
+    # -- the protocol's writes (the records' own; here for the protocol's callers) -----------
 
     def declare(self, declaration: Declaration, lease: int) -> int:
         """Put this node's declaration, bound to its lease; returns the new revision."""
-        key = self.keys.rdzv_node(declaration.node)
-        return self._client.put(key, declaration.to_json(key, self._secret), lease=lease)
+        return self.records.declare(declaration, lease)
 
     def withdraw(self, node: str) -> None:
-        self._client.delete(self.keys.rdzv_node(node))
+        self.records.withdraw(node)
 
     def claim_sealing(self, claim: Claim, expected_revision: int, lease: int) -> bool:
-        """Claim the sealing of ``claim.round`` for ``claim.node`` if the claim key is still at
-        ``expected_revision`` (0: absent); bound to the node's lease, so it ends with the node."""
-        ok, _, _ = self._client.compare_and_swap(
-            self._claim_key, claim.to_json(self._claim_key, self._secret), expected_revision, lease)
-        return ok
+        """See :meth:`RoundRecords.claim_sealing`."""
+        return self.records.claim_sealing(claim, expected_revision, lease)
 
     def seal(self, sealed: Round, expected_revision: int, lease: int | None = None) -> bool:
-        """Seal ``sealed`` if the round key is still at ``expected_revision``, and release the
-        claim, in one transaction.
-
-        ``lease``: the run's lease, so that an abandoned run's round expires with it.
-        """
-        ok, _, _ = self._client.compare_and_swap(
-            self._round_key, sealed.to_json(self._round_key, self._secret), expected_revision, lease,
-            also_delete=self._claim_key)
-        return ok
+        """See :meth:`RoundRecords.seal`."""
+        return self.records.seal(sealed, expected_revision, lease)
 
     def restore(self, known: Round, expected_revision: int, lease: int | None = None) -> bool:
-        """Write ``known`` back over what the round key holds at ``expected_revision`` (0: absent):
-        a member of a running round puts back its record when it was deleted or replaced."""
-        ok, _, _ = self._client.compare_and_swap(
-            self._round_key, known.to_json(self._round_key, self._secret), expected_revision, lease)
-        return ok
+        """See :meth:`RoundRecords.restore`: a member of a running round puts back its record
+        when it was deleted or replaced."""
+        return self.records.restore(known, expected_revision, lease)
 
     def close(self, lease: int | None = None) -> None:
-        self._client.put(self._closed_key, "1", lease=lease)
+        self.records.close(lease)

@@ -18,7 +18,7 @@ from support.helpers import wait_for
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job import environment
 from elasticctl.job.events import EventLog
-from elasticctl.job.records import EventKind
+from elasticctl.job.records import EventKind, FailureCause, MemberState
 from elasticctl.job.registry import Registry
 
 
@@ -127,6 +127,18 @@ def test_a_worker_failing_after_another_finished_stops_the_node(handler_for, rec
     assert not handler.is_closed()
 
 
+def test_an_agent_that_crashed_records_the_cause_its_node_reads(handler_for, records):
+    handler = handler_for(max_restarts=3)
+    handler.next_rendezvous()
+    try:
+        raise RuntimeError("the agent's own bug")
+    except RuntimeError:
+        handler.shutdown()  # torchrun's `finally`, with the exception in flight
+    members, _ = records()
+    assert (members["a"]["state"], members["a"]["cause"]) == (MemberState.FAILED, FailureCause.AGENT_CRASHED)
+    assert not handler.is_closed()
+
+
 def test_an_unrecoverable_worker_stops_the_node_without_spending_a_restart(handler_for, records):
     handler = handler_for(max_restarts=3)
     handler.next_rendezvous()
@@ -138,6 +150,7 @@ def test_an_unrecoverable_worker_stops_the_node_without_spending_a_restart(handl
     handler.shutdown()
     members, events = records()
     assert (members["a"]["state"], members["a"]["reason"]) == ("failed", "the disk is full")
+    assert members["a"]["cause"] == FailureCause.STOPPED
     assert [e.reason for e in events if e.kind is EventKind.WORKERS_FAILED] == ["the disk is full"]
     assert handler.restarts_spent == 0
 

@@ -423,3 +423,18 @@ def test_only_genuine_node_records_count_as_live_nodes(key, record, leased, live
     reading = Reading("j", NOW, nodes={key: record}, leased_nodes=leased)
     assert job_view(reading)["live_nodes"] == int(live)
     assert sum(job_metrics(reading).nodes_by_state.values()) == int(live)
+
+
+def test_the_dashboard_and_status_present_one_snapshot_each_their_own_way():
+    from elasticctl.job.registry import JobView
+    from elasticctl.job.snapshot import JobSnapshot
+
+    snapshot = JobSnapshot(job="j", nodes={"a": NODE, "b": NODE.replace(b'"a"', b'"b"')},
+                           node_leases={"a": 7, "b": 0}, members={"a": MEMBER}, progress=b'{"step": 4}',
+                           heartbeats={"a": 1.5}, events=[], samples=[sample(NOW - 1, 3)])
+    reading = Reading.of(snapshot, NOW)
+    assert reading.leased_nodes == frozenset({"a"}) and reading.heartbeats == {"a": 1.5}
+    assert [row["id"] for row in job_view(reading)["nodes"]] == ["a"]  # b's key has no lease
+    view = JobView.of(snapshot)
+    assert sorted(view.nodes) == ["a", "b"] and view.round == 3 and view.progress == {"step": 4}
+    assert [n["rendezvous"] for n in view.to_dict()["nodes"]] == ["training", "joining"]
