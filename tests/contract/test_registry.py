@@ -117,7 +117,7 @@ def test_following_the_history_shows_what_is_there_then_what_is_written(etcd_cli
         if len(shown) >= 2:
             more.set()
 
-    watch = follow_events(etcd_client, keys, show)
+    watch = follow_events(etcd_client, keys, show).start()
     try:
         assert len(shown) == 1
         log.record(EventKind.NODE_JOINED, "b", at=1001.0)
