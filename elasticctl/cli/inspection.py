@@ -172,12 +172,17 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
         show(event_records(client, keys))
         return
 
+    # Ctrl-C and SIGTERM end it through our own handlers, not KeyboardInterrupt: a process
+    # started in the background by a non-interactive shell inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt at all (`--follow` ignored Ctrl-C under such a CI).
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     watch = follow_events(client, keys, show)
-    try:  # Ctrl-C while the watch starts too: stop() must run, or its stream keeps the client open
+    try:  # a stop while the watch starts is seen once it has: stop() below then ends its stream
         watch.start()
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            pass
     finally:
         watch.stop()
 
