@@ -107,11 +107,16 @@ def env_var(cont: dict, name: str) -> dict:
 
 def test_dockerfile_base_is_a_build_argument_and_torch_matches_the_ci_pin():
     instructions = dockerfile_instructions(DOCKERFILE.read_text())
-    froms = [args for kw, args in instructions if kw == "FROM"]
-    assert len(froms) == 1 and froms[0] in ("${BASE}", "$BASE"), froms
-    before_from = instructions[: instructions.index(("FROM", froms[0]))]
-    base_args = [args for kw, args in before_from if kw == "ARG" and args.startswith("BASE=")]
+    froms = [args.split() for kw, args in instructions if kw == "FROM"]
+    # Two stages on one base: the build stage makes the virtualenv, the final one receives only it.
+    assert [f[0] for f in froms] == ["${BASE}", "${BASE}"] and froms[0][1:] == ["AS", "build"], froms
+    first_from = next(i for i, (kw, _) in enumerate(instructions) if kw == "FROM")
+    base_args = [args for kw, args in instructions[:first_from] if kw == "ARG" and args.startswith("BASE=")]
     assert base_args and "slim" in base_args[0], "the default base must be a slim CPU Python image"
+    final_stage = instructions[max(i for i, (kw, _) in enumerate(instructions) if kw == "FROM"):]
+    from_build = [a for kw, a in final_stage if kw == "COPY" and a.startswith("--from=")]
+    assert from_build == ["--from=build /opt/elasticctl /opt/elasticctl"], "only the virtualenv reaches the image"
+    assert not any(kw == "COPY" and "wheelhouse" in a for kw, a in final_stage), "wheels stay in the build stage"
 
     args = dict(a.split("=", 1) for kw, a in instructions if kw == "ARG" and "=" in a)
     assert args["TORCH_INDEX"].endswith("/whl/cpu"), "CPU torch by default"
@@ -119,6 +124,8 @@ def test_dockerfile_base_is_a_build_argument_and_torch_matches_the_ci_pin():
     assert args["TORCH_VERSION"] == ci_pin, "the image should run the torch the tests ran"
     runs = " ".join(a for kw, a in instructions if kw == "RUN")
     assert 'torch==${TORCH_VERSION}' in runs and '--index-url "${TORCH_INDEX}"' in runs
+    # The air-gapped path: WHEELS_ONLY=1 turns every index off for both installs.
+    assert args["WHEELS_ONLY"] == "0" and runs.count('if [ "${WHEELS_ONLY}" = 1 ]; then export PIP_NO_INDEX=1; fi') == 2
 
 
 def test_dockerfile_runs_as_non_root_with_healthcheck_and_elasticctl_entrypoint():
@@ -148,6 +155,8 @@ def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored():
     sources = []
     for kw, args in instructions:
         if kw in ("COPY", "ADD"):
+            if args.startswith("--from="):
+                continue  # a path in an earlier stage, not in the build context
             words = [w for w in shlex.split(args) if not w.startswith("--")]
             sources += words[:-1]
     assert "trainers/" in sources and "elasticctl/" in sources
@@ -164,8 +173,12 @@ def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored():
 def test_compose_etcd_is_official_v3_health_checked_on_a_volume_and_not_published():
     compose = load_compose()
     etcd = compose["services"]["etcd"]
-    assert etcd["image"].startswith(OFFICIAL_ETCD_IMAGES)
-    version = re.search(r":v?(\d+)\.(\d+)", etcd["image"]).groups()
+    # Selectable (ETCD_IMAGE: one made by deploy/images/etcd-image.sh), the official one by default.
+    selectable = re.fullmatch(r"\$\{ETCD_IMAGE:-(.+)\}", etcd["image"])
+    assert selectable, etcd["image"]
+    default = selectable.group(1)
+    assert default.startswith(OFFICIAL_ETCD_IMAGES)
+    version = re.search(r":v?(\d+)\.(\d+)", default).groups()
     assert tuple(map(int, version)) >= (3, 5), "etcd 3.5+: v2 API off unless asked for"
     test = etcd["healthcheck"]["test"]
     assert test[0] == "CMD" and test[1].endswith("etcdctl") and test[-2:] == ["endpoint", "health"]
@@ -194,6 +207,11 @@ def test_compose_trainers_share_checkpoints_shm_restart_and_grace():
         assert service["restart"].startswith("on-failure")
         assert seconds(service["stop_grace_period"]) >= 60, "time for the final checkpoint"
         assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+        # The variables that pick images without a registry default to the Dockerfile's own defaults.
+        defaults = dict(a.split("=", 1) for kw, a in dockerfile_instructions(DOCKERFILE.read_text())
+                        if kw == "ARG" and "=" in a)
+        for arg, variable in (("BASE", "BASE_IMAGE"), ("TORCH_VERSION", "TORCH_VERSION"), ("WHEELS_ONLY", "WHEELS_ONLY")):
+            assert service["build"]["args"][arg] == f"${{{variable}:-{defaults[arg]}}}", (name, arg)
         assert "container_name" not in service, "a fixed container name forbids --scale"
         env = service["environment"]
         assert env["ELASTICCTL_ETCD"] == option(command, "--etcd") and env["ELASTICCTL_JOB"] == option(command, "--job")
