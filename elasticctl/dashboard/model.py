@@ -25,7 +25,7 @@ from elasticctl.job.records import (
     typed_record,
 )
 from elasticctl.job.snapshot import JobSnapshot
-from elasticctl.job.spec import validate_name
+from elasticctl.job.spec import JobSpec, validate_name
 
 # Upper bounds (seconds) of the recovery-time histogram: from a free in-place re-form to a slow
 # restart with a checkpoint load.
@@ -50,6 +50,7 @@ class Reading:
     progress: bytes | None = None
     events: Sequence[bytes] = ()  # history/events/, in key (= time) order
     samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
+    spec: JobSpec | None = None  # validated when read; None: none, or unreadable
 
     @classmethod
     def of(cls, snapshot: JobSnapshot, now: float) -> Reading:
@@ -64,6 +65,7 @@ class Reading:
             progress=snapshot.progress,
             events=snapshot.events,
             samples=snapshot.samples,
+            spec=snapshot.spec,
         )
 
 
@@ -315,6 +317,15 @@ class JobMetrics:
     checkpoint_write_seconds: float | None = None  # that event's write duration
     checkpoint_failures: int | None = None  # writes failed in a row (0: the newest succeeded)
     checkpoint_error: str = ""  # the newest failure's sentence while they fail
+    # From the job's spec (None without one: a plain torchrun job, or after `down`)
+    nnodes_min: int | None = None
+    nnodes_max: int | None = None
+    restart_budget: int | None = None  # per node; None: the handler keeps none
+    # Restarts each live node's own failures spent, from its member record
+    node_restarts: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Member records that say the node's workers finished the script: a finished run's last
+    # word, kept on the run lease (``ttl``) after its processes are gone
+    finished_nodes: int = 0
 
 
 def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
@@ -331,8 +342,10 @@ def job_metrics(reading: Reading) -> JobMetrics:
     members = _valid_ids(reading.members, MEMBER_FIELDS)
     current = _current_round(members)
     by_state: dict[str, int] = {}
+    node_restarts: dict[str, int] = {}
     for row in nodes_table(reading):
         by_state[row["state"]] = by_state.get(row["state"], 0) + 1
+        node_restarts[row["id"]] = row["restarts"]
     durations = [
         e.duration
         for e in events
@@ -342,6 +355,7 @@ def job_metrics(reading: Reading) -> JobMetrics:
     rates = [r for r in samples_series(reading.samples, job_lifetime(events, reading.now))["steps_per_s"]
              if r is not None]
     checkpoint = newest_checkpoint(events, reading.now) or {}
+    spec = reading.spec
     return JobMetrics(
         world_size=_world_size(members, current),
         round=current,
@@ -360,4 +374,9 @@ def job_metrics(reading: Reading) -> JobMetrics:
         checkpoint_write_seconds=checkpoint.get("duration"),
         checkpoint_failures=progress.get("checkpoint_failures", 0) if progress else None,
         checkpoint_error=progress.get("checkpoint_error", ""),
+        nnodes_min=spec.min_nodes if spec else None,
+        nnodes_max=spec.max_nodes if spec else None,
+        restart_budget=spec.restart_budget if spec else None,
+        node_restarts=node_restarts,
+        finished_nodes=sum(1 for m in members.values() if m.get("state") == MemberState.DONE),
     )

@@ -8,6 +8,7 @@ Metrics: prometheus_client, with a custom collector that reads etcd on each scra
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -32,7 +33,7 @@ from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.registry import Registry
 from elasticctl.job.snapshot import Part
-from elasticctl.job.spec import quote, whole_number
+from elasticctl.job.spec import JobSpec, quote, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,17 @@ class JobReader:
             return call()
 
     def read(self) -> Reading:
-        return Reading.of(self.registry.snapshot(Part.DASHBOARD, self._timed), time.time())
+        snapshot = self.registry.snapshot(Part.DASHBOARD, self._timed)
+        return Reading.of(dataclasses.replace(snapshot, spec=self._spec()), time.time())
+
+    def _spec(self) -> JobSpec | None:
+        # Read apart from the snapshot, whose spec part would fail as a whole on a malformed spec:
+        # here that blanks only the metrics that come from the spec, never the page.
+        try:
+            return self._timed("range", self.registry.read_spec)
+        except ConfigError as exc:
+            log.warning("the spec of job %s is unreadable: %s", self.keys.job, exc)
+            return None
 
 
 class JobCollector(Collector):
@@ -90,6 +101,19 @@ class JobCollector(Collector):
             "elasticctl_world_size", "Nodes training in the current round.", m.world_size
         )
         yield from gauge("elasticctl_round", "The current rendezvous round.", m.round)
+        # The bounds the world size moves within: an alert compares the world size to its MAX.
+        yield from gauge(
+            "elasticctl_nnodes_min", "The job's --nnodes MIN (from its spec).", m.nnodes_min
+        )
+        yield from gauge(
+            "elasticctl_nnodes_max", "The job's --nnodes MAX (from its spec).", m.nnodes_max
+        )
+        # A finished run trains no step and has no world: the alerts on those stay quiet on it.
+        yield from gauge(
+            "elasticctl_finished_nodes",
+            "Nodes whose workers finished the script (member records in state done).",
+            m.finished_nodes,
+        )
         nodes = GaugeMetricFamily(
             "elasticctl_nodes", "Live nodes by state.", labels=["elastic_job", "state"]
         )
@@ -105,6 +129,21 @@ class JobCollector(Collector):
         )
         restarts.add_metric(job, m.restarts_spent)
         yield restarts
+        # The budget is per node (a node over it stops alone), so what each node spent is a
+        # series of its own: an alert can name the node that is about to stop.
+        yield from gauge(
+            "elasticctl_restart_budget",
+            "Restarts each node may spend on its own failures (--max-restarts).",
+            m.restart_budget,
+        )
+        node_restarts = GaugeMetricFamily(
+            "elasticctl_node_restarts_spent",
+            "Restarts a live node's own failures spent (its member record).",
+            labels=["elastic_job", "node"],
+        )
+        for node, spent in sorted(m.node_restarts.items()):
+            node_restarts.add_metric([*job, node], spent)
+        yield node_restarts
         recoveries = HistogramMetricFamily(
             "elasticctl_recovery_seconds",
             "Seconds each recovery took (recovery_finished events).",

@@ -181,3 +181,13 @@ class JobSpec:
     @property
     def nnodes(self) -> str:
         return str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+
+    @property
+    def restart_budget(self) -> int | None:
+        """Restarts each node may spend on its own failures: ``max_restarts`` in ``rdzv_conf``
+        wins over ``--max-restarts``, as in the torchrun command the launcher builds. None when
+        ``rdzv_conf`` sets it empty: the handler then keeps no budget of its own."""
+        conf = dict(self.rdzv_conf)
+        if "max_restarts" in conf:
+            return parse_rdzv_options({"max_restarts": conf["max_restarts"]}).max_restarts
+        return self.max_restarts

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
-from elasticctl.job.records import EventKind, ProgressSample
+from elasticctl.job.records import EventKind, ProgressSample, record_json
+from elasticctl.job.spec import JobSpec
 
 
 # -- the server against a real etcd -----------------------------------------------------------
@@ -36,6 +37,8 @@ def planted(default_etcd, run_id):
     client.put(keys.node("a"), NODE, lease=lease)
     client.put(keys.node("b"), b"\xff planted")
     client.put(keys.member("a"), MEMBER)
+    spec = JobSpec(run_id, "train.py", min_nodes=1, max_nodes=3, max_restarts=4)
+    client.put(keys.spec, record_json(spec.to_dict()))
     client.put(keys.progress, b'{"step": 50, "last_checkpoint_step": 40, "time": 1}')
     log = EventLog(client, keys)
     log.record(EventKind.ROUND_FORMED, "a", round=3, members=("a",), world_size=1)
@@ -79,6 +82,11 @@ def test_the_page_json_and_metrics_come_from_etcd(planted):
     }
     value = {f.name: f.samples[0].value for f in families.values() if f.samples}
     assert value["elasticctl_world_size"] == 1 and value["elasticctl_round"] == 3
+    assert (value["elasticctl_nnodes_min"], value["elasticctl_nnodes_max"]) == (1, 3)
+    assert value["elasticctl_restart_budget"] == 4
+    assert [(s.labels["node"], s.value) for s in families["elasticctl_node_restarts_spent"].samples] == [
+        ("a", 1)
+    ]
     assert value["elasticctl_dashboard_etcd_up"] == 1
     assert families["elasticctl_restarts_spent"].type == "counter"
     assert families["elasticctl_nodes"].samples[0].labels == {
@@ -205,4 +213,22 @@ def test_planted_records_in_etcd_change_neither_live_nodes_nor_the_time_axis(def
             assert view["samples"]["time"] == [now + 1]
         finally:
             client.revoke_lease(lease)
+            client.delete_prefix(keys.everything)
+
+
+def test_a_malformed_spec_blanks_only_the_metrics_that_come_from_it(default_etcd, run_id):
+    from werkzeug.test import Client
+
+    from elasticctl.dashboard.server import Dashboard
+
+    keys = JobKeys(run_id)
+    with EtcdClient(default_etcd.client_settings()) as client:
+        try:
+            client.put(keys.spec, b'{"name": 5}')
+            client.put(keys.member("a"), MEMBER)
+            text = Client(Dashboard(client, keys)).get("/metrics").get_data(as_text=True)
+            value = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
+            assert value["elasticctl_dashboard_etcd_up"] == 1 and value["elasticctl_world_size"] == 1
+            assert not {"elasticctl_nnodes_max", "elasticctl_restart_budget"} & set(value)
+        finally:
             client.delete_prefix(keys.everything)

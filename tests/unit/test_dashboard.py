@@ -438,3 +438,30 @@ def test_the_dashboard_and_status_present_one_snapshot_each_their_own_way():
     view = JobView.of(snapshot)
     assert sorted(view.nodes) == ["a", "b"] and view.round == 3 and view.progress == {"step": 4}
     assert [n["rendezvous"] for n in view.to_dict()["nodes"]] == ["training", "joining"]
+
+
+# -- issue 22: what the alert rules compare against ---------------------------------------------
+
+
+def test_the_spec_gives_the_node_bounds_and_the_restart_budget_and_members_what_each_spent():
+    from elasticctl.job.spec import JobSpec
+
+    spec = JobSpec("j", "train.py", min_nodes=2, max_nodes=4, max_restarts=5)
+    reading = Reading(
+        "j",
+        NOW,
+        nodes={"a": NODE, "b": NODE.replace(b'"a"', b'"b"')},
+        members={"a": MEMBER},  # restarts 1; b has no member record yet: it spent none
+        spec=spec,
+    )
+    m = job_metrics(reading)
+    assert (m.nnodes_min, m.nnodes_max, m.restart_budget) == (2, 4, 5)
+    assert m.node_restarts == {"a": 1, "b": 0} and m.finished_nodes == 0
+    # a finished run: the member records say done, also those of nodes whose process is gone
+    done = MEMBER.replace(b'"training"', b'"done"')
+    assert job_metrics(Reading("j", NOW, members={"a": done, "z": done.replace(b'"a"', b'"z"')})).finished_nodes == 2
+    # max_restarts in --rdzv-conf is what the handler enforces, so it is the budget shown
+    overridden = JobSpec("j", "train.py", max_restarts=5, rdzv_conf=(("max_restarts", "2"),))
+    assert job_metrics(Reading("j", NOW, spec=overridden)).restart_budget == 2
+    without = job_metrics(Reading("j", NOW))  # a plain torchrun job, or one that is down
+    assert (without.nnodes_min, without.nnodes_max, without.restart_budget) == (None, None, None)
