@@ -99,4 +99,10 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # `python -m elasticctl.train.entry` runs this file as `__main__`, a second module object
+    # beside the `elasticctl.train.entry` the runtime and GracefulStop import: a stop request
+    # noted there would never reach the `_mark_done` registered here, and a worker stopped by
+    # SIGTERM would be marked finished. So run the imported module's main, with its globals.
+    from elasticctl.train import entry
+
+    entry.main(sys.argv[1:])

@@ -20,6 +20,7 @@ its end record and then dies, on the first attempt only:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,19 @@ def test_failure_after_a_peer_exited_0_is_reported_not_retrained(default_etcd, r
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_entry_marks_done_only_a_script_that_was_not_asked_to_stop(tmp_path, stopped):
+    """`python -m elasticctl.train.entry` runs as `__main__`; the runtime and GracefulStop note a
+    stop request in the imported `elasticctl.train.entry`. Both must be one module, or a worker
+    stopped by SIGTERM (exit 0) is marked finished and its node stops instead of restarting."""
+    from elasticctl.job.environment import WORKER_MARKS
+
+    script = tmp_path / "script.py"
+    script.write_text("from elasticctl.train import entry\n" + ("entry.note_stop_request()\n" if stopped else ""))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    subprocess.run([sys.executable, "-m", "elasticctl.train.entry", str(script)], check=True, timeout=60,
+                   env={**os.environ, WORKER_MARKS: str(marks), "LOCAL_RANK": "0"})
+    assert sorted(p.name for p in marks.iterdir()) == (["started-0"] if stopped else ["done-0", "started-0"])

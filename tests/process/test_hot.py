@@ -11,6 +11,7 @@ import collections
 import signal
 import sys
 
+import psutil
 import pytest
 import torch
 from support.helpers import WORKERS, read_records, wait_for
@@ -229,3 +230,42 @@ def test_elasticctl_runs_a_hot_job_whose_survivors_keep_training_and_which_goes_
     # the whole job went down: a final checkpoint at the last step trained
     last = max(r["step"] for r in steps) + 1
     assert (checkpoints / f"step-{last:08d}.pt").exists(), sorted(p.name for p in checkpoints.iterdir())
+
+
+def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restarts_only_its_node(
+        nodes, default_etcd, run_id, tmp_path):
+    """Issue 20.3: several workers per node in hot mode. A node's loss takes both its workers and
+    the other nodes' four keep their processes; one worker crashing on a node that keeps its other
+    worker: that node's agent restarts its two workers (torchrun restarts a node's worker group
+    as one), they rejoin as newcomers and get the state, and the other node never restarts."""
+    from test_orchestrator import Job
+
+    job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:3",
+              extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2"], train=[HOT])
+    started = {"a": job.up("a")}
+    wait_for(job.registry.read_spec, 60, "the job spec in etcd")
+    started.update({name: job.join(name) for name in ("b", "c")})
+    first = job.wait_world(6, {"a", "b", "c"})
+    pids = collections.defaultdict(set)
+    for r in first:
+        pids[r["node"]].add(r["pid"])
+    assert all(len(p) == 2 for p in pids.values()), pids
+
+    killed_at = max(r["time"] for r in job.records())
+    started["c"].kill()
+    shrunk = job.wait_world(4, {"a", "b"}, since=killed_at)
+    assert {r["pid"] for r in shrunk} == pids["a"] | pids["b"], "a survivor's worker restarted"
+
+    crashed_at = max(r["time"] for r in job.records())
+    victim = min(pids["b"])
+    psutil.Process(victim).kill()
+    back = job.wait_world(4, {"a", "b"}, since=crashed_at)
+    by_node = collections.defaultdict(set)
+    for r in back:
+        by_node[r["node"]].add(r["pid"])
+    assert by_node["a"] == pids["a"], "the node that kept both workers restarted one"
+    assert len(by_node["b"]) == 2 and not by_node["b"] & pids["b"], "b's agent restarts its worker group whole"
+    assert min(r["step"] for r in back if r["node"] == "b") > 0, "b's new workers did not get the state"
+
+    steps = [r for r in job.records() if "event" not in r]
+    check_replicas_and_samples(steps)
