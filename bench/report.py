@@ -352,6 +352,7 @@ def markdown(results: dict, png: str | None) -> str:
         *table,
         "",
         *([hot_targets(results), ""] if _ran_hot(results) else []),
+        *recovery_phase_section(results),
         ("Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
         "worst-case lost work per failure = the steps since the last checkpoint):"),
         "",
@@ -451,6 +452,31 @@ def rendezvous_section(results: dict) -> list[str]:
         rendezvous_targets(results),
         "",
     ]
+
+
+PHASE_LABELS = {"fault_seen": "fault seen", "torn_down": "group torn down", "sealed": "generation sealed",
+                "group_built": "group built", "state_synced": "state synced", "first_step": "first step"}
+
+
+def recovery_phase_section(results: dict) -> list[str]:
+    """Hot mode: when each phase of a recovery ended, seconds after the signal (medians of rank 0's
+    ``recovery_timeline``); empty when no run recorded one (results from before it existed)."""
+    runs = results["scenarios"].get("lifecycle", {}).get(HOT, [])
+    events = [(name, label) for name, label in (("crash", "SIGKILL node c"), ("freeze", "SIGSTOP node b"))
+              if any((run.get(name) or {}).get("phases") for run in runs)]
+    if not events:
+        return []
+    header = "| phase ended | " + " | ".join(f"{label} (s after the signal)" for _, label in events) + " |"
+    lines = ["Where a hot recovery's seconds go (rank 0's timeline; medians over repeats; each cell is the "
+             "end of a phase, seconds after the signal):", "", header, "|---|" + "---|" * len(events)]
+    for phase, label in PHASE_LABELS.items():
+        cells = []
+        for name, _ in events:
+            values = [(run.get(name) or {}).get("phases", {}).get(phase) for run in runs]
+            value = _median(values)
+            cells.append("–" if value is None else f"{value:.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def text_table(results: dict) -> str:

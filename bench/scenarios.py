@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.cluster import Cluster, wait_for
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.train.timeline import RECOVERY_PHASES
 
 # --step-sleep keeps event runs near 15 steps/s, so agents and etcd are not starved of
 # the 2 cores and the steps/s plot stays readable; steady state runs without it.
@@ -76,7 +77,20 @@ def _recovery(cluster: Cluster, event: float, world: int, survivors: set[str], c
     first_after = min(r["step"] for r in steps if r["time"] > event and r["world_size"] == world)
     return {"seconds": resumed - event, "cap_s": cap, "outcome": "recovered",
             "last_step_before": last_before, "first_step_after": first_after,
-            "redone_steps": last_before + 1 - first_after}
+            "redone_steps": last_before + 1 - first_after, **_phases(cluster, event, world)}
+
+
+def _phases(cluster: Cluster, event: float, world: int) -> dict:
+    """Hot mode: where the seconds from ``event`` to the first step went, from rank 0's
+    ``recovery_timeline`` (elasticctl/train/timeline.py): each phase's end, seconds since the event."""
+    timelines = [r for r in cluster.record.read() if r.get("event") == "recovery_timeline"
+                 and r.get("noticed", 0) >= event and r.get("rank") == 0 and r.get("world_size") == world]
+    if not timelines:
+        return {}
+    first = min(timelines, key=lambda r: r["noticed"])
+    since_noticed = {phase: first[phase] for phase in RECOVERY_PHASES if phase in first}
+    return {"phases": {"fault_seen": round(first["noticed"] - event, 3),
+                       **{phase: round(first["noticed"] - event + s, 3) for phase, s in since_noticed.items()}}}
 
 
 ADMISSION = ("pause_s", "joiner_after_initialized_s", "joiner_after_process_start_s")

@@ -127,11 +127,14 @@ class HotMembership(Membership):
         state is sent) is formed again, up to FORM_ATTEMPTS times."""
         for attempt in range(1, FORM_ATTEMPTS + 1):
             runtime.teardown()
+            runtime.mark_recovery("torn_down")
             generation = self.generations.join()
+            runtime.mark_recovery("sealed")
             rank = generation.rank_of(runtime.worker)
             try:
                 runtime.store = build_generation_group(generation, rank, runtime.backend, runtime.pg_timeout,
                                                        runtime.device)
+                runtime.mark_recovery("group_built")
                 return runtime.start_generation(generation, rank, generation.world_size,
                                                 noticed_at if why else None)
             except StateError:

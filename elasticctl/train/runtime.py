@@ -68,6 +68,7 @@ from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.state import State
 from elasticctl.train.sync import plan_state_sync
+from elasticctl.train.timeline import describe_timeline, recovery_timeline
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class Runtime:
         # When the fault or change this generation recovers from was noticed; cleared once its
         # first step is recorded (None: the generation ends no recovery, or it is recorded).
         self._recovering_since: float | None = None
+        self._recovery_marks: dict[str, float] = {}  # phase -> wall time it ended (train/timeline.py)
         self._failures_at: tuple[int, int] = (-1, 0)  # (step, failures there in a row)
         self._events: Any = None
         self._progress: Any = None
@@ -306,7 +308,13 @@ class Runtime:
             log.warning("[%s] generation %s ends at step %d: %s", self.worker,
                         self._group.number if self._group else "-", self.state.step, why)
         self.phase = Phase.RE_FORMING
+        self._recovery_marks = {}
         return self.membership.re_form(self, why, noticed_at)
+
+    def mark_recovery(self, phase: str) -> None:
+        """The wall time a phase of the recovery in progress ended (the membership marks its own;
+        a phase repeated by a second attempt to form keeps its last time)."""
+        self._recovery_marks[phase] = time.time()
 
     def start_generation(self, generation: Round, rank: int, world_size: int, noticed_at: float | None) -> Group:
         """Train in ``generation`` (its process group is up): the state in sync, the sampler
@@ -315,6 +323,7 @@ class Runtime:
         previous = self.membership.previous
         survivors = [previous is not None and member in previous.members for member in generation.members]
         sent_from = self._sync_state(rank, world_size, survivors or [False] * world_size)
+        self.mark_recovery("state_synced")
         if self.state.sampler is not None:  # the global position stays; the deal changes
             self.state.sampler.num_replicas, self.state.sampler.rank = world_size, rank
         group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
@@ -456,11 +465,18 @@ class Runtime:
         return self._flags_in_flight() if self.membership.agreed_at_once else None
 
     def _record_first_step(self, group: Group) -> None:
-        """The first step of a generation formed after a fault or change ends that recovery."""
-        if self._recovering_since is not None and group.rank == 0:
+        """The first step of a generation formed after a fault or change ends that recovery: its
+        timeline goes to the script (every rank) and, from rank 0, to the job's history."""
+        if self._recovering_since is None:
+            return
+        noticed, self._recovering_since = self._recovering_since, None
+        self.mark_recovery("first_step")
+        timeline = recovery_timeline(noticed, self._recovery_marks)
+        self._emit("recovery_timeline", round=group.number, noticed=noticed, **timeline)
+        if group.rank == 0:
             self._record(EventKind.RECOVERY_FINISHED, round=group.number, world_size=group.world_size,
-                         step=self.state.step, duration=round(time.time() - self._recovering_since, 3))
-            self._recovering_since = None
+                         step=self.state.step, duration=round(time.time() - noticed, 3),
+                         reason=describe_timeline(timeline))
 
     def _publish_progress(self, group: Group, samples: int, loss: float | None) -> None:
         if self._progress is None or group.rank != 0:
@@ -676,6 +692,9 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     writing rank when a save (or the background write of the previous one) failed (step,
     reason); training goes on; ``"final_checkpoint"`` on every
     rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
-    worker was the one told to stop). ``no_step_warning``: seconds without a step boundary
+    worker was the one told to stop); ``"recovery_timeline"`` on every rank at the first step
+    after a fault or change (round, noticed: the wall time the fault was seen, then the seconds
+    from it to the end of each phase: torn_down, sealed, group_built, state_synced, first_step;
+    see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
     (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`)."""
     Runtime(state, **options).run(train)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import signal
 import sys
+import time
 
 import psutil
 import pytest
@@ -269,3 +270,31 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
 
     steps = [r for r in job.records() if "event" not in r]
     check_replicas_and_samples(steps)
+
+
+def test_a_hot_recovery_reports_its_timeline_to_the_script_and_the_history(nodes, default_etcd, run_id, tmp_path):
+    """Issue 21.3: where a recovery's seconds go. The survivor's script hears a
+    ``recovery_timeline`` (fault seen, then each phase's end, in order) and the job's history
+    says the same in its ``recovery_finished``."""
+    from test_orchestrator import Job
+
+    from elasticctl.job.events import EventLog
+    from elasticctl.job.keys import JobKeys
+    from elasticctl.job.records import EventKind
+    from elasticctl.train.timeline import RECOVERY_PHASES
+
+    job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:2", extra=["--recovery", "hot", "--node-ttl", "3"])
+    started = job.start("a", "b")
+    killed_at = time.time()
+    started["b"].kill()
+    job.wait_world(1, {"a"}, since=killed_at)
+    timelines = wait_for(lambda: [r for r in job.records() if r.get("event") == "recovery_timeline"
+                                  and r["noticed"] > killed_at], 60, "the survivor's recovery timeline")
+    timeline = timelines[0]
+    ends = [timeline[phase] for phase in RECOVERY_PHASES]  # every phase ran: the state is in sync at world 1
+    assert ends == sorted(ends) and 0 <= ends[0], timeline
+    history = EventLog(job.client, JobKeys(run_id))
+    finished = wait_for(lambda: [e for e in history.read(since=killed_at) if e.kind is EventKind.RECOVERY_FINISHED],
+                        30, "recovery_finished in the history")
+    assert "generation sealed +" in finished[0].reason and finished[0].reason.endswith(
+        f"first step +{timeline['first_step']:.3f} s"), finished[0].reason

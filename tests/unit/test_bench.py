@@ -125,3 +125,19 @@ def test_report_reads_results_from_before_hot_mode():
     assert rows["Crash: SIGKILL node c → first step at world 2 (s)"][1] == "not measured"
     pause = next(v for k, v in rows.items() if k.startswith("Scale-up: running workers' pause"))
     assert pause[:3] == ("not measured",) * 3
+
+
+def test_recovery_phases_are_reported_as_medians_of_each_phase_end():
+    def run(crash_phases):
+        return {"crash": {"seconds": 0.6, "phases": crash_phases}, "freeze": {"seconds": 5.1}}
+
+    results = {"scenarios": {"lifecycle": {report.HOT: [
+        run({"fault_seen": 0.05, "torn_down": 0.06, "sealed": 0.55, "first_step": 0.6}),
+        run({"fault_seen": 0.07, "torn_down": 0.08, "sealed": 0.59, "first_step": 0.7}),
+        run({"fault_seen": 0.06, "torn_down": 0.07, "sealed": 0.57, "first_step": 0.65}),
+    ]}}}
+    lines = report.recovery_phase_section(results)
+    assert "| phase ended | SIGKILL node c (s after the signal) |" in lines  # no freeze column: none recorded
+    assert "| fault seen | 0.060 |" in lines and "| generation sealed | 0.570 |" in lines
+    assert "| group built | – |" in lines  # a phase no run recorded
+    assert report.recovery_phase_section({"scenarios": {"lifecycle": {report.HOT: [{"crash": {}}]}}}) == []
