@@ -133,6 +133,7 @@ def test_sbatch_script_syntax_and_directives():
     header = text.split("\nset ", 1)[0]  # Slurm reads #SBATCH only before the first command
     directives = re.findall(r"^#SBATCH\s+(\S+)", header, flags=re.MULTILINE)
     assert "--requeue" in directives
+    assert "--no-kill" in directives, "a node Slurm sets DOWN must not requeue or kill the whole job"
     signal_directive = next(d for d in directives if d.startswith("--signal="))
     match = re.fullmatch(r"--signal=(B:)?(USR1|USR2)@(\d+)", signal_directive)
     # Not TERM: Slurm sends SIGTERM on scancel and at the time limit too, and a cancelled job
