@@ -6,7 +6,7 @@ installed) and the fields the README's walk-throughs depend on. The Slurm script
 run for real against stub `srun`/`scontrol`/`scancel`/`elasticctl` commands.
 
 Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
-subject: tests/unit/test_deploy.py.
+subject: tests/unit/test_deploy.py, and tests/infra/test_slurm.py (the Slurm script on a real Slurm).
 """
 
 from __future__ import annotations
