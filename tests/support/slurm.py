@@ -92,7 +92,7 @@ def unavailable_reason() -> str | None:
         return "a Slurm cluster needs root (its daemons, namespaces and mounts)"
     missing = [name for name in (*DAEMONS, *CLIENTS, "unshare") if shutil.which(name) is None]
     if missing:
-        return (f"{', '.join(missing)} not installed (Debian: apt-get install --no-install-recommends "
+        return (f"{', '.join(missing)} not found (Debian: apt-get install --no-install-recommends "
                 "slurm-wlm munge)")
     return None
 
