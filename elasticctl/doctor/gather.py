@@ -104,6 +104,20 @@ def _interfaces_named(value: str, names: Sequence[str], exact: bool) -> tuple[st
     return tuple(n for n in names if any(n == p if exact else n.startswith(p) for p in wanted))
 
 
+def _reached_on_this_host(addr: str, mine: set[str]) -> bool:
+    """Whether a published address is loopback or this host's. A name counts by what it resolves to
+    here: several nodes on one host may advertise names that all resolve to loopback (several
+    slurmd on one machine, each node advertising its Slurm node name); a name that does not
+    resolve counts as remote."""
+    if launcher.is_loopback(addr) or addr in mine:
+        return True
+    try:
+        resolved = {info[4][0].split("%")[0] for info in socket.getaddrinfo(addr, None)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    return any(launcher.is_loopback(a) or a in mine for a in resolved)
+
+
 def gather_interface(local_addr: str, nodes: Mapping[str, dict],
                      environ: Mapping[str, str] = os.environ) -> InterfaceFacts:
     addrs = psutil.net_if_addrs()
@@ -114,7 +128,7 @@ def gather_interface(local_addr: str, nodes: Mapping[str, dict],
     remote = tuple(
         RemoteNode(node, str(r.get("host", "?")), r["addr"])
         for node, r in sorted(nodes.items())
-        if r.get("addr") and not launcher.is_loopback(r["addr"]) and r["addr"] not in mine
+        if r.get("addr") and not _reached_on_this_host(r["addr"], mine)
     )
     nccl = environ.get("NCCL_SOCKET_IFNAME")
     nccl_matches = _interfaces_named(nccl, names, exact=False) if nccl is not None else ()

@@ -6,7 +6,7 @@ installed) and the fields the README's walk-throughs depend on. The Slurm script
 run for real against stub `srun`/`scontrol`/`scancel`/`elasticctl` commands.
 
 Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
-subject: tests/unit/test_deploy.py.
+subject: tests/unit/test_deploy.py, and tests/infra/test_slurm.py (the Slurm script on a real Slurm).
 """
 
 from __future__ import annotations
@@ -133,11 +133,15 @@ def test_sbatch_script_syntax_and_directives():
     header = text.split("\nset ", 1)[0]  # Slurm reads #SBATCH only before the first command
     directives = re.findall(r"^#SBATCH\s+(\S+)", header, flags=re.MULTILINE)
     assert "--requeue" in directives
+    assert "--no-kill" in directives, "a node Slurm sets DOWN must not requeue or kill the whole job"
     signal_directive = next(d for d in directives if d.startswith("--signal="))
-    match = re.fullmatch(r"--signal=(B:)?(TERM|USR1|USR2|INT)@(\d+)", signal_directive)
-    assert match and match.group(1) == "B:", "the batch shell must get the warning, to forward it and requeue"
+    match = re.fullmatch(r"--signal=(B:)?(USR1|USR2)@(\d+)", signal_directive)
+    # Not TERM: Slurm sends SIGTERM on scancel and at the time limit too, and a cancelled job
+    # must not requeue itself.
+    assert match and match.group(1) == "B:", "the batch shell must get a warning of its own, to forward it and requeue"
     assert int(match.group(3)) >= 60, "leave time for the final checkpoint"
-    assert re.search(r"^\s*trap on_term " + match.group(2), text, flags=re.MULTILINE), "the warning signal must be trapped"
+    assert re.search(r"^\s*trap on_warning " + match.group(2), text, flags=re.MULTILINE), "the warning signal must be trapped"
+    assert re.search(r"^\s*trap on_term TERM", text, flags=re.MULTILINE), "SIGTERM must stop the tasks too"
     assert "elasticctl etcd" in text and re.search(r"^\s*srun\b", text, flags=re.MULTILINE)
 
 
@@ -220,8 +224,7 @@ def test_sbatch_runs_etcd_then_up_on_every_node_and_cleans_up(fake_slurm, tmp_pa
     assert not list(tmp_path.glob("elasticctl-etcd-*")), "the etcd data directory is removed"
 
 
-def test_sbatch_warning_signal_stops_tasks_gracefully_then_requeues(fake_slurm):
-    env, state = fake_slurm
+def _signal_once_up_runs(env: dict, state: Path, sig: int) -> tuple[subprocess.Popen, str]:
     script = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
@@ -229,14 +232,28 @@ def test_sbatch_warning_signal_stops_tasks_gracefully_then_requeues(fake_slurm):
             assert script.poll() is None, script.communicate()[1]
             assert time.monotonic() < deadline, "elasticctl up never started"
             time.sleep(0.05)
-        script.send_signal(signal.SIGTERM)  # what --signal=B:TERM@120 does
+        script.send_signal(sig)
         _, stderr = script.communicate(timeout=20)
     finally:
         if script.poll() is None:
             script.kill()
             script.wait()
+    return script, stderr
+
+
+def test_sbatch_warning_signal_stops_tasks_gracefully_then_requeues(fake_slurm):
+    env, state = fake_slurm
+    script, stderr = _signal_once_up_runs(env, state, signal.SIGUSR1)  # what --signal=B:USR1@120 does
     assert script.returncode == 0, stderr
     log = _log(state)
     assert "scancel --signal=TERM 4242" in log, "tasks get SIGTERM through scancel, not by cancelling the step"
     order = [line for line in log if line in ("up got TERM", "etcd stopped", "scontrol requeue 4242")]
     assert order == ["up got TERM", "etcd stopped", "scontrol requeue 4242"], log
+
+
+def test_sbatch_sigterm_stops_tasks_and_never_requeues(fake_slurm):
+    env, state = fake_slurm
+    _, stderr = _signal_once_up_runs(env, state, signal.SIGTERM)  # what scancel and the time limit send
+    log = _log(state)
+    assert "up got TERM" in log and "etcd stopped" in log, stderr
+    assert not any(line.startswith("scontrol requeue") for line in log), "a cancelled job must stay cancelled"

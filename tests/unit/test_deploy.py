@@ -6,7 +6,7 @@ installed) and the fields the README's walk-throughs depend on. The Slurm script
 run for real against stub `srun`/`scontrol`/`scancel`/`elasticctl` commands.
 
 Layer tests/unit: no etcd, no processes. The other tests of this subject:
-tests/process/test_deploy_tools.py.
+tests/process/test_deploy_tools.py, tests/infra/test_slurm.py (the Slurm script on a real Slurm).
 """
 
 from __future__ import annotations

@@ -112,6 +112,27 @@ def test_interface(facts, status, needle):
     assert check.status is status and needle in check.detail, check
 
 
+@pytest.mark.parametrize(("published", "remote"), [
+    ("10.0.0.2", True),
+    ("127.0.0.1", False),
+    ("node-on-this-host", False),   # a name that resolves to loopback here: several nodes on one host
+    ("node-elsewhere", True),       # a name that resolves to another host's address
+    ("unresolvable", True),
+])
+def test_interface_facts_count_a_published_name_by_what_it_resolves_to(monkeypatch, published, remote):
+    table = {"node-on-this-host": "127.0.0.1", "node-elsewhere": "10.0.0.2", "10.0.0.2": "10.0.0.2",
+             "127.0.0.1": "127.0.0.1"}
+
+    def getaddrinfo(host, *_args, **_kwargs):
+        if host not in table:
+            raise gather.socket.gaierror(f"{host} does not resolve")
+        return [(gather.socket.AF_INET, gather.socket.SOCK_STREAM, 6, "", (table[host], 0))]
+
+    monkeypatch.setattr(gather.socket, "getaddrinfo", getaddrinfo)
+    facts = gather.gather_interface("127.0.0.1", {"b": {"host": "host-b", "addr": published}}, environ={})
+    assert bool(facts.remote_nodes) is remote, facts
+
+
 @pytest.mark.parametrize(("value", "exact", "chosen"), [
     ("eth0", True, ("eth0",)),
     ("eth", True, ()),
