@@ -17,10 +17,10 @@ rank, world size, restart count, loss, samples seen, the step's sample indices,
 ...) plus events (resume, checkpoint, final checkpoint, done), which tests
 assert on. ``--record-params`` adds to each step line the generation and a short
 digest of the parameters before the step (equal on every replica: soaks check it).
-``--exit-at`` schedules a failure for fault tests. ``--slow-node NODE=SECONDS`` (a test and
-bench knob) makes one node's workers sleep that long in each step, for ``--slow-steps
-FROM:TO`` (steps FROM to TO-1; default every step): every node runs the same job spec, so
-the node is named (its elasticctl node id) rather than slowed by a flag of its own.
+``--exit-at`` schedules a failure for fault tests. ``--slow-node NODE=SECONDS[@FROM:TO]`` (a
+test and bench knob, repeatable) makes that node's workers sleep SECONDS in each step (steps
+FROM to TO-1 only, if given), a straggler: every node runs the same job spec, so the node is
+named by its elasticctl node id rather than slowed by a flag of its own.
 """
 
 from __future__ import annotations
@@ -70,11 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the per-epoch shuffle")
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="extra seconds per step, to stretch a test run")
-    parser.add_argument("--slow-node", default=None, metavar="NODE=SECONDS",
-                        help="test/bench knob: the workers of this node id (ELASTICCTL_NODE) sleep this "
-                             "long in each step, a straggler")
-    parser.add_argument("--slow-steps", default=None, metavar="FROM:TO",
-                        help="with --slow-node: only steps FROM to TO-1 are slowed (default: every step)")
+    parser.add_argument("--slow-node", action="append", default=[], metavar="NODE=SECONDS[@FROM:TO]",
+                        help="test/bench knob (repeatable): the workers of this node id sleep SECONDS in "
+                             "each step (steps FROM to TO-1 only, if given): a straggler")
     parser.add_argument("--log-every", type=int, default=50, help="rank 0 prints progress every N steps (0: never)")
     parser.add_argument("--record", default=None, help="append one JSON line per rank and step here")
     parser.add_argument("--record-params", action="store_true",
@@ -104,8 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--pg-timeout ({args.pg_timeout:g}) must be positive.")
     if args.step_sleep < 0:
         parser.error(f"--step-sleep ({args.step_sleep:g}) must not be negative.")
-    args.slow_node, args.slow_seconds = _slow_node(parser, args.slow_node)
-    args.slow_steps = _slow_steps(parser, args.slow_steps)
+    args.slow_node = [_slow_node(parser, text) for text in args.slow_node]
     try:
         args.exit_ranks = {int(r) for r in args.exit_ranks.split(",") if r.strip()}
     except ValueError:
@@ -113,27 +110,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _slow_node(parser: argparse.ArgumentParser, text: str | None) -> tuple[str | None, float]:
-    if text is None:
-        return None, 0.0
-    node, _, seconds = text.partition("=")
+def _slow_node(parser: argparse.ArgumentParser, text: str) -> tuple[str, float, range | None]:
+    """``NODE=SECONDS[@FROM:TO]`` as (node, seconds, the steps slowed or None: every one)."""
+    node, _, rest = text.partition("=")
+    seconds, _, steps = rest.partition("@")
     try:
         value = float(seconds)
+        first, _, last = steps.partition(":")
+        slowed = range(int(first), int(last)) if steps else None
     except ValueError:
-        value = -1.0
+        value, slowed = -1.0, None
     if not node or not 0 <= value < 3600:
-        parser.error(f"--slow-node ({text}) must be NODE=SECONDS with 0 <= SECONDS < 3600.")
-    return node, value
-
-
-def _slow_steps(parser: argparse.ArgumentParser, text: str | None) -> range | None:
-    if text is None:
-        return None
-    first, _, last = text.partition(":")
-    try:
-        return range(int(first), int(last))
-    except ValueError:
-        parser.error(f"--slow-steps ({text}) must be FROM:TO, two whole numbers.")
+        parser.error(f"--slow-node ({text}) must be NODE=SECONDS[@FROM:TO] with 0 <= SECONDS < 3600 "
+                     "and whole steps.")
+    return node, value, slowed
 
 
 def synthetic_dataset(size: int, seed: int) -> TensorDataset:
@@ -248,8 +238,9 @@ def train(args: argparse.Namespace) -> None:
                     time.sleep(args.step_sleep)
                 # The straggler knob: after commit, so it counts in this node's own time for the
                 # next step (elasticctl.train.stragglers), as a slow GPU's compute would.
-                if args.slow_node == node and (args.slow_steps is None or step in args.slow_steps):
-                    time.sleep(args.slow_seconds)
+                for slow_node, seconds, slowed in args.slow_node:
+                    if slow_node == node and (slowed is None or step in slowed):
+                        time.sleep(seconds)
 
     try:
         elastic.run(state, generation, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,

@@ -43,7 +43,6 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from elasticctl.job.spec import validate_name
 
@@ -175,7 +174,7 @@ def timed_allreduce_hook(clock: StepClock):
     ``allreduce_hook`` (the average DDP computes without a hook)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    def hook(process_group: Any, bucket: Any):
+    def hook(process_group, bucket):  # unannotated: DDP refuses any annotation but its own types
         clock.gradients_ready()
         return allreduce_hook(process_group, bucket)
 
