@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support.helpers import MLP, cli, wait_for
@@ -24,10 +25,12 @@ WINDOW, INTERVAL = 20, 5
 SLOW = 0.2  # seconds a slowed node sleeps in a step, on top of everyone's --step-sleep 0.05
 
 
-def straggler_job(nodes, etcd, run_id, tmp_path, *slowed: str, evict: str | None = None) -> Job:
-    train = [MLP, "--steps", "100000", "--step-sleep", "0.05", "--log-every", "0", "--checkpoint-every", "0",
+def straggler_job(nodes, etcd, run_id, tmp_path, *slowed: str, evict: str | None = None,
+                  recovery: str = "hot") -> Job:
+    train = [MLP, "--steps", "100000", "--step-sleep", "0.05", "--log-every", "0", "--checkpoint-every", "20",
              *(arg for node in slowed for arg in ("--slow-node", node))]
-    extra = ["--recovery", "hot", "--straggler-window", str(WINDOW), "--straggler-interval", str(INTERVAL),
+    extra = ["--recovery", recovery, "--checkpoint-dir", str(tmp_path / "checkpoints"),
+             "--straggler-window", str(WINDOW), "--straggler-interval", str(INTERVAL),
              *(["--evict-stragglers", evict] if evict else [])]
     return Job(nodes, etcd, run_id, tmp_path, nnodes="2:3", extra=extra, train=train)
 
@@ -75,11 +78,18 @@ def test_a_slow_node_is_named_with_an_event_a_metric_and_a_dashboard_mark(nodes,
     job.wait_world(3, {"a", "b", "c"}, since=since + 1.0)
 
 
-def test_a_straggler_is_evicted_and_the_others_go_on_in_their_processes_but_a_short_slowdown_is_not(
-        nodes, default_etcd, run_id, tmp_path):
+def rate(records: list[dict], first: int, last: int) -> float:
+    """Steps per second between two steps (one rank's lines: rank 0's)."""
+    times = {r["step"]: r["time"] for r in records if "event" not in r and r["rank"] == 0 and first <= r["step"] <= last}
+    return (last - first) / (times[last] - times[first])
+
+
+@pytest.mark.parametrize("recovery", ["hot", "restart"])
+def test_a_straggler_is_evicted_and_the_others_go_on_but_a_short_slowdown_is_not(
+        nodes, default_etcd, run_id, tmp_path, recovery):
     # b is slow for WINDOW - 1 steps at the start, c from step 60 on
     job = straggler_job(nodes, default_etcd, run_id, tmp_path, f"b={SLOW}@5:{5 + WINDOW - 1}", f"c={SLOW}@60:100000",
-                        evict="3")
+                        evict="3", recovery=recovery)
     started = job.start("a", "b", "c")
     full = steps_at(job.records(), 3)
     pids = {r["node"]: r["pid"] for r in full}
@@ -92,13 +102,21 @@ def test_a_straggler_is_evicted_and_the_others_go_on_in_their_processes_but_a_sh
     assert started["c"].wait(60) == 0, started["c"].log()
     shrunk = job.wait_world(2, {"a", "b"}, since=asked.time)
     first = min(r["time"] for r in shrunk)
-    print(f"first step at world 2 {first - asked.time:.2f} s after the eviction was decided")
-    assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
+    print(f"{recovery}: first step at world 2 {first - asked.time:.2f} s after the eviction was decided")
+    if recovery == "hot":
+        assert {r["node"]: r["pid"] for r in shrunk} == {n: pids[n] for n in ("a", "b")}, "a survivor restarted"
     left = events_of(job, EventKind.LEAVE_REQUESTED, "c")
     assert left, history(job)
     # b, slow for fewer than WINDOW steps, was never named, let alone evicted
     assert events_of(job, EventKind.STRAGGLER, "b") == [], history(job)
     assert not any(e.node == "b" for e in events_of(job, EventKind.LEAVE_REQUESTED)), history(job)
     assert {r["node"] for r in after(job.records(), first + 1.0) if "event" not in r} <= {"a", "b"}
+    resumed = min(r["step"] for r in shrunk)
     job.wait_world(2, {"a", "b"}, since=first + 1.0)
+    wait_for(lambda: max(r["step"] for r in steps_at(job.records(), 2)) >= resumed + 40, 60, "40 steps at world 2")
+    records = job.records()
+    healthy, slowed = rate(steps_at(records, 3), 30, 55), rate(steps_at(records, 3), 65, 80)
+    evicted = rate(steps_at(records, 2), resumed + 10, resumed + 40)
+    print(f"{recovery}: steps/s healthy {healthy:.1f}, with the straggler {slowed:.1f}, after its eviction "
+          f"{evicted:.1f} ({evicted / healthy:.2f}x healthy)")
 
