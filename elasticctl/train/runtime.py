@@ -20,6 +20,10 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
   which resumes from the newest checkpoint. SIGTERM still ends at a step boundary with a
   final checkpoint.
 
+In either mode every ``--straggler-interval`` steps the workers exchange their own step times
+and rank 0 names (and, with ``--evict-stragglers``, asks to leave) a node that sets everyone's
+pace: :mod:`elasticctl.train.stragglers`.
+
 The two modes are two :class:`elasticctl.train.membership.Membership` implementations
 (``RestartMembership``, ``HotMembership``); what a worker does at a boundary is the pure
 :func:`elasticctl.train.boundary.at_boundary`; where the worker is, :class:`Phase`.
