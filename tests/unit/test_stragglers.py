@@ -162,3 +162,46 @@ def _event(t: float, kind: EventKind, node: str = "c", **fields) -> Event:
 ])
 def test_the_dashboard_marks_the_nodes_named_now(events, marked):
     assert marked_stragglers(events) == marked
+
+
+# -- the flags of `up` ----------------------------------------------------------------------------
+
+def _up(*flags: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from support.helpers import MLP
+
+    from elasticctl.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        try:
+            main(["up", "--dry-run", "--etcd", "127.0.0.1:2379", "--nnodes", "2:3", *flags, MLP])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+def test_up_hands_the_straggler_flags_to_the_rendezvous_options():
+    code, stdout, stderr = _up("--straggler-ratio", "2", "--straggler-window", "40", "--straggler-interval", "4",
+                               "--evict-stragglers", "3.5")
+    assert code == 0, stderr
+    conf = dict(item.split("=", 1) for item in stdout.split("--rdzv-conf=")[1].split()[0].split(","))
+    assert {key: conf[key] for key in conf if "straggler" in key} == {
+        "straggler_ratio": "2", "straggler_window": "40", "straggler_interval": "4", "evict_stragglers": "3.5"}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--straggler-ratio", "0.9"), "The rendezvous option straggler_ratio (--straggler-ratio) ('0.9') must be a "
+                                   "ratio above 1 and up to 1000."),
+    (("--evict-stragglers", "x"), "The rendezvous option evict_stragglers (--evict-stragglers) ('x') must be a "
+                                  "ratio above 1 and up to 1000 (0: never)."),
+    (("--straggler-window", "-3"), "(--straggler-window) ('-3') must be a whole number of steps from 1 to 1000000."),
+    (("--straggler-window", "5"), "The straggler interval (10 steps) must not be above the straggler window (5 steps)."),
+])
+def test_a_bad_straggler_flag_is_a_one_line_error(flags, message):
+    code, _, stderr = _up(*flags)
+    assert code != 0 and stderr.count("\n") == 1 and stderr.startswith("elasticctl: error: "), stderr
+    assert message in stderr
