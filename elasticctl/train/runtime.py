@@ -514,7 +514,11 @@ class Runtime:
             return
         values = [t.cpu().tolist() for t in gathered]
         if not all(valid_seconds(seconds) and counted >= 1 for seconds, counted in values):
-            return  # a worker that measured no step in the interval (or sent nonsense): no evidence
+            # A worker that measured no step in the interval (or sent nonsense): no evidence, and
+            # the intervals before it no longer run up to now (a node is named only for steps
+            # that were all measured).
+            self._intervals.clear()
+            return
         self._intervals.append(Interval(steps=int(min(counted for _, counted in values)),
                                         seconds=node_times(self._rank_nodes, [seconds for seconds, _ in values])))
         settings = self.stragglers
