@@ -17,7 +17,10 @@ rank, world size, restart count, loss, samples seen, the step's sample indices,
 ...) plus events (resume, checkpoint, final checkpoint, done), which tests
 assert on. ``--record-params`` adds to each step line the generation and a short
 digest of the parameters before the step (equal on every replica: soaks check it).
-``--exit-at`` schedules a failure for fault tests.
+``--exit-at`` schedules a failure for fault tests. ``--slow-node NODE=SECONDS[@FROM:TO]`` (a
+test and bench knob, repeatable) makes that node's workers sleep SECONDS in each step (steps
+FROM to TO-1 only, if given), a straggler: every node runs the same job spec, so the node is
+named by its elasticctl node id rather than slowed by a flag of its own.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the per-epoch shuffle")
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="extra seconds per step, to stretch a test run")
+    parser.add_argument("--slow-node", action="append", default=[], metavar="NODE=SECONDS[@FROM:TO]",
+                        help="test/bench knob (repeatable): the workers of this node id sleep SECONDS in "
+                             "each step (steps FROM to TO-1 only, if given): a straggler")
     parser.add_argument("--log-every", type=int, default=50, help="rank 0 prints progress every N steps (0: never)")
     parser.add_argument("--record", default=None, help="append one JSON line per rank and step here")
     parser.add_argument("--record-params", action="store_true",
@@ -96,11 +102,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--pg-timeout ({args.pg_timeout:g}) must be positive.")
     if args.step_sleep < 0:
         parser.error(f"--step-sleep ({args.step_sleep:g}) must not be negative.")
+    args.slow_node = [_slow_node(parser, text) for text in args.slow_node]
     try:
         args.exit_ranks = {int(r) for r in args.exit_ranks.split(",") if r.strip()}
     except ValueError:
         parser.error(f"--exit-ranks ({args.exit_ranks}) must be comma-separated integers.")
     return args
+
+
+def _slow_node(parser: argparse.ArgumentParser, text: str) -> tuple[str, float, range | None]:
+    """``NODE=SECONDS[@FROM:TO]`` as (node, seconds, the steps slowed or None: every one)."""
+    node, _, rest = text.partition("=")
+    seconds, _, steps = rest.partition("@")
+    try:
+        value = float(seconds)
+        first, _, last = steps.partition(":")
+        slowed = range(int(first), int(last)) if steps else None
+    except ValueError:
+        value, slowed = -1.0, None
+    if not node or not 0 <= value < 3600:
+        parser.error(f"--slow-node ({text}) must be NODE=SECONDS[@FROM:TO] with 0 <= SECONDS < 3600 "
+                     "and whole steps.")
+    return node, value, slowed
 
 
 def synthetic_dataset(size: int, seed: int) -> TensorDataset:
@@ -213,6 +236,11 @@ def train(args: argparse.Namespace) -> None:
                 state.commit(samples=len(indices), loss=loss_sum)
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
+                # The straggler knob: after commit, so it counts in this node's own time for the
+                # next step (elasticctl.train.stragglers), as a slow GPU's compute would.
+                for slow_node, seconds, slowed in args.slow_node:
+                    if slow_node == node and (slowed is None or step in slowed):
+                        time.sleep(seconds)
 
     try:
         elastic.run(state, generation, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,

@@ -91,6 +91,16 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
               help="restart (default): a membership change restarts every worker from the newest checkpoint; "
                    "hot: survivors re-form in process and joiners get the state from them "
                    "(scripts on elasticctl.train).")
+@click.option("--straggler-ratio", default=None, metavar="R",
+              help="Name a node a straggler when its own step time stays above R x the others' median "
+                   "(default 1.5; an event, a dashboard mark, a metric).")
+@click.option("--straggler-window", default=None, metavar="W",
+              help="... for W steps in a row (default 50).")
+@click.option("--straggler-interval", default=None, metavar="K",
+              help="Workers exchange their step times every K steps (default 10; at most W).")
+@click.option("--evict-stragglers", default=None, metavar="R",
+              help="Ask a node whose step time stays above R x the others' for the window to leave, "
+                   "as `elasticctl leave` does (default 0: never).")
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
@@ -106,7 +116,8 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, recovery, legacy_local_rank,
+def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, recovery,
+       straggler_ratio, straggler_window, straggler_interval, evict_stragglers, legacy_local_rank,
        node_id, local_addr, etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script,
        script_args, **etcd_params) -> None:
     """Start a job (or join it with the same spec): publish it, register, run torchrun.
@@ -125,6 +136,11 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     conf = parse_rdzv_conf(rdzv_conf)
     if recovery is not None:
         conf["recovery"] = recovery
+    # Checked with every rendezvous option when the spec is built (job.settings).
+    for key, value in (("straggler_ratio", straggler_ratio), ("straggler_window", straggler_window),
+                       ("straggler_interval", straggler_interval), ("evict_stragglers", evict_stragglers)):
+        if value is not None:
+            conf[key] = str(value).strip()
     spec = JobSpec(
         name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
         nproc_per_node=str(nproc_per_node), max_restarts=max_restarts,

@@ -125,8 +125,25 @@ def genuine_node(node: str, record: dict, leased: frozenset[str] | None, now: fl
     )
 
 
+def stragglers(events: Sequence[Event]) -> dict[str, float]:
+    """The nodes named stragglers now, with their ratio (events in time order): a ``straggler``
+    event names one, ``straggler_cleared`` clears it, and so does a round formed after it (the
+    workers measure each generation afresh and name a node again if it is still slow)."""
+    named: dict[str, float] = {}
+    for event in events:
+        if event.kind is EventKind.ROUND_FORMED:
+            named.clear()
+        elif event.kind is EventKind.STRAGGLER and event.node and event.ratio is not None:
+            named[event.node] = event.ratio
+        elif event.kind is EventKind.STRAGGLER_CLEARED:
+            named.pop(event.node, None)
+    return named
+
+
 def nodes_table(reading: Reading) -> list[dict]:
-    """One row per live node (a genuine ``nodes/`` record, see :func:`genuine_node`), by id."""
+    """One row per live node (a genuine ``nodes/`` record, see :func:`genuine_node`), by id;
+    ``straggler``: its step time over the others' while it is named a straggler, else None."""
+    named = stragglers(_events(reading))
     nodes = {
         node: record
         for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items()
@@ -148,6 +165,7 @@ def nodes_table(reading: Reading) -> list[dict]:
                 "gpus": record.get("gpus", 0),
                 "restarts": (member or {}).get("restarts", 0),
                 "heartbeat_age": None if age is None else max(0.0, round(age, 1)),
+                "straggler": named.get(node),
             }
         )
     return rows
@@ -326,6 +344,9 @@ class JobMetrics:
     # Member records that say the node's workers finished the script: a finished run's last
     # word, kept on the run lease (``ttl``) after its processes are gone
     finished_nodes: int = 0
+    # Live nodes named stragglers now: their step time over the others' median
+    straggler_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    straggler_events: int = 0  # `straggler` events in the history (named or evicted)
 
 
 def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
@@ -343,9 +364,12 @@ def job_metrics(reading: Reading) -> JobMetrics:
     current = _current_round(members)
     by_state: dict[str, int] = {}
     node_restarts: dict[str, int] = {}
+    straggler_ratios: dict[str, float] = {}
     for row in nodes_table(reading):
         by_state[row["state"]] = by_state.get(row["state"], 0) + 1
         node_restarts[row["id"]] = row["restarts"]
+        if row["straggler"] is not None:
+            straggler_ratios[row["id"]] = row["straggler"]
     durations = [
         e.duration
         for e in events
@@ -379,4 +403,6 @@ def job_metrics(reading: Reading) -> JobMetrics:
         restart_budget=spec.restart_budget if spec else None,
         node_restarts=node_restarts,
         finished_nodes=sum(1 for m in members.values() if m.get("state") == MemberState.DONE),
+        straggler_ratios=straggler_ratios,
+        straggler_events=sum(1 for e in events if e.kind is EventKind.STRAGGLER),
     )

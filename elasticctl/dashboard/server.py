@@ -144,6 +144,22 @@ class JobCollector(Collector):
         for node, spent in sorted(m.node_restarts.items()):
             node_restarts.add_metric([*job, node], spent)
         yield node_restarts
+        # A gauge per node while it is named (the newest straggler event since the round formed).
+        straggler_ratio = GaugeMetricFamily(
+            "elasticctl_straggler_ratio",
+            "A live node named a straggler: its own step time over the other nodes' median.",
+            labels=["elastic_job", "node"],
+        )
+        for node, ratio in sorted(m.straggler_ratios.items()):
+            straggler_ratio.add_metric([*job, node], ratio)
+        yield straggler_ratio
+        straggler_events = CounterMetricFamily(
+            "elasticctl_straggler_events",
+            "Nodes named (or evicted as) stragglers: straggler events in the history.",
+            labels=["elastic_job"],
+        )
+        straggler_events.add_metric(job, m.straggler_events)
+        yield straggler_events
         recoveries = HistogramMetricFamily(
             "elasticctl_recovery_seconds",
             "Seconds each recovery took (recovery_finished events).",

@@ -30,7 +30,7 @@ from collections.abc import Mapping, MutableMapping
 
 from elasticctl.errors import ConfigError
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
-from elasticctl.job.settings import HotSettings, parse_key_prefix
+from elasticctl.job.settings import HotSettings, StragglerSettings, parse_key_prefix
 from elasticctl.job.spec import quote, validate_name
 
 NODE = "ELASTICCTL_NODE"                  # this node's id in the job
@@ -48,6 +48,7 @@ ETCD_PASSWORD = "ELASTICCTL_ETCD_PASSWORD"  # never a flag: it would show in `ps
 CHECKPOINT_DIR = "ELASTICCTL_CHECKPOINT_DIR"
 RDZV_SECRET = "ELASTICCTL_RDZV_SECRET"    # never a flag either
 HOT = "ELASTICCTL_HOT"                    # hot recovery's settings (settings.HotSettings.encode)
+STRAGGLERS = "ELASTICCTL_STRAGGLERS"      # straggler detection's settings (settings.StragglerSettings.encode)
 
 # Read outside the node -> agent -> worker chain (typed readers below).
 ETCD_BINARY = "ELASTICCTL_ETCD_BINARY"
@@ -83,6 +84,7 @@ class WorkerEnvironment:
     checkpoint_dir: str = ""
     rdzv_secret: str = dataclasses.field(default="", repr=False)
     hot: HotSettings | None = None
+    stragglers: StragglerSettings | None = None  # None: no detection (not under elasticctl's handler)
 
     def __post_init__(self) -> None:
         # Whatever built it (a decode, the node, the handler), an environment is valid, so that
@@ -104,6 +106,9 @@ class WorkerEnvironment:
             raise ConfigError(f"{ETCD_CERT} and {ETCD_KEY} must be given together.")
         if self.hot is not None and not isinstance(self.hot, HotSettings):
             raise ConfigError(f"The hot-recovery settings {quote(self.hot)} in {HOT} are not HotSettings.")
+        if self.stragglers is not None and not isinstance(self.stragglers, StragglerSettings):
+            raise ConfigError(f"The straggler settings {quote(self.stragglers)} in {STRAGGLERS} "
+                              "are not StragglerSettings.")
 
     # -- the codec ---------------------------------------------------------------------
 
@@ -116,6 +121,8 @@ class WorkerEnvironment:
             env[RESTARTS] = str(self.restarts)
         if self.hot is not None:
             env[HOT] = self.hot.encode()
+        if self.stragglers is not None:
+            env[STRAGGLERS] = self.stragglers.encode()
         return env
 
     @classmethod
@@ -134,6 +141,9 @@ class WorkerEnvironment:
         hot = environ.get(HOT, "")
         if hot:
             values["hot"] = HotSettings.decode(hot, where=HOT)
+        stragglers = environ.get(STRAGGLERS, "")
+        if stragglers:
+            values["stragglers"] = StragglerSettings.decode(stragglers, where=STRAGGLERS)
         return cls(**values)
 
     # -- what the fields mean to a worker -----------------------------------------------
@@ -169,7 +179,7 @@ _STRINGS = {
     ETCD_CACERT: "etcd_cacert", ETCD_CERT: "etcd_cert", ETCD_KEY: "etcd_key", ETCD_USER: "etcd_user",
     ETCD_PASSWORD: "etcd_password", CHECKPOINT_DIR: "checkpoint_dir", RDZV_SECRET: "rdzv_secret",
 }
-WORKER_VARIABLES = (*_STRINGS, KEY_PREFIX, RESTARTS, HOT)
+WORKER_VARIABLES = (*_STRINGS, KEY_PREFIX, RESTARTS, HOT, STRAGGLERS)
 
 
 def export(environment: WorkerEnvironment, environ: MutableMapping[str, str] = os.environ) -> None:

@@ -217,6 +217,8 @@ def describe(event: Event) -> str:
         parts.append("restart spent" if event.charged else "no restart spent")
     if event.step is not None:
         parts.append(f"step {event.step}")
+    if event.ratio is not None:
+        parts.append(f"{event.ratio:.2f}x the others' step time")
     if event.duration is not None:
         parts.append(f"took {event.duration:.2f} s")
     if event.reason:

@@ -218,6 +218,8 @@ class EventKind(str, enum.Enum):
     CHECKPOINT_FAILED = "checkpoint_failed"  # checkpoints started failing (or for a new reason): step, reason
     NO_STEP = "no_step"                    # a worker reached no step boundary for long, or trained none: reason
     JOB_DOWN = "job_down"                  # `elasticctl down` stopped every node
+    STRAGGLER = "straggler"                # a node's own step time stays above R x the others': ratio, step
+    STRAGGLER_CLEARED = "straggler_cleared"  # a node named a straggler is no longer one: ratio, step
 
 
 EVENT_REASON_MAX = 2000
@@ -237,6 +239,7 @@ class Event:
     charged: bool | None = None     # failure_judged: a restart was spent
     duration: float | None = None   # seconds: round_formed, recovery_finished, checkpoint_written
     step: int | None = None         # recovery_finished, checkpoint_written: the training step
+    ratio: float | None = None      # straggler: the node's step time over the others' median
 
     def to_dict(self) -> dict:
         """The fields that are set, as JSON values."""
@@ -245,7 +248,7 @@ class Event:
             data["round"] = self.round
         if self.members:
             data["members"] = list(self.members)
-        for name in ("world_size", "charged", "duration", "step"):
+        for name in ("world_size", "charged", "duration", "step", "ratio"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
         if self.reason:
@@ -268,6 +271,10 @@ class Event:
             reason = data.get("reason", "")
             charged = data.get("charged")
             duration = data.get("duration")
+            ratio = data.get("ratio")
+            if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, _NUMBER)
+                                      or not 0 <= ratio < 1e9):
+                return None
             if not isinstance(members, list) or not isinstance(reason, str) or len(reason) > EVENT_REASON_MAX:
                 return None
             if charged is not None and not isinstance(charged, bool):
@@ -282,7 +289,8 @@ class Event:
                        world_size=None if data.get("world_size") is None else _whole(data["world_size"]),
                        reason=reason, charged=charged,
                        duration=None if duration is None else float(duration),
-                       step=None if data.get("step") is None else _whole(data["step"]))
+                       step=None if data.get("step") is None else _whole(data["step"]),
+                       ratio=None if ratio is None else float(ratio))
         except (KeyError, TypeError, ValueError, ConfigError):
             return None
 

@@ -189,6 +189,13 @@ class Registry:
 
     # -- requests ----------------------------------------------------------------------
 
+    @classmethod
+    def from_environment(cls, environment) -> Registry | None:
+        """The registry of a worker's job (``environment``: its decoded
+        :class:`~elasticctl.job.environment.WorkerEnvironment`), or None outside elasticctl."""
+        settings = environment.etcd_settings(retry_timeout=5.0)
+        return None if settings is None else cls(EtcdClient(settings), environment.job, environment.key_prefix)
+
     def request_leave(self, node: str) -> None:
         validate_name(node, "node id")
         self.client.put(self.keys.control_for(node), "leave")

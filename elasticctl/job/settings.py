@@ -37,6 +37,8 @@ TORCH_ONLY_OPTIONS = {
     "etcd_prefix": "torch's etcd v2 handler's key prefix (etcd_rendezvous.py); etcd3 has key_prefix",
 }
 DEFAULT_QUARANTINE_AFTER = 2
+MAX_STRAGGLER_RATIO = 1000.0
+MAX_STRAGGLER_STEPS = 1_000_000
 
 _KEY_PREFIX_RE = re.compile(r"(?:/[A-Za-z0-9_.-]+)+")
 
@@ -78,6 +80,13 @@ class RdzvOptions:
     # restart: a membership change restarts every worker; hot: workers re-form in process
     # (scripts on elasticctl.train; others behave as in restart mode).
     recovery: str = "restart"
+    # Stragglers (elasticctl.train.stragglers): a node whose fastest step of every interval
+    # stays above straggler_ratio x the others' median for straggler_window steps is named;
+    # with evict_stragglers R (0: never) one above R for as long is asked to leave.
+    straggler_ratio: float = 1.5
+    straggler_window: int = 50
+    straggler_interval: int = 10
+    evict_stragglers: float = 0.0
 
 
 def _seconds(name: str, text: str) -> float:
@@ -103,6 +112,29 @@ def _whole(minimum: int, maximum: int) -> Callable[[str, str], int]:
         return int(text)
 
     return parse
+
+
+def _ratio(allow_zero: bool) -> Callable[[str, str], float]:
+    def parse(name: str, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (1 < value <= MAX_STRAGGLER_RATIO or (allow_zero and value == 0))):
+            raise ConfigError(
+                f"The rendezvous option {name} (--{name.replace('_', '-')}) ('{text}') must be a ratio above 1 and up to "
+                f"{MAX_STRAGGLER_RATIO:g}{' (0: never)' if allow_zero else ''}."
+            )
+        return value
+
+    return parse
+
+
+def _steps(name: str, text: str) -> int:
+    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= MAX_STRAGGLER_STEPS:
+        raise ConfigError(f"The rendezvous option {name} (--{name.replace('_', '-')}) ('{text}') must be a whole "
+                          f"number of steps from 1 to {MAX_STRAGGLER_STEPS}.")
+    return int(text)
 
 
 def _protocol(name: str, text: str) -> str:
@@ -169,6 +201,10 @@ _OPTIONS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "keep_alive_interval": ("keep_alive_interval", _whole(1, MAX_SECONDS)),
     "keep_alive_max_attempt": ("keep_alive_max_attempt", _whole(1, 1_000_000)),
     "recovery": ("recovery", _recovery),
+    "straggler_ratio": ("straggler_ratio", _ratio(allow_zero=False)),
+    "straggler_window": ("straggler_window", _steps),
+    "straggler_interval": ("straggler_interval", _steps),
+    "evict_stragglers": ("evict_stragglers", _ratio(allow_zero=True)),
 }
 
 KNOWN_OPTIONS = frozenset(_OPTIONS)
@@ -199,6 +235,9 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
     options = RdzvOptions(**values)
     if (options.cert is None) != (options.key is None):
         raise ConfigError("The rendezvous options cert and key must be given together.")
+    if options.straggler_interval > options.straggler_window:
+        raise ConfigError(f"The straggler interval ({options.straggler_interval} steps) must not be above "
+                          f"the straggler window ({options.straggler_window} steps).")
     return options
 
 
@@ -248,3 +287,59 @@ class HotSettings:
             return cls(**values)
         except TypeError:
             raise ConfigError(f"The hot-recovery settings ({text!r}) miss min_nodes or max_nodes.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerSettings:
+    """How the workers of a job watch for stragglers (written by the node's rendezvous handler
+    for its workers from the rendezvous options, read by :mod:`elasticctl.train.stragglers`):
+    every ``interval`` steps the workers exchange their step times; a node slower than
+    ``ratio`` x the others' median for ``window`` steps is named, and with ``evict`` (a ratio;
+    0: never) one slower than ``evict`` x for as long is asked to leave, unless fewer than
+    ``min_nodes`` would be left."""
+
+    ratio: float = 1.5
+    window: int = 50
+    interval: int = 10
+    evict: float = 0.0
+    min_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allow_zero in (("ratio", False), ("evict", True)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and (1 < value <= MAX_STRAGGLER_RATIO or (allow_zero and value == 0))):
+                raise ConfigError(f"The straggler setting {name} ({value!r}) must be a ratio above 1 and up to "
+                                  f"{MAX_STRAGGLER_RATIO:g}{' (0: never)' if allow_zero else ''}.")
+        for name in ("window", "interval", "min_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STRAGGLER_STEPS:
+                raise ConfigError(f"The straggler setting {name} ({value!r}) must be a whole number "
+                                  f"from 1 to {MAX_STRAGGLER_STEPS}.")
+        if self.interval > self.window:
+            raise ConfigError(f"The straggler interval ({self.interval} steps) must not be above "
+                              f"the window ({self.window} steps).")
+
+    @classmethod
+    def of(cls, options: RdzvOptions, min_nodes: int) -> StragglerSettings:
+        return cls(ratio=options.straggler_ratio, window=options.straggler_window,
+                   interval=options.straggler_interval, evict=options.evict_stragglers, min_nodes=min_nodes)
+
+    def encode(self) -> str:
+        return ",".join(f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self))
+
+    @classmethod
+    def decode(cls, text: str, where: str = "the straggler settings") -> StragglerSettings:
+        """The settings in ``text`` (``name=value,...``); a ConfigError naming what is wrong."""
+        types = {field.name: field.type for field in dataclasses.fields(cls)}
+        values: dict[str, object] = {}
+        for item in text.split(","):
+            name, _, raw = item.partition("=")
+            name = name.strip()
+            if name not in types:
+                raise ConfigError(f"The straggler setting {name!r} in {where} is unknown.")
+            try:
+                values[name] = int(raw) if types[name] in ("int", int) else float(raw)
+            except ValueError:
+                raise ConfigError(f"The straggler setting {name} ({raw!r}) in {where} is not a number.") from None
+        return cls(**values)

@@ -120,7 +120,7 @@ class JobSpec:
         validate_job_name(self.name)
         if self.nproc_per_node != "auto" and not (whole_number(self.nproc_per_node) or 0) > 0:
             raise ConfigError(
-                f"The processes per node '{self.nproc_per_node}' must be a positive whole number or 'auto'."
+                f"The processes per node {quote(self.nproc_per_node)} must be a positive whole number or 'auto'."
             )
         if self.max_restarts < 0:
             raise ConfigError(f"The maximum number of restarts ({self.max_restarts}) must not be negative.")

@@ -23,6 +23,7 @@ good state it has seen and writes it back over the bad one.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import logging
@@ -57,6 +58,7 @@ from elasticctl.job.settings import (
     DEFAULT_RUN_TTL,
     HotSettings,
     RdzvOptions,
+    StragglerSettings,
     parse_rdzv_options,
 )
 from elasticctl.rendezvous.state import open_state, seal_state
@@ -429,7 +431,9 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
         secret=run_secret((options.secret or environment.rdzv_secret).encode() or None, options.run),
-        worker_environment=environment,
+        # Every worker watches for stragglers (elasticctl.train.stragglers), in either mode.
+        worker_environment=dataclasses.replace(
+            environment, stragglers=StragglerSettings.of(options, min_nodes=params.min_nodes)),
         hot=HotSettings(min_nodes=params.min_nodes, max_nodes=params.max_nodes, node_ttl=options.node_ttl,
                         last_call=settings.last_call, join_timeout=float(options.join_timeout or 600),
                         run_ttl=options.ttl)

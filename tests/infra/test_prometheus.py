@@ -124,6 +124,7 @@ class PlantedRegistry:
                 event(50, EventKind.RECOVERY_FINISHED, duration=3.0),
                 event(40, EventKind.FAILURE_JUDGED, charged=True),
                 event(30, EventKind.CHECKPOINT_WRITTEN, step=40, duration=0.5),
+                event(20, EventKind.STRAGGLER, ratio=2.5, step=45),
             ],
             samples=[sample(4, 10), sample(2, 30)],
         ))

@@ -11,13 +11,14 @@ from elasticctl.errors import ConfigError
 from elasticctl.job import environment
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
-from elasticctl.job.settings import HotSettings
+from elasticctl.job.settings import HotSettings, StragglerSettings
 
 FULL = WorkerEnvironment(
     node="n0", node_addr="10.0.0.7", restarts=3, marks_dir="/tmp/marks/round-2", job="demo",
     key_prefix="/team/jobs", etcd="https://e1:2379,https://e2:2379", etcd_cacert="/ca.pem",
     etcd_cert="/c.pem", etcd_key="/k.pem", etcd_user="trainer", etcd_password="pw",
-    checkpoint_dir="/ckpt", rdzv_secret="s3cret", hot=HotSettings(min_nodes=1, max_nodes=4, node_ttl=7))
+    checkpoint_dir="/ckpt", rdzv_secret="s3cret", hot=HotSettings(min_nodes=1, max_nodes=4, node_ttl=7),
+    stragglers=StragglerSettings(ratio=2.0, window=30, interval=5, evict=3.0, min_nodes=2))
 
 
 @pytest.mark.parametrize("env", [
@@ -68,6 +69,11 @@ def test_the_default_key_prefix():
     ("ELASTICCTL_HOT", "min_nodes=1,max_nodes=2,color=red", "setting 'color' in ELASTICCTL_HOT is unknown"),
     ("ELASTICCTL_HOT", "min_nodes=x,max_nodes=2", "min_nodes \\('x'\\) is not a number"),
     ("ELASTICCTL_HOT", "min_nodes=3,max_nodes=2", "node counts \\(3:2\\)"),
+    ("ELASTICCTL_STRAGGLERS", "ratio=1", "The straggler setting ratio \\(1.0\\) must be a ratio above 1"),
+    ("ELASTICCTL_STRAGGLERS", "ratio=x", "setting ratio \\('x'\\) in ELASTICCTL_STRAGGLERS is not a number"),
+    ("ELASTICCTL_STRAGGLERS", "color=red", "setting 'color' in ELASTICCTL_STRAGGLERS is unknown"),
+    ("ELASTICCTL_STRAGGLERS", "window=5,interval=10", "interval \\(10 steps\\) must not be above the window"),
+    ("ELASTICCTL_STRAGGLERS", "evict=nan", "The straggler setting evict \\(nan\\)"),
 ])
 def test_a_bad_value_is_one_sentence_naming_it(variable, value, message):
     with pytest.raises(ConfigError, match=message) as caught:

@@ -118,6 +118,8 @@ function render(job) {
   fillRows(document.querySelector("#nodes tbody"), job.nodes.map((n) => [
     [n.id], [fmt(n.host)], [fmt(n.addr)], [n.state], [fmt(n.rank)], [fmt(n.gpus)], [fmt(n.restarts)],
     [n.heartbeat_age === null ? "-" : `${n.heartbeat_age.toFixed(0)} s ago`],
+    n.straggler === null || n.straggler === undefined ? ["-"]
+      : [`${n.straggler.toFixed(2)}x slower`, "straggler"],
   ]));
   fillRows(document.querySelector("#events tbody"), job.events.slice(0, EVENTS_LISTED).map((e) => [
     [clock(e.time)], [e.kind, "kind"], [e.node || "-"], [e.text],
