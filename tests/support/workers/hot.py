@@ -9,6 +9,7 @@ before the step (equal on every replica of a generation, or the replicas diverge
 import argparse
 import hashlib
 import json
+import logging
 import os
 import time
 
@@ -31,7 +32,12 @@ parser.add_argument("--checkpoint-every", type=int, default=0)
 parser.add_argument("--state-mb", type=int, default=0, help="ballast in the state: a transfer that takes a while")
 parser.add_argument("--claim-step", type=int, default=None,
                     help="an impostor for tests: constant weights, and it claims to have trained this far")
+parser.add_argument("--transfer-bucket-bytes", type=int, default=None,
+                    help="the state transfer's bucket size (small: many buckets from every sender)")
+parser.add_argument("--log-transfers", action="store_true", help="log the runtime's INFO lines (what was sent)")
 args = parser.parse_args()
+if args.log_transfers:
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
 torch.manual_seed(0)
 generator = torch.Generator().manual_seed(1)
@@ -80,6 +86,7 @@ def train(state: elastic.State, group: elastic.Group) -> None:
             time.sleep(args.step_sleep)
 
 
-elastic.run(state, train, checkpoint_every=args.checkpoint_every)
+options = {"transfer_bucket_bytes": args.transfer_bucket_bytes} if args.transfer_bucket_bytes else {}
+elastic.run(state, train, checkpoint_every=args.checkpoint_every, **options)
 record.write(json.dumps({"event": "done", "step": state.step, "pid": os.getpid(), "time": time.time(),
                          "node": ENVIRONMENT.node}) + "\n")
