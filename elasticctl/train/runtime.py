@@ -8,9 +8,9 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
   frozen peer makes it time out (the process group's timeout is the node TTL). The
   workers then tear the process group down, agree on the next generation in etcd
   (:mod:`elasticctl.train.generations`), build a new group on a fresh store, bring every
-  member to the most advanced state (one worker broadcasts it when steps differ or a
-  member is new), re-shard the sampler at the exact global position and re-enter
-  ``train``. Joiners, and leavers (SIGTERM), are admitted or let go at a step boundary
+  member to the most advanced state (the workers that hold it send it in buckets when steps
+  differ or a member is new: :mod:`elasticctl.train.transfer`), re-shard the sampler at the
+  exact global position and re-enter ``train``. Joiners, and leavers (SIGTERM), are admitted or let go at a step boundary
   that every worker agrees on: each boundary all-reduces two flags (a change is
   pending; a worker is leaving) asynchronously, and the result is read at the next.
   Replicas stay bit-identical: either every survivor applied the step in flight, or the

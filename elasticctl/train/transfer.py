@@ -309,7 +309,6 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
     world = dist.get_world_size()
     if rank == lead:
         blob, specs, mine = describe(state.state_dict())
-        skeleton = None
     else:
         blob = b""
     size = torch.tensor([len(blob)], dtype=torch.int64, device=transport)
