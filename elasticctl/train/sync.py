@@ -76,37 +76,41 @@ class Bucket:
     nbytes: int
 
 
-def plan_buckets(tensors: Sequence[tuple[str, int, int]], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(tensors: Sequence[tuple[str, int, int]], bucket_bytes: int,
+                 pack_below: int | None = None) -> list[Bucket]:
     """The buckets that carry ``tensors`` (each ``(dtype, element count, bytes per element)``, in the
     order both sides agree on), each at most ``bucket_bytes`` (at least one element).
 
-    Small tensors of one dtype share a bucket; a tensor that does not fit in what is left of the
-    current bucket starts a new one, and one larger than a bucket is cut into bucket-sized pieces,
-    so that a large tensor travels as single-piece buckets that need no packing on either side.
-    Empty tensors carry nothing and get no piece."""
+    A tensor of at least ``pack_below`` bytes (default: the bucket size) travels alone, cut into
+    bucket-sized pieces if it is larger: such buckets go out of and into the tensors themselves,
+    with no copy on either side. Smaller tensors are packed, per dtype, into shared buckets (one
+    copy on each side, but one message for many tensors); a packed bucket is closed when the next
+    small tensor of its dtype would overflow it, and the ones still open come last. Empty tensors
+    carry nothing and get no piece."""
+    pack_below = bucket_bytes if pack_below is None else min(pack_below, bucket_bytes)
     buckets: list[Bucket] = []
-    dtype, pieces, used = "", [], 0
+    packing: dict[str, tuple[list[Piece], int]] = {}  # per dtype: the open bucket's pieces and bytes
 
-    def close() -> None:
-        nonlocal pieces, used
-        if pieces:
-            buckets.append(Bucket(dtype, tuple(pieces), used))
-        pieces, used = [], 0
+    def close(dtype: str) -> None:
+        pieces, used = packing.pop(dtype)
+        buckets.append(Bucket(dtype, tuple(pieces), used))
 
-    for index, (tensor_dtype, count, itemsize) in enumerate(tensors):
+    for index, (dtype, count, itemsize) in enumerate(tensors):
+        nbytes = count * itemsize
         if count == 0:
             continue
-        per_bucket = max(1, bucket_bytes // itemsize)
-        if tensor_dtype != dtype or used + count * itemsize > bucket_bytes:
-            close()
-            dtype = tensor_dtype
-        start = 0
-        while count - start > per_bucket:  # only reached with an empty bucket: a whole bucket's piece
-            buckets.append(Bucket(dtype, (Piece(index, start, per_bucket),), per_bucket * itemsize))
-            start += per_bucket
-        pieces.append(Piece(index, start, count - start))
-        used += (count - start) * itemsize
-    close()
+        if nbytes >= pack_below:
+            per_bucket = max(1, bucket_bytes // itemsize)
+            for start in range(0, count, per_bucket):
+                piece = Piece(index, start, min(per_bucket, count - start))
+                buckets.append(Bucket(dtype, (piece,), piece.count * itemsize))
+            continue
+        if dtype in packing and packing[dtype][1] + nbytes > bucket_bytes:
+            close(dtype)
+        pieces, used = packing.get(dtype, ([], 0))
+        packing[dtype] = ([*pieces, Piece(index, 0, count)], used + nbytes)
+    for dtype in list(packing):
+        close(dtype)
     return buckets
 
 

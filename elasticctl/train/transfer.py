@@ -17,7 +17,8 @@ others, never as one whole-state blob:
    :data:`ALLOCATION_FACTOR` times its model's bytes. What does not fit is a :class:`StateError`
    naming it, raised on that member only (its peers are told, and carry on without it).
 3. The members tell each other whether they are ready (an all-gather of one flag). The tensors
-   then go in buckets of at most ``bucket_bytes`` (:func:`elasticctl.train.sync.plan_buckets`),
+   then go in buckets of at most ``bucket_bytes`` (:func:`elasticctl.train.sync.plan_buckets`:
+   a tensor of 1 MiB or more alone, smaller ones packed),
    dealt round-robin over the senders that are ready, point to point from a bucket's owner to
    each receiver, so that a holder never receives what it already holds and the senders send at
    the same time. A bucket that is one piece of one tensor goes out of, and comes into, that tensor
@@ -45,6 +46,9 @@ from elasticctl.train.sync import Bucket, bucket_owners, plan_buckets
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 MIN_BUCKET_BYTES = 256            # tests use small buckets; below this the messages are all overhead
 MAX_BUCKET_BYTES = 2**30          # a receiver allocates one bucket per sender
+# Tensors from this size travel alone, out of and into themselves: packing them would cost a copy
+# on each side for no fewer messages worth counting (a message costs tens of microseconds).
+PACK_BELOW_BYTES = 2**20
 DESCRIPTION_MAX_BYTES = 64 * 2**20  # a description larger than this is refused unread
 MAX_TENSORS = 2**20
 MAX_DIMS = 64
@@ -336,7 +340,7 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
     receivers = [r for r in range(world) if flags[r] == RECEIVES]
     if refusal is not None:
         raise refusal
-    buckets = plan_buckets([(s.dtype, s.numel, s.itemsize) for s in specs], bucket_bytes)
+    buckets = plan_buckets([(s.dtype, s.numel, s.itemsize) for s in specs], bucket_bytes, PACK_BELOW_BYTES)
     owners = bucket_owners(len(buckets), senders)
     if receivers:
         _move(buckets, owners, len(senders), mine, specs, rank, receivers, transport)
@@ -385,10 +389,12 @@ def _move(buckets: list[Bucket], owners: list[int], round_size: int, tensors: li
                 works.append((dist.irecv(target, src=owner, tag=index), target))
                 if packed:
                     incoming.append((bucket, target))
+        payload = target = None  # only `works` holds this round's buffers: freed before the next round's
         for work, _ in works:
             work.wait()
-        for bucket, target in incoming:
-            _unpack(bucket, target, tensors, specs)
+        for bucket, buffer in incoming:
+            _unpack(bucket, buffer, tensors, specs)
+        works = incoming = None
 
 
 def _single_view(bucket: Bucket, tensors: list[torch.Tensor], transport: torch.device) -> torch.Tensor | None:

@@ -43,43 +43,45 @@ def test_the_lead_sender_is_the_first_source():
 
 
 
-@pytest.mark.parametrize("tensors, bucket_bytes, buckets", [
+@pytest.mark.parametrize("tensors, bucket_bytes, pack_below, buckets", [
     # nothing to send
-    ([], 64, []),
-    ([("float32", 0, 4)], 64, []),
+    ([], 64, None, []),
+    ([("float32", 0, 4)], 64, None, []),
     # small tensors of one dtype share a bucket
-    ([("float32", 4, 4), ("float32", 4, 4)], 64, [Bucket("float32", (Piece(0, 0, 4), Piece(1, 0, 4)), 32)]),
-    # a dtype change closes the bucket
-    ([("float32", 4, 4), ("float64", 2, 8), ("float32", 1, 4)], 64,
-     [Bucket("float32", (Piece(0, 0, 4),), 16), Bucket("float64", (Piece(1, 0, 2),), 16),
-      Bucket("float32", (Piece(2, 0, 1),), 4)]),
-    # a tensor that does not fit in what is left starts a new bucket
-    ([("float32", 10, 4), ("float32", 10, 4)], 64,
+    ([("float32", 4, 4), ("float32", 4, 4)], 64, None, [Bucket("float32", (Piece(0, 0, 4), Piece(1, 0, 4)), 32)]),
+    # per dtype: a float64 between two small float32 tensors does not split them
+    ([("float32", 4, 4), ("float64", 2, 8), ("float32", 1, 4)], 64, None,
+     [Bucket("float32", (Piece(0, 0, 4), Piece(2, 0, 1)), 20), Bucket("float64", (Piece(1, 0, 2),), 16)]),
+    # a small tensor that would overflow the open bucket closes it
+    ([("float32", 10, 4), ("float32", 10, 4)], 64, None,
      [Bucket("float32", (Piece(0, 0, 10),), 40), Bucket("float32", (Piece(1, 0, 10),), 40)]),
     # exactly full
-    ([("float32", 8, 4), ("float32", 8, 4)], 64, [Bucket("float32", (Piece(0, 0, 8), Piece(1, 0, 8)), 64)]),
-    # a tensor larger than a bucket: whole-bucket pieces, its remainder shares with what follows
-    ([("float32", 40, 4), ("float32", 2, 4)], 64,
+    ([("float32", 8, 4), ("float32", 8, 4)], 64, None, [Bucket("float32", (Piece(0, 0, 8), Piece(1, 0, 8)), 64)]),
+    # a tensor of a whole bucket or more travels alone, in bucket-sized pieces, the last one short
+    ([("float32", 40, 4), ("float32", 2, 4)], 64, None,
      [Bucket("float32", (Piece(0, 0, 16),), 64), Bucket("float32", (Piece(0, 16, 16),), 64),
-      Bucket("float32", (Piece(0, 32, 8), Piece(1, 0, 2)), 40)]),
-    # ... and after a small one it starts its own bucket
-    ([("float32", 2, 4), ("float32", 32, 4)], 64,
-     [Bucket("float32", (Piece(0, 0, 2),), 8), Bucket("float32", (Piece(1, 0, 16),), 64),
-      Bucket("float32", (Piece(1, 16, 16),), 64)]),
+      Bucket("float32", (Piece(0, 32, 8),), 32), Bucket("float32", (Piece(1, 0, 2),), 8)]),
+    ([("float32", 2, 4), ("float32", 16, 4), ("float32", 1, 4)], 64, None,
+     [Bucket("float32", (Piece(1, 0, 16),), 64), Bucket("float32", (Piece(0, 0, 2), Piece(2, 0, 1)), 12)]),
+    # pack_below: tensors from that size travel alone, the small ones around them are packed
+    ([("float32", 1, 4), ("float32", 8, 4), ("float32", 2, 4), ("float32", 4, 4)], 64, 16,
+     [Bucket("float32", (Piece(1, 0, 8),), 32), Bucket("float32", (Piece(3, 0, 4),), 16),
+      Bucket("float32", (Piece(0, 0, 1), Piece(2, 0, 2)), 12)]),
     # a bucket smaller than one element still carries one
-    ([("float64", 2, 8)], 4, [Bucket("float64", (Piece(0, 0, 1),), 8), Bucket("float64", (Piece(0, 1, 1),), 8)]),
+    ([("float64", 2, 8)], 4, None, [Bucket("float64", (Piece(0, 0, 1),), 8), Bucket("float64", (Piece(0, 1, 1),), 8)]),
     # empty tensors between others get no piece
-    ([("float32", 1, 4), ("float32", 0, 4), ("float32", 1, 4)], 64,
+    ([("float32", 1, 4), ("float32", 0, 4), ("float32", 1, 4)], 64, None,
      [Bucket("float32", (Piece(0, 0, 1), Piece(2, 0, 1)), 8)]),
 ])
-def test_plan_buckets(tensors, bucket_bytes, buckets):
-    assert plan_buckets(tensors, bucket_bytes) == buckets
+def test_plan_buckets(tensors, bucket_bytes, pack_below, buckets):
+    assert plan_buckets(tensors, bucket_bytes, pack_below) == buckets
 
 
+@pytest.mark.parametrize("pack_below", [None, 1, 16, 10_000])
 @pytest.mark.parametrize("counts", [[0], [1], [7, 3], [100, 1, 50, 0, 33], [5] * 40])
 @pytest.mark.parametrize("bucket_bytes", [4, 12, 64, 1000])
-def test_every_element_travels_once_in_order_and_no_bucket_is_too_large(counts, bucket_bytes):
-    buckets = plan_buckets([("float32", count, 4) for count in counts], bucket_bytes)
+def test_every_element_travels_once_in_order_and_no_bucket_is_too_large(counts, bucket_bytes, pack_below):
+    buckets = plan_buckets([("float32", count, 4) for count in counts], bucket_bytes, pack_below)
     covered = [(p.tensor, p.start, p.count) for b in buckets for p in b.pieces]
     expected_position = {}
     for tensor, start, count in covered:
