@@ -9,7 +9,8 @@ ways to bring the joiner to the state, interleaved, their order rotated per repe
   over every holder, point to point into the joiner's own tensors;
 * ``old``: what the runtime did before: rank 0 ``torch.save``s the whole state into one blob, its
   size and then the blob are broadcast to every other rank, which ``torch.load``s it;
-* ``raw``: one ``dist.broadcast`` from rank 0 of a flat tensor of the state's bytes: the floor.
+* ``raw``: one ``dist.broadcast`` from rank 0 of a flat tensor of the state's bytes, allocated and
+  touched before the clock starts: the floor (the network alone).
 
 Before each repeat the joiner's optimizer state is dropped (a joiner allocates it). The time is
 rank 0's, from a barrier to the barrier after the transfer. Memory: each rank samples its RSS
@@ -124,9 +125,8 @@ def old_transfer(state: State, rank: int) -> None:
         state.load_bytes(buffer.numpy().tobytes(), torch.device("cpu"))
 
 
-def raw_broadcast(nbytes: int) -> None:
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    dist.broadcast(buffer, 0)
+def raw_buffer(nbytes: int) -> torch.Tensor:
+    return torch.ones(nbytes, dtype=torch.uint8)  # its pages mapped: the floor is the network alone
 
 
 def worker(rank: int, world: int, port: int, state_mb: int, repeats: int, methods: tuple[str, ...],
@@ -146,6 +146,7 @@ def worker(rank: int, world: int, port: int, state_mb: int, repeats: int, method
             if joiner:  # a joiner: no optimizer state, and not live
                 state.optimizer.state.clear()
                 state.live = False
+            buffer = raw_buffer(nbytes) if method == "raw" else None
             dist.barrier()
             with PeakRss() as memory:
                 began = time.perf_counter()
@@ -155,9 +156,10 @@ def worker(rank: int, world: int, port: int, state_mb: int, repeats: int, method
                 elif method == "old":
                     old_transfer(state, rank)
                 else:
-                    raw_broadcast(nbytes)
+                    dist.broadcast(buffer, 0)
                 dist.barrier()
                 seconds = time.perf_counter() - began
+            buffer = None
             peaks = torch.tensor([memory.delta, memory.base], dtype=torch.int64)
             gathered = [torch.zeros_like(peaks) for _ in range(world)]
             dist.all_gather(gathered, peaks)
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summaries[-1]), flush=True)
     print(table(summaries))
     now = datetime.datetime.now(datetime.timezone.utc)
-    output = args.output or RESULTS / f"{now:%Y-%m-%d-%H%M}-state-transfer.json"
+    output = args.output or RESULTS / f"{now:%Y-%m-%d-%H%M}-state-transfer-{args.procs}p.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                               "torch": torch.__version__, "platform": platform.platform(),
