@@ -21,9 +21,9 @@ others, never as one whole-state blob:
    a tensor of 1 MiB or more alone, smaller ones packed),
    dealt round-robin over the senders that are ready, point to point from a bucket's owner to
    each receiver, so that a holder never receives what it already holds and the senders send at
-   the same time. A bucket that is one piece of one tensor goes out of, and comes into, that tensor
-   itself; a bucket of several small tensors is packed into one flat buffer. A sender holds at
-   most one bucket besides its state, a receiver one per sender.
+   the same time, several buckets in flight. A bucket that is one piece of one tensor goes out of,
+   and comes into, that tensor itself; a bucket of several small tensors is packed into one flat
+   buffer. A sender holds at most one bucket besides its state, a receiver one per sender.
 4. A receiver loads the state dict rebuilt from the description and its own tensors, now filled
    (``load_state_dict`` of a tensor onto itself copies nothing).
 """
@@ -57,6 +57,7 @@ MAX_DIMS = 64
 ALLOCATION_FACTOR = 4
 ALLOCATION_SLACK = 64 * 2**20
 DESCRIPTION_FORMAT = 1
+WINDOW = 16  # buckets in flight on one member (sends or receives posted, not yet waited for)
 
 # The dtypes a description may name, by name: a peer's string is looked up here, never in torch.
 DTYPES: dict[str, torch.dtype] = {
@@ -373,28 +374,46 @@ def _take(state: State, skeleton: dict[str, Any], specs: list[TensorSpec], devic
     return RECEIVES, tensors
 
 
-def _move(buckets: list[Bucket], owners: list[int], round_size: int, tensors: list[torch.Tensor],
+def _move(buckets: list[Bucket], owners: list[int], senders: int, tensors: list[torch.Tensor],
           specs: list[TensorSpec], rank: int, receivers: list[int], transport: torch.device) -> None:
-    """The buckets, a round of one per sender at a time, point to point from owner to receivers."""
+    """The buckets, point to point from each one's owner to every receiver, up to WINDOW of them in
+    flight on each member: a bucket that lives in its tensor costs no memory, so a joiner's
+    receives need not wait for each other; a packed one takes a buffer, at most one on a sender
+    (its state + one bucket) and one per sender on a receiver.
+
+    Every member posts its buckets in index order and only ever waits for its oldest one, so
+    the lowest bucket not yet through is always posted on both of its sides: no deadlock."""
     receiving = rank in receivers
-    for first in range(0, len(buckets), round_size):
-        works, incoming = [], []
-        for index in range(first, min(first + round_size, len(buckets))):
-            owner, bucket = owners[index], buckets[index]
-            if rank == owner:
-                payload = _outgoing(bucket, tensors, transport)
-                works += [(dist.isend(payload, receiver, tag=index), payload) for receiver in receivers]
-            elif receiving:
-                target, packed = _incoming(bucket, tensors, transport)
-                works.append((dist.irecv(target, src=owner, tag=index), target))
-                if packed:
-                    incoming.append((bucket, target))
-        payload = target = None  # only `works` holds this round's buffers: freed before the next round's
-        for work, _ in works:
+    most_buffers = senders if receiving else 1
+    in_flight: collections.deque = collections.deque()  # (bucket, works, its tensor, is a buffer)
+    buffers = 0
+
+    def complete_oldest() -> None:
+        nonlocal buffers
+        bucket, works, payload, is_buffer = in_flight.popleft()
+        for work in works:
             work.wait()
-        for bucket, buffer in incoming:
-            _unpack(bucket, buffer, tensors, specs)
-        works = incoming = None
+        if is_buffer:
+            if receiving:
+                _unpack(bucket, payload, tensors, specs)
+            buffers -= 1
+
+    for index, (owner, bucket) in enumerate(zip(owners, buckets, strict=True)):
+        if rank != owner and not receiving:
+            continue
+        view = _single_view(bucket, tensors, transport)
+        while in_flight and (len(in_flight) >= WINDOW or (view is None and buffers >= most_buffers)):
+            complete_oldest()
+        if rank == owner:
+            payload = view if view is not None else _pack(bucket, tensors, transport)
+            works = [dist.isend(payload, receiver, tag=index) for receiver in receivers]
+        else:
+            payload = view if view is not None else torch.empty(bucket.nbytes, dtype=torch.uint8, device=transport)
+            works = [dist.irecv(payload, src=owner, tag=index)]
+        buffers += view is None
+        in_flight.append((bucket, works, payload, view is None))
+    while in_flight:
+        complete_oldest()
 
 
 def _single_view(bucket: Bucket, tensors: list[torch.Tensor], transport: torch.device) -> torch.Tensor | None:
@@ -408,21 +427,10 @@ def _single_view(bucket: Bucket, tensors: list[torch.Tensor], transport: torch.d
     return tensor.view(-1)[piece.start:piece.start + piece.count].view(torch.uint8)
 
 
-def _outgoing(bucket: Bucket, tensors: list[torch.Tensor], transport: torch.device) -> torch.Tensor:
-    view = _single_view(bucket, tensors, transport)
-    if view is not None:
-        return view
+def _pack(bucket: Bucket, tensors: list[torch.Tensor], transport: torch.device) -> torch.Tensor:
     # reshape copies only a tensor that is not contiguous (state tensors are, in practice)
     parts = [tensors[p.tensor].reshape(-1)[p.start:p.start + p.count].to(transport) for p in bucket.pieces]
     return torch.cat(parts).view(torch.uint8)
-
-
-def _incoming(bucket: Bucket, tensors: list[torch.Tensor], transport: torch.device) -> tuple[torch.Tensor, bool]:
-    """Where a bucket is received: into its tensor itself, or a buffer to unpack (True)."""
-    view = _single_view(bucket, tensors, transport)
-    if view is not None:
-        return view, False
-    return torch.empty(bucket.nbytes, dtype=torch.uint8, device=transport), True
 
 
 def _unpack(bucket: Bucket, packed: torch.Tensor, tensors: list[torch.Tensor], specs: list[TensorSpec]) -> None:
