@@ -159,8 +159,10 @@ def _same_mapping(original: dict, items: dict) -> dict:
     return mapping
 
 
-def describe(state_dict: dict[str, Any]) -> tuple[bytes, list[TensorSpec], list[torch.Tensor]]:
-    """The description blob of ``state_dict``, its tensors' specs and the tensors themselves."""
+def describe(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             ) -> tuple[bytes, list[TensorSpec], list[torch.Tensor]]:
+    """The description blob of ``state_dict`` (with the lead's bucket size, which every member
+    then uses), its tensors' specs and the tensors themselves."""
     skeleton, found = flatten(state_dict)
     specs, tensors = [], []
     for path, tensor in found:
@@ -170,13 +172,13 @@ def describe(state_dict: dict[str, Any]) -> tuple[bytes, list[TensorSpec], list[
         specs.append(TensorSpec(path, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), tensor.device.type == "cpu"))
         tensors.append(tensor)
     buffer = io.BytesIO()
-    torch.save({"format": DESCRIPTION_FORMAT, "state": skeleton,
+    torch.save({"format": DESCRIPTION_FORMAT, "state": skeleton, "bucket_bytes": bucket_bytes,
                 "tensors": [[list(s.path), s.dtype, list(s.shape), s.on_cpu] for s in specs]}, buffer)
     return buffer.getvalue(), specs, tensors
 
 
-def parse_description(blob: bytes) -> tuple[dict[str, Any], list[TensorSpec]]:
-    """The skeleton and tensor specs of a peer's description; StateError if it is not one."""
+def parse_description(blob: bytes) -> tuple[dict[str, Any], list[TensorSpec], int]:
+    """The skeleton, tensor specs and bucket size of a peer's description; StateError if it is not one."""
     try:
         description = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:  # whatever a malformed blob makes torch raise
@@ -188,6 +190,9 @@ def parse_description(blob: bytes) -> tuple[dict[str, Any], list[TensorSpec]]:
         raise StateError("The state description received holds no training state.")
     if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
         raise StateError("The state description received has no valid list of tensors.")
+    bucket_bytes = description.get("bucket_bytes")
+    if type(bucket_bytes) is not int or not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
+        raise StateError(f"The state description received has a bucket size out of bounds ({bucket_bytes!r:.40}).")
     specs = [_spec(entry, number) for number, entry in enumerate(entries)]
     paths = set()
     for spec in specs:
@@ -195,8 +200,9 @@ def parse_description(blob: bytes) -> tuple[dict[str, Any], list[TensorSpec]]:
             raise StateError(f"The state description received lists the tensor '{spec.name}' twice.")
         paths.add(spec.path)
         if not _holds_a_tensor_slot(skeleton, spec.path):
-            raise StateError(f"The state description received lists a tensor '{spec.name}' its state has no place for.")
-    return skeleton, specs
+            raise StateError(f"The state description received lists a tensor '{spec.name}' its state has "
+                             "no place for.")
+    return skeleton, specs, bucket_bytes
 
 
 def _spec(entry: Any, number: int) -> TensorSpec:
@@ -268,8 +274,8 @@ def check_description(skeleton: Mapping[str, Any], specs: Sequence[TensorSpec], 
             raise StateError(f"This sender's tensor '{spec.name}' differs from the lead sender's.")
         if spec.path[0] == "model" and not fits:
             theirs = f"{spec.dtype} {list(spec.shape)}"
-            raise StateError(f"The model's tensor '{spec.name[len('model.'):]}' received is {theirs}, this worker's is "
-                             + (f"{mine.dtype} {list(mine.shape)}." if mine else "missing."))
+            raise StateError(f"The model's tensor '{spec.name[len('model.'):]}' received is {theirs}, this "
+                             "worker's is " + (f"{mine.dtype} {list(mine.shape)}." if mine else "missing."))
         in_place = fits and mine.contiguous
         if not in_place:
             allocated += spec.nbytes
@@ -305,15 +311,15 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
                    transport: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Transferred:
     """Bring every member of the current process group to the state of ``sources`` (the lead first).
 
-    Every member calls it with the same ``sources`` and ``bucket_bytes``. ``device``: where this
-    member's new tensors go; ``transport``: where buckets travel from (CPU for gloo, the GPU for
-    NCCL). Raises StateError on a member whose state the description does not fit (the others
-    carry on without it)."""
+    Every member calls it with the same ``sources``; the lead's ``bucket_bytes`` is everyone's.
+    ``device``: where this member's new tensors go; ``transport``: where buckets travel from
+    (CPU for gloo, the GPU for NCCL). Raises StateError on a member whose state the description
+    does not fit (the others carry on without it)."""
     began = time.perf_counter()
     lead = sources[0]
     world = dist.get_world_size()
     if rank == lead:
-        blob, specs, mine = describe(state.state_dict())
+        blob, specs, mine = describe(state.state_dict(), bucket_bytes)
     else:
         blob = b""
     size = torch.tensor([len(blob)], dtype=torch.int64, device=transport)
@@ -329,7 +335,7 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
         flag = SENDS
     else:
         try:
-            skeleton, specs = parse_description(buffer.cpu().numpy().tobytes())
+            skeleton, specs, bucket_bytes = parse_description(buffer.cpu().numpy().tobytes())
             flag, mine = _take(state, skeleton, specs, device, sender=rank in sources)
         except StateError as exc:
             flag, refusal = REFUSED, exc
@@ -346,7 +352,8 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
     if receivers:
         _move(buckets, owners, len(senders), mine, specs, rank, receivers, transport)
     if flag == RECEIVES:
-        state.load_state_dict(rebuild(skeleton, {spec.path: tensor for spec, tensor in zip(specs, mine, strict=True)}))
+        filled = {spec.path: tensor for spec, tensor in zip(specs, mine, strict=True)}
+        state.load_state_dict(rebuild(skeleton, filled))
     return Transferred(tuple(senders), len(buckets), sum(s.nbytes for s in specs), time.perf_counter() - began)
 
 

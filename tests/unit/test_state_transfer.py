@@ -35,7 +35,7 @@ def _state(seed: int = 0, width: int = 4, trained: bool = False) -> State:
 
 def _receive(receiver: State, blob: bytes, sent: list[torch.Tensor]) -> None:
     """What transfer_state does on a receiver, with the buckets' copy done directly."""
-    skeleton, specs = parse_description(blob)
+    skeleton, specs, _ = parse_description(blob)
     flag, tensors = transfer._take(receiver, skeleton, specs, torch.device("cpu"), sender=False)
     assert flag == transfer.RECEIVES
     for mine, theirs in zip(tensors, sent, strict=True):
@@ -87,7 +87,7 @@ def _description(**changes) -> bytes:
 
 
 def _check(receiver: State, blob: bytes) -> None:
-    skeleton, specs = parse_description(blob)
+    skeleton, specs, _ = parse_description(blob)
     transfer._take(receiver, skeleton, specs, torch.device("cpu"), sender=False)
 
 
@@ -122,6 +122,8 @@ def _code_blob() -> bytes:
     (_description(format=2), "not one this worker reads"),
     (_description(state=lambda s: {**s, "step": "1"}), "holds no training state"),
     (_description(tensors="many"), "no valid list of tensors"),
+    (_description(bucket_bytes=2**40), "bucket size out of bounds"),
+    (_description(bucket_bytes="64"), "bucket size out of bounds"),
     (_description(tensors=_entries(lambda e: e.append(e[0]))), "twice"),
     (_description(tensors=_entries(lambda e: _model(e).__setitem__(0, ["model", "nowhere"]))), "has no place for"),
     (_description(tensors=_entries(lambda e: _model(e).__setitem__(0, []))), "no valid path"),
@@ -149,7 +151,7 @@ def test_a_description_that_does_not_fit_is_refused_with_one_sentence(blob, erro
 
 def test_a_sender_whose_state_differs_from_the_lead_receives_instead():
     lead, other = _state(0, trained=True), _state(0)  # same shapes, no optimizer state yet
-    skeleton, specs = parse_description(describe(lead.state_dict())[0])
+    skeleton, specs, _ = parse_description(describe(lead.state_dict())[0])
     flag, _ = transfer._take(other, skeleton, specs, torch.device("cpu"), sender=True)
     assert flag == transfer.RECEIVES
     flag, _ = transfer._take(_state(0, trained=True), skeleton, specs, torch.device("cpu"), sender=True)
@@ -199,7 +201,7 @@ def test_mutated_descriptions_only_ever_raise_state_error_and_never_allocate_bey
     blob = _description(tensors=mutate, state=lambda s: {**s, "step": step})
     receiver = _state(1)
     try:
-        skeleton, specs = parse_description(blob)
+        skeleton, specs, _ = parse_description(blob)
     except StateError:
         return
     _, found = transfer.flatten(receiver.state_dict())
