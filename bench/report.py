@@ -316,9 +316,11 @@ def state_transfer_section(results: dict) -> list[str]:
         return []
     return [("Hot recovery's state transfer (`bench/state_transfer.py`, 3 processes on loopback gloo: 2 holders "
              "of a Linear + Adam state, 1 joiner with an empty optimizer; `new`: buckets of 64 MiB from both "
-             "holders into the joiner's tensors, `old`: one whole-state `torch.save` blob broadcast, `raw`: "
-             "one `dist.broadcast` of the same bytes from one holder to both others; medians of interleaved "
-             "repeats; RSS: the peak during the transfer over the RSS just before):"), "",
+             "holders into the joiner's tensors, `warm`: the same into a receiver that holds every tensor "
+             "already (no fresh memory to map), `old`: one whole-state `torch.save` blob broadcast, `raw`: "
+             "one `dist.broadcast` of the same bytes from one holder to both others, its buffers mapped "
+             "beforehand; medians of interleaved repeats; RSS: the peak during the transfer over the RSS "
+             "just before):"), "",
             table(entries), ""]
 
 

@@ -162,22 +162,24 @@ def run_checkpoint(plan: Plan, errors: list[str]) -> list[dict]:
     return rows
 
 
-def run_state_transfer(plan: Plan, errors: list[str]) -> list[dict]:
-    """Hot recovery's state transfer against the old whole-blob path and the raw broadcast, per size."""
-    from bench import state_transfer  # imports torch: only when needed
-
+def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
+    """Hot recovery's state transfer against the old whole-blob path and the raw broadcast, per size,
+    each size in a process of its own (its workers, and their memory, end with it)."""
     rows = []
     for size in plan.state_transfer_mb:
-        repeats = 1 if size >= state_transfer.ONCE_FROM_MB else plan.checkpoint_repeats
+        output = root / f"state-transfer-{size}.json"
+        command = [sys.executable, "-m", "bench.state_transfer", "--sizes-mb", str(size), "--procs", "3",
+                   "--repeats", str(plan.checkpoint_repeats), "--output", str(output)]
         try:
-            run = state_transfer.run_size(size, 3, repeats, state_transfer.METHODS,
-                                          state_transfer.DEFAULT_BUCKET_BYTES)
-        except Exception as exc:  # noqa: BLE001 - one failed size must not cost the run
-            errors.append(f"state transfer {size} MB: {type(exc).__name__}: {exc}")
+            subprocess.run(command, check=True, capture_output=True, timeout=1800, cwd=REPO)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
+            errors.append(f"state transfer {size} MB: {type(exc).__name__}: {' | '.join(tail)}")
             log(errors[-1])
             continue
-        rows.append({**state_transfer.summarise(run), "samples": run["samples"]})
-        log(f"state transfer {size} MB: {json.dumps(state_transfer.summarise(run))}")
+        result = json.loads(output.read_text())
+        rows += [{**summary, "samples": run["samples"]} for summary, run in zip(result["summaries"], result["runs"])]
+        log(f"state transfer {size} MB: {json.dumps(result['summaries'])}")
     return rows
 
 
@@ -238,7 +240,7 @@ def main() -> None:
             if "checkpoint" in args.only:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
             if "state_transfer" in args.only:
-                results["scenarios"]["state_transfer"] = run_state_transfer(plan, results["errors"])
+                results["scenarios"]["state_transfer"] = run_state_transfer(plan, root, results["errors"])
             # Last: the heaviest on the machine (up to 1,000 agents); each round starts its own etcd.
             if "rendezvous" in args.only:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan)

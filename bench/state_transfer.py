@@ -54,6 +54,9 @@ WIDTH = 1024
 LAYER_BYTES = 4 * WIDTH * (WIDTH + 1)  # one Linear's weight and bias, float32
 METHODS = ("new", "warm", "old", "raw")
 ONCE_FROM_MB = 2048  # states this large run one repeat (a shared 2-core machine)
+# The old path holds about three copies of the state per process at its peak (the blob, its
+# copy into a tensor, what torch.load makes of it): 3 processes at 2 GB would need ~20 GB.
+OLD_UP_TO_MB = 1024
 
 
 def build_state(state_mb: int, holder: bool) -> State:
@@ -241,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES // 2**20)
     parser.add_argument("--once-from-mb", type=int, default=ONCE_FROM_MB,
                         help="states this large run one repeat (a shared 2-core machine)")
+    parser.add_argument("--old-up-to-mb", type=int, default=OLD_UP_TO_MB,
+                        help="larger states skip the old whole-blob path (its memory: ~3x the state per process)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     sizes = [64] if args.quick else args.sizes_mb
@@ -248,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries, runs = [], []
     for size in sizes:
         repeats = 1 if size >= args.once_from_mb else args.repeats
-        run = run_size(size, args.procs, repeats, tuple(args.methods), args.bucket_mb * 2**20)
+        methods = tuple(m for m in args.methods if m != "old" or size <= args.old_up_to_mb)
+        run = run_size(size, args.procs, repeats, methods, args.bucket_mb * 2**20)
         runs.append(run)
         summaries.append(summarise(run))
         print(json.dumps(summaries[-1]), flush=True)
