@@ -146,6 +146,22 @@ def test_a_joiner_receives_the_state_from_both_survivors_in_many_buckets(hot_job
     check_replicas_and_samples(job.steps())
 
 
+def test_a_joiner_whose_model_does_not_fit_the_state_is_refused_before_any_copy(hot_job):
+    """The description is checked against the joiner's own state first: one sentence on the joiner,
+    which ends (its node would restart it); the survivors carry on without it."""
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    for name in ("a", "b"):
+        job.start(name)
+    before = job.wait_world({"a", "b"})
+    misfit = job.start("x", extra=["--hidden", "32"])
+    assert misfit.wait(120) != 0, misfit.log()
+    assert "The model's tensor '0.weight' received is float32 [16, 8], this worker's is float32 [32, 8]." \
+        in misfit.log(), misfit.log()[-3000:]
+    job.wait_world({"a", "b"}, since=max(before[-1]["time"], job.last_time()))
+    assert not [r for r in job.steps() if r["node"] == "x"], "the misfit trained"
+    check_replicas_and_samples(job.steps())
+
+
 def test_two_failures_in_one_recovery_and_a_sender_killed_mid_transfer(hot_job):
     job = hot_job(HotSettings(min_nodes=2, max_nodes=4, node_ttl=3), args=["--state-mb", "64"])
     workers = {name: job.start(name) for name in ("a", "b", "c", "d")}
