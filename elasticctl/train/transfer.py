@@ -26,6 +26,12 @@ others, never as one whole-state blob:
    buffer. A sender holds at most one bucket besides its state, a receiver one per sender.
 4. A receiver loads the state dict rebuilt from the description and its own tensors, now filled
    (``load_state_dict`` of a tensor onto itself copies nothing).
+
+Limits: a tensor that is not contiguous (state tensors are, in practice) is copied whole on the
+sender for each of its buckets, and received into a new tensor that ``load_state_dict`` copies
+in. Several senders are only ever members that trained together at one step (replicas, bit-identical),
+so which of them sends a bucket does not matter; a tensor the script keeps per rank in ``fields``
+comes from one of them, as it came from the one sender before.
 """
 
 from __future__ import annotations
