@@ -308,6 +308,22 @@ def checkpoint_rows(results: dict) -> list[str]:
     return lines
 
 
+def state_transfer_section(results: dict) -> list[str]:
+    from bench.state_transfer import table
+
+    entries = results["scenarios"].get("state_transfer") or []
+    if not entries:
+        return []
+    return [("Hot recovery's state transfer (`bench/state_transfer.py`, 3 processes on loopback gloo: 2 holders "
+             "of a Linear + Adam state, 1 joiner with an empty optimizer; `new`: buckets of 64 MiB from both "
+             "holders into the joiner's tensors, `warm`: the same into a receiver that holds every tensor "
+             "already (no fresh memory to map), `old`: one whole-state `torch.save` blob broadcast, `raw`: "
+             "one `dist.broadcast` of the same bytes from one holder to both others, its buffers mapped "
+             "beforehand; medians of interleaved repeats; RSS: the peak during the transfer over the RSS "
+             "just before):"), "",
+            table(entries), ""]
+
+
 def machine_line(results: dict) -> str:
     m = results["machine"]
     return (f"{m['cpu_model']}, {m['cpu_count']} logical CPUs, {m['ram_gb']} GB RAM, {m['os']}, "
@@ -364,6 +380,7 @@ def markdown(results: dict, png: str | None) -> str:
          f"(bound: {every}, the checkpoint interval).")
         if observed else "",
         "",
+        *state_transfer_section(results),
         *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
         *(rendezvous_section(results) if results["scenarios"].get("rendezvous") else []),
         "## How each system is run",

@@ -50,20 +50,22 @@ class Plan:
     checkpoint_hidden: tuple[int, ...]
     checkpoint_steps: int
     checkpoint_repeats: int
+    state_transfer_mb: tuple[int, ...] = (64,)  # bench/state_transfer.py: 2 holders -> 1 joiner, once from 2 GB
 
 
 PLANS = {
     "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "steady": 1}, caps=Caps(recover=60, freeze=60, steady_window=10),
                   rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
                   rendezvous_repeats=2,
-                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2),
+                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2, state_transfer_mb=(64,)),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "steady": 3}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
-                 checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3),
+                 checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
+                 state_transfer_mb=(64, 512, 2048)),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "steady": scenarios.steady}
-ALL = (*JOB_SCENARIOS, "checkpoint", "rendezvous")
+ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous")
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)
 RENDEZVOUS_BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
@@ -160,6 +162,27 @@ def run_checkpoint(plan: Plan, errors: list[str]) -> list[dict]:
     return rows
 
 
+def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
+    """Hot recovery's state transfer against the old whole-blob path and the raw broadcast, per size,
+    each size in a process of its own (its workers, and their memory, end with it)."""
+    rows = []
+    for size in plan.state_transfer_mb:
+        output = root / f"state-transfer-{size}.json"
+        command = [sys.executable, "-m", "bench.state_transfer", "--sizes-mb", str(size), "--procs", "3",
+                   "--repeats", str(plan.checkpoint_repeats), "--output", str(output)]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=1800, cwd=REPO)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
+            errors.append(f"state transfer {size} MB: {type(exc).__name__}: {' | '.join(tail)}")
+            log(errors[-1])
+            continue
+        result = json.loads(output.read_text())
+        rows += [{**summary, "samples": run["samples"]} for summary, run in zip(result["summaries"], result["runs"])]
+        log(f"state transfer {size} MB: {json.dumps(result['summaries'])}")
+    return rows
+
+
 def leftover_processes(token: str) -> list[str]:
     """Processes of this run still alive: children of this process, or any command line naming the run."""
     me = psutil.Process()
@@ -216,6 +239,8 @@ def main() -> None:
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
             if "checkpoint" in args.only:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
+            if "state_transfer" in args.only:
+                results["scenarios"]["state_transfer"] = run_state_transfer(plan, root, results["errors"])
             # Last: the heaviest on the machine (up to 1,000 agents); each round starts its own etcd.
             if "rendezvous" in args.only:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan)

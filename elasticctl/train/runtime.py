@@ -8,9 +8,9 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
   frozen peer makes it time out (the process group's timeout is the node TTL). The
   workers then tear the process group down, agree on the next generation in etcd
   (:mod:`elasticctl.train.generations`), build a new group on a fresh store, bring every
-  member to the most advanced state (one worker broadcasts it when steps differ or a
-  member is new), re-shard the sampler at the exact global position and re-enter
-  ``train``. Joiners, and leavers (SIGTERM), are admitted or let go at a step boundary
+  member to the most advanced state (the workers that hold it send it in buckets when steps
+  differ or a member is new: :mod:`elasticctl.train.transfer`), re-shard the sampler at the
+  exact global position and re-enter ``train``. Joiners, and leavers (SIGTERM), are admitted or let go at a step boundary
   that every worker agrees on: each boundary all-reduces two flags (a change is
   pending; a worker is leaving) asynchronously, and the result is read at the next.
   Replicas stay bit-identical: either every survivor applied the step in flight, or the
@@ -84,6 +84,7 @@ from elasticctl.train.stragglers import (
 )
 from elasticctl.train.sync import plan_state_sync
 from elasticctl.train.timeline import describe_timeline, recovery_timeline
+from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes, transfer_state
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ class Runtime:
     def __init__(self, state: State, *, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  backend: str | None = None, wrap: Callable[[torch.nn.Module, Group], torch.nn.Module] | None = None,
                  pg_timeout: float | None = None, keep: int = 3, async_checkpoint: bool = True,
-                 on_event: Callable[..., object] | None = None, no_step_warning: float | None = None) -> None:
+                 on_event: Callable[..., object] | None = None, no_step_warning: float | None = None,
+                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.state = state
         state.bind(self)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -169,6 +171,7 @@ class Runtime:
         self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir, self.environment)
         self.checkpoint_every = checkpoint_every
         self.keep = keep
+        self.transfer_bucket_bytes = check_bucket_bytes(transfer_bucket_bytes)
         self.async_checkpoint = async_checkpoint
         self._on_event = on_event
         self._wrap = wrap or self._ddp
@@ -359,8 +362,8 @@ class Runtime:
         self._flags_sent = None
         self._intervals, self._rank_nodes, self._named = [], None, set()
         self._clock.restart()
-        log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank,
-                 world_size, self.state.step, f" (state from rank {sent_from})" if sent_from is not None else "")
+        log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank, world_size,
+                 self.state.step, f" (state from rank {', '.join(map(str, sent_from))})" if sent_from else "")
         if rank == 0:
             self._progress_publisher()
             if self.membership.records_generations:
@@ -389,11 +392,11 @@ class Runtime:
             stuck.cancel()
         self.store = None
 
-    def _sync_state(self, rank: int, world_size: int, survivors: list[bool]) -> int | None:
+    def _sync_state(self, rank: int, world_size: int, survivors: list[bool]) -> tuple[int, ...]:
         """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);
-        the rank that sent it, if one did."""
+        the ranks that sent it (none: nothing was sent)."""
         if world_size == 1 and self.state.live:
-            return None
+            return ()
         flag_device = self._flag_device()
         mine = torch.tensor([self.state.step if self.state.live else -1], dtype=torch.int64, device=flag_device)
         steps = [torch.zeros_like(mine) for _ in range(world_size)]
@@ -405,22 +408,14 @@ class Runtime:
                         "its state is not taken", self.worker, refused, steps[refused])
         if plan.from_checkpoint:  # nobody holds state: the job's start, or every worker was lost
             self._restore_from_checkpoint()
-            return None
+            return ()
         if plan.source is None:
-            return None
-        source = plan.source
-        size = torch.tensor([0], dtype=torch.int64, device=flag_device)
-        blob = self.state.to_bytes() if rank == source else b""
-        size.fill_(len(blob))
-        dist.broadcast(size, source)
-        if rank == source:
-            buffer = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(flag_device)
-        else:
-            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=flag_device)
-        dist.broadcast(buffer, source)
-        if rank != source:
-            self.state.load_bytes(buffer.cpu().numpy().tobytes(), self.device)
-        return source
+            return ()
+        moved = transfer_state(self.state, rank, plan.sources, device=self.device, transport=flag_device,
+                               bucket_bytes=self.transfer_bucket_bytes)
+        log.info("[%s] state of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
+                 self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, moved.senders)), moved.seconds)
+        return moved.senders
 
     def _restore_from_checkpoint(self) -> None:
         restored = self._checkpointer.restore(**self.state.objects()) if self._checkpointer else None
@@ -825,5 +820,7 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     after a fault or change (round, noticed: the wall time the fault was seen, then the seconds
     from it to the end of each phase: torn_down, sealed, group_built, state_synced, first_step;
     see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
-    (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`)."""
+    (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`).
+    ``transfer_bucket_bytes``: the largest message of a hot recovery's state transfer (default
+    64 MiB; :mod:`elasticctl.train.transfer`)."""
     Runtime(state, **options).run(train)

@@ -1,9 +1,11 @@
 """What a hot-recovery job keeps in memory and hands to joiners: :class:`State`.
 
 The state is the model, the optimizer, the LR scheduler, the AMP gradient scaler and the
-sampler (anything with ``state_dict``/``load_state_dict``), the step, and user fields. It
-travels between workers as one ``torch.save`` blob over the process group and is read with
-``weights_only=True`` (torch's allow-list unpickler): a peer can send wrong numbers, never code.
+sampler (anything with ``state_dict``/``load_state_dict``), the step, and user fields. In hot
+recovery it travels between workers tensor by tensor (:mod:`elasticctl.train.transfer`);
+:meth:`State.to_bytes` / :meth:`State.load_bytes` keep the whole-state blob (read with
+``weights_only=True``, torch's allow-list unpickler: a peer can send wrong numbers, never code)
+for tools and the transfer benchmark's comparison.
 """
 
 from __future__ import annotations

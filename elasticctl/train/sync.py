@@ -1,13 +1,19 @@
 """Who sends the state when a generation forms: a pure decision over the steps the members report.
 
 Every member of a new generation reports its step (-1: it holds no state, a newcomer or a
-restarted worker). When they differ, one member broadcasts its whole state to the others.
+restarted worker). When they differ, the members that hold the newest state send it to the
+others (:mod:`elasticctl.train.transfer`), in buckets dealt round-robin over those holders
+(:func:`plan_buckets`, :func:`bucket_owners`), so that a joiner's receive is spread over the
+survivors.
 A member's report is its own word: a process that could write etcd and got itself
 admitted (no job secret) could claim any step and have every real worker load its
 weights. So the sender is chosen among the members that were in the previous generation
 when any of them holds state (they trained together, step by step), and a member that
 claims to be far ahead of the others it trained with is not believed: members of one
-generation are at most one step apart (the step in flight when it ended).
+generation are at most one step apart (the step in flight when it ended). Several senders
+are used only when they are such members: replicas that trained together are bit-identical at
+one step, and mixing the parts of two states that are not would make every receiver differ
+from both.
 """
 
 from __future__ import annotations
@@ -22,9 +28,14 @@ MAX_STEP_LEAD = 1  # steps a member of the previous generation may be ahead of i
 class SyncPlan:
     """What the members of a new generation do before they train."""
 
-    source: int | None = None         # the rank that broadcasts its state (None: nobody needs to)
+    sources: tuple[int, ...] = ()     # the ranks that send their state, the lead first (empty: nobody needs to)
     from_checkpoint: bool = False     # nobody holds state: everyone restores the newest checkpoint
     refused: tuple[int, ...] = ()     # ranks whose reported step was not believed
+
+    @property
+    def source(self) -> int | None:
+        """The lead sender: it describes the state (its structure and small values); None: no transfer."""
+        return self.sources[0] if self.sources else None
 
 
 def plan_state_sync(steps: Sequence[int], survivors: Sequence[bool],
@@ -34,7 +45,8 @@ def plan_state_sync(steps: Sequence[int], survivors: Sequence[bool],
     holders = [rank for rank, step in enumerate(steps) if step >= 0]
     if not holders:
         return SyncPlan(from_checkpoint=True)
-    trusted = [rank for rank in holders if survivors[rank]] or holders
+    from_survivors = any(survivors[rank] for rank in holders)
+    trusted = [rank for rank in holders if survivors[rank]] if from_survivors else holders
     ordered = sorted(steps[rank] for rank in trusted)
     reference = ordered[(len(ordered) - 1) // 2]  # the lower median: one liar among two loses
     refused = tuple(rank for rank in trusted if steps[rank] > reference + max_lead)
@@ -42,4 +54,68 @@ def plan_state_sync(steps: Sequence[int], survivors: Sequence[bool],
     best = max(steps[rank] for rank in eligible)
     if all(step == best for step in steps):
         return SyncPlan(refused=refused)
-    return SyncPlan(source=min(rank for rank in eligible if steps[rank] == best), refused=refused)
+    newest = sorted(rank for rank in eligible if steps[rank] == best)
+    return SyncPlan(sources=tuple(newest) if from_survivors else (newest[0],), refused=refused)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + count)`` of tensor number ``tensor`` (in the flattened state)."""
+
+    tensor: int
+    start: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """What one message carries: pieces of tensors of one dtype, at most the bucket size in bytes."""
+
+    dtype: str
+    pieces: tuple[Piece, ...]
+    nbytes: int
+
+
+def plan_buckets(tensors: Sequence[tuple[str, int, int]], bucket_bytes: int,
+                 pack_below: int | None = None) -> list[Bucket]:
+    """The buckets that carry ``tensors`` (each ``(dtype, element count, bytes per element)``, in the
+    order both sides agree on), each at most ``bucket_bytes`` (at least one element).
+
+    A tensor of at least ``pack_below`` bytes (default: the bucket size) travels alone, cut into
+    bucket-sized pieces if it is larger: such buckets go out of and into the tensors themselves,
+    with no copy on either side. Smaller tensors are packed, per dtype, into shared buckets (one
+    copy on each side, but one message for many tensors); a packed bucket is closed when the next
+    small tensor of its dtype would overflow it, and the ones still open come last. Empty tensors
+    carry nothing and get no piece."""
+    pack_below = bucket_bytes if pack_below is None else min(pack_below, bucket_bytes)
+    buckets: list[Bucket] = []
+    packing: dict[str, tuple[list[Piece], int]] = {}  # per dtype: the open bucket's pieces and bytes
+
+    def close(dtype: str) -> None:
+        pieces, used = packing.pop(dtype)
+        buckets.append(Bucket(dtype, tuple(pieces), used))
+
+    for index, (dtype, count, itemsize) in enumerate(tensors):
+        nbytes = count * itemsize
+        if count == 0:
+            continue
+        if nbytes >= pack_below:
+            per_bucket = max(1, bucket_bytes // itemsize)
+            for start in range(0, count, per_bucket):
+                piece = Piece(index, start, min(per_bucket, count - start))
+                buckets.append(Bucket(dtype, (piece,), piece.count * itemsize))
+            continue
+        if dtype in packing and packing[dtype][1] + nbytes > bucket_bytes:
+            close(dtype)
+        pieces, used = packing.get(dtype, ([], 0))
+        packing[dtype] = ([*pieces, Piece(index, 0, count)], used + nbytes)
+    for dtype in list(packing):
+        close(dtype)
+    return buckets
+
+
+def bucket_owners(buckets: int, senders: Sequence[int]) -> list[int]:
+    """Which sender sends each of ``buckets`` buckets: round-robin, the lead first."""
+    if not senders:
+        raise ValueError("A transfer needs at least one sender.")
+    return [senders[index % len(senders)] for index in range(buckets)]

@@ -8,6 +8,7 @@ on the workers' JSON record, never a sleep.
 from __future__ import annotations
 
 import collections
+import re
 import signal
 import sys
 import time
@@ -123,6 +124,44 @@ def test_a_newcomer_claiming_a_far_later_step_does_not_send_its_state(hot_job):
     assert by_node["x"]["step"] == by_node["a"]["step"] > before[-1]["step"]  # a and b's state, a step on
     check_replicas_and_samples(steps)
     assert impostor.process.poll() is None
+
+
+def test_a_joiner_receives_the_state_from_both_survivors_in_many_buckets(hot_job):
+    """Issue 20.2: two survivors at one step each send part of the state (buckets of 64 KiB, round-robin),
+    point to point into the joiner's own tensors; its fresh optimizer has no momentum buffers yet."""
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5),
+                  args=["--state-mb", "1", "--transfer-bucket-bytes", str(64 * 1024), "--log-transfers"])
+    for name in ("a", "b"):
+        job.start(name)
+    before = job.wait_world({"a", "b"})
+    joiner = job.start("c")
+    joined = job.wait_world({"a", "b", "c"}, since=before[-1]["time"])
+    by_node = {}
+    for r in joined:
+        by_node.setdefault(r["node"], r)  # each one's first step together
+    assert by_node["c"]["step"] > 0, "the joiner did not get the state"
+    assert by_node["c"]["params"] == by_node["a"]["params"] == by_node["b"]["params"]
+    received = [line for line in joiner.log().splitlines() if "buckets from rank(s)" in line]
+    assert received and re.search(r"from rank\(s\) \d+, \d+ in", received[0]), joiner.log()[-3000:]
+    buckets = int(received[0].split(" buckets from")[0].rsplit(" ", 1)[1])
+    assert buckets >= 16, received[0]  # the 1 MiB ballast buffer alone is 16 buckets
+    check_replicas_and_samples(job.steps())
+
+
+def test_a_joiner_whose_model_does_not_fit_the_state_is_refused_before_any_copy(hot_job):
+    """The description is checked against the joiner's own state first: one sentence on the joiner,
+    which ends (its node would restart it); the survivors carry on without it."""
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    for name in ("a", "b"):
+        job.start(name)
+    before = job.wait_world({"a", "b"})
+    misfit = job.start("x", extra=["--hidden", "32"])
+    assert misfit.wait(120) != 0, misfit.log()
+    assert "The model's tensor '0.weight' received is float32 [16, 8], this worker's is float32 [32, 8]." \
+        in misfit.log(), misfit.log()[-3000:]
+    job.wait_world({"a", "b"}, since=max(before[-1]["time"], job.last_time()))
+    assert not [r for r in job.steps() if r["node"] == "x"], "the misfit trained"
+    check_replicas_and_samples(job.steps())
 
 
 def test_two_failures_in_one_recovery_and_a_sender_killed_mid_transfer(hot_job):

@@ -1,10 +1,10 @@
-"""Who sends the state when a generation forms (elasticctl.train.sync), table-tested."""
+"""Who sends the state when a generation forms, and in which buckets (elasticctl.train.sync), table-tested."""
 
 from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.sync import SyncPlan, plan_state_sync
+from elasticctl.train.sync import Bucket, Piece, SyncPlan, bucket_owners, plan_buckets, plan_state_sync
 
 T, F = True, False
 
@@ -14,19 +14,93 @@ T, F = True, False
     ([-1, -1], [F, F], SyncPlan(from_checkpoint=True)),
     # everyone at one step: nothing to send
     ([7, 7, 7], [T, T, T], SyncPlan()),
-    # a newcomer (-1) gets the survivors' state, from the lowest rank at the best step
-    ([7, 7, -1], [T, T, F], SyncPlan(source=0)),
-    # the step in flight: the survivor that applied it sends it
-    ([7, 8, -1], [T, T, F], SyncPlan(source=1)),
+    # a newcomer (-1) gets the survivors' state, from every survivor at the best step, the lowest rank leading
+    ([7, 7, -1], [T, T, F], SyncPlan(sources=(0, 1))),
+    ([-1, 7, 7, 7], [F, T, T, T], SyncPlan(sources=(1, 2, 3))),
+    # the step in flight: only the survivor that applied it sends it
+    ([7, 8, -1], [T, T, F], SyncPlan(sources=(1,))),
+    ([8, 7, 8, -1], [T, T, T, F], SyncPlan(sources=(0, 2))),
     # issue 23.2: an admitted newcomer claims step 50,000: the survivors' state wins
-    ([100, 100, 50_000], [T, T, F], SyncPlan(source=0)),
-    ([100, 50_000], [T, F], SyncPlan(source=0)),
+    ([100, 100, 50_000], [T, T, F], SyncPlan(sources=(0, 1))),
+    ([100, 50_000], [T, F], SyncPlan(sources=(0,))),
+    # a newcomer at the survivors' step is not a sender: its word is not checked
+    ([100, 100, 100, -1], [T, T, F, F], SyncPlan(sources=(0, 1))),
     # a member of the previous generation far ahead of its peers is not believed
-    ([100, 100, 50_000], [T, T, T], SyncPlan(source=0, refused=(2,))),
-    ([50_000, 100], [T, T], SyncPlan(source=1, refused=(0,))),
-    # no survivor holds state (every worker of the last generation was lost): the holders decide
-    ([-1, 40, 40], [T, F, F], SyncPlan(source=1)),
-    ([-1, 40], [F, F], SyncPlan(source=1)),
+    ([100, 100, 50_000], [T, T, T], SyncPlan(sources=(0, 1), refused=(2,))),
+    ([50_000, 100], [T, T], SyncPlan(sources=(1,), refused=(0,))),
+    # no survivor holds state (every worker of the last generation was lost): one holder sends,
+    # since holders that did not train together need not be identical
+    ([-1, 40, 40], [T, F, F], SyncPlan(sources=(1,))),
+    ([-1, 40], [F, F], SyncPlan(sources=(1,))),
 ])
 def test_plan_state_sync(steps, survivors, plan):
     assert plan_state_sync(steps, survivors) == plan
+
+
+def test_the_lead_sender_is_the_first_source():
+    assert SyncPlan(sources=(2, 3)).source == 2 and SyncPlan().source is None
+
+
+
+
+@pytest.mark.parametrize("tensors, bucket_bytes, pack_below, buckets", [
+    # nothing to send
+    ([], 64, None, []),
+    ([("float32", 0, 4)], 64, None, []),
+    # small tensors of one dtype share a bucket
+    ([("float32", 4, 4), ("float32", 4, 4)], 64, None, [Bucket("float32", (Piece(0, 0, 4), Piece(1, 0, 4)), 32)]),
+    # per dtype: a float64 between two small float32 tensors does not split them
+    ([("float32", 4, 4), ("float64", 2, 8), ("float32", 1, 4)], 64, None,
+     [Bucket("float32", (Piece(0, 0, 4), Piece(2, 0, 1)), 20), Bucket("float64", (Piece(1, 0, 2),), 16)]),
+    # a small tensor that would overflow the open bucket closes it
+    ([("float32", 10, 4), ("float32", 10, 4)], 64, None,
+     [Bucket("float32", (Piece(0, 0, 10),), 40), Bucket("float32", (Piece(1, 0, 10),), 40)]),
+    # exactly full
+    ([("float32", 8, 4), ("float32", 8, 4)], 64, None, [Bucket("float32", (Piece(0, 0, 8), Piece(1, 0, 8)), 64)]),
+    # a tensor of a whole bucket or more travels alone, in bucket-sized pieces, the last one short
+    ([("float32", 40, 4), ("float32", 2, 4)], 64, None,
+     [Bucket("float32", (Piece(0, 0, 16),), 64), Bucket("float32", (Piece(0, 16, 16),), 64),
+      Bucket("float32", (Piece(0, 32, 8),), 32), Bucket("float32", (Piece(1, 0, 2),), 8)]),
+    ([("float32", 2, 4), ("float32", 16, 4), ("float32", 1, 4)], 64, None,
+     [Bucket("float32", (Piece(1, 0, 16),), 64), Bucket("float32", (Piece(0, 0, 2), Piece(2, 0, 1)), 12)]),
+    # pack_below: tensors from that size travel alone, the small ones around them are packed
+    ([("float32", 1, 4), ("float32", 8, 4), ("float32", 2, 4), ("float32", 4, 4)], 64, 16,
+     [Bucket("float32", (Piece(1, 0, 8),), 32), Bucket("float32", (Piece(3, 0, 4),), 16),
+      Bucket("float32", (Piece(0, 0, 1), Piece(2, 0, 2)), 12)]),
+    # a bucket smaller than one element still carries one
+    ([("float64", 2, 8)], 4, None, [Bucket("float64", (Piece(0, 0, 1),), 8), Bucket("float64", (Piece(0, 1, 1),), 8)]),
+    # empty tensors between others get no piece
+    ([("float32", 1, 4), ("float32", 0, 4), ("float32", 1, 4)], 64, None,
+     [Bucket("float32", (Piece(0, 0, 1), Piece(2, 0, 1)), 8)]),
+])
+def test_plan_buckets(tensors, bucket_bytes, pack_below, buckets):
+    assert plan_buckets(tensors, bucket_bytes, pack_below) == buckets
+
+
+@pytest.mark.parametrize("pack_below", [None, 1, 16, 10_000])
+@pytest.mark.parametrize("counts", [[0], [1], [7, 3], [100, 1, 50, 0, 33], [5] * 40])
+@pytest.mark.parametrize("bucket_bytes", [4, 12, 64, 1000])
+def test_every_element_travels_once_in_order_and_no_bucket_is_too_large(counts, bucket_bytes, pack_below):
+    buckets = plan_buckets([("float32", count, 4) for count in counts], bucket_bytes, pack_below)
+    covered = [(p.tensor, p.start, p.count) for b in buckets for p in b.pieces]
+    expected_position = {}
+    for tensor, start, count in covered:
+        assert start == expected_position.get(tensor, 0) and count > 0
+        expected_position[tensor] = start + count
+    assert expected_position == {i: c for i, c in enumerate(counts) if c}
+    assert all(b.nbytes == 4 * sum(p.count for p in b.pieces) <= max(bucket_bytes, 4) for b in buckets)
+
+
+@pytest.mark.parametrize("buckets, senders, owners", [
+    (0, [0], []),
+    (3, [0], [0, 0, 0]),
+    (5, [0, 1], [0, 1, 0, 1, 0]),
+    (4, [2, 0, 3], [2, 0, 3, 2]),
+])
+def test_bucket_owners_round_robin_from_the_lead(buckets, senders, owners):
+    assert bucket_owners(buckets, senders) == owners
+
+
+def test_bucket_owners_need_a_sender():
+    with pytest.raises(ValueError, match="at least one sender"):
+        bucket_owners(3, [])

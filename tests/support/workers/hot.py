@@ -9,6 +9,7 @@ before the step (equal on every replica of a generation, or the replicas diverge
 import argparse
 import hashlib
 import json
+import logging
 import os
 import time
 
@@ -31,7 +32,13 @@ parser.add_argument("--checkpoint-every", type=int, default=0)
 parser.add_argument("--state-mb", type=int, default=0, help="ballast in the state: a transfer that takes a while")
 parser.add_argument("--claim-step", type=int, default=None,
                     help="an impostor for tests: constant weights, and it claims to have trained this far")
+parser.add_argument("--hidden", type=int, default=16, help="another width: a worker whose state does not fit")
+parser.add_argument("--transfer-bucket-bytes", type=int, default=None,
+                    help="the state transfer's bucket size (small: many buckets from every sender)")
+parser.add_argument("--log-transfers", action="store_true", help="log the runtime's INFO lines (what was sent)")
 args = parser.parse_args()
+if args.log_transfers:
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
 torch.manual_seed(0)
 generator = torch.Generator().manual_seed(1)
@@ -39,7 +46,7 @@ dataset = TensorDataset(torch.arange(args.dataset_size), torch.randn(args.datase
                         torch.randn(args.dataset_size, 1, generator=generator))
 # NCCL on a GPU per worker where there are GPUs (the runtime picks the same device), else gloo
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+model = nn.Sequential(nn.Linear(8, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
 if args.state_mb:
     model.register_buffer("ballast", torch.zeros(args.state_mb * 2**18))  # float32: 4 bytes each
 model.to(device)
@@ -80,6 +87,7 @@ def train(state: elastic.State, group: elastic.Group) -> None:
             time.sleep(args.step_sleep)
 
 
-elastic.run(state, train, checkpoint_every=args.checkpoint_every)
+options = {"transfer_bucket_bytes": args.transfer_bucket_bytes} if args.transfer_bucket_bytes else {}
+elastic.run(state, train, checkpoint_every=args.checkpoint_every, **options)
 record.write(json.dumps({"event": "done", "step": state.step, "pid": os.getpid(), "time": time.time(),
                          "node": ENVIRONMENT.node}) + "\n")
