@@ -299,7 +299,14 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
     crashed_at = max(r["time"] for r in job.records())
     victim = min(pids["b"])
     psutil.Process(victim).kill()
-    back = job.wait_world(4, {"a", "b"}, since=crashed_at)
+
+    def rejoined():  # both of b's new workers trained at world 4 (b's old one may still log a step first)
+        recent = [r for r in job.records() if "event" not in r and r["time"] > crashed_at and r["world_size"] == 4]
+        return recent if len({r["pid"] for r in recent if r["node"] == "b"} - pids["b"]) == 2 else None
+
+    recent = wait_for(rejoined, 180, "b's two new workers training at world 4")
+    rejoined_in = min(r["generation"] for r in recent if r["node"] == "b" and r["pid"] not in pids["b"])
+    back = [r for r in recent if r["generation"] >= rejoined_in]
     by_node = collections.defaultdict(set)
     for r in back:
         by_node[r["node"]].add(r["pid"])
