@@ -63,7 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elasticctl.train import script as worker_env
 from elasticctl.train import entry as worker_entry
 from elasticctl.train.checkpoint import CheckpointError, Checkpointer
-from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.errors import ElasticctlError
 from elasticctl.job import environment as environment_names
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
@@ -71,17 +71,7 @@ from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.state import State
-from elasticctl.train.stragglers import (
-    Interval,
-    StepClock,
-    decode_name,
-    encode_name,
-    find_stragglers,
-    node_times,
-    timed_allreduce_hook,
-    to_evict,
-    valid_seconds,
-)
+from elasticctl.train.straggler_watch import StragglerWatch
 from elasticctl.train.sync import plan_state_sync
 from elasticctl.train.timeline import describe_timeline, recovery_timeline
 from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes, transfer_state
@@ -201,14 +191,10 @@ class Runtime:
         self._last_boundary = time.monotonic()  # of this process: the last step boundary, or start
         self._longest_step = 0.0  # seconds between two boundaries, the longest seen
         self._watchdog = threading.Event()  # set: the run is over
-        # Stragglers (elasticctl.train.stragglers): this worker's own step times, and what the
-        # exchanges of the current generation found (rank 0 acts on them).
-        self.stragglers = self.environment.stragglers
-        self._clock = StepClock()
-        self._intervals: list[Interval] = []
-        self._rank_nodes: list[str] | None = None  # the node of each rank ([]: a peer sent a bad id)
-        self._named: set[str] = set()     # nodes named stragglers in this generation
-        self._evicted: set[str] = set()   # nodes asked to leave as stragglers
+        # Stragglers: this worker's own step times and the exchange of them (train/straggler_watch.py).
+        self._stragglers = StragglerWatch(self.environment.stragglers, self.worker, self.node,
+                                          device=self._flag_device, record=self._record,
+                                          request_leave=self._request_leave)
         self._registry: Any = None
 
     # -- the loop ------------------------------------------------------------------------
@@ -360,8 +346,7 @@ class Runtime:
         self.phase = Phase.TRAINING
         self._noticed_at = None
         self._flags_sent = None
-        self._intervals, self._rank_nodes, self._named = [], None, set()
-        self._clock.restart()
+        self._stragglers.new_generation()
         log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank, world_size,
                  self.state.step, f" (state from rank {', '.join(map(str, sent_from))})" if sent_from else "")
         if rank == 0:
@@ -446,17 +431,16 @@ class Runtime:
         self._last_boundary = now
         if self.phase is not Phase.TRAINING:
             return
-        self._clock.step_done()
+        self._stragglers.step_done()
         group = self._group
         self._record_first_step(group)
         self._act_on(self._flags_in_flight())
-        if self._exchange_due(group):
-            self._exchange_step_times(group)
+        self._stragglers.at_boundary(group, self.state.step)
         if self._checkpointer and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
             self._save()
         self._publish_progress(group, samples, loss)
         self._act_on(self._send_flags(group))
-        self._clock.next_step()
+        self._stragglers.next_step()
 
     def _act_on(self, agreed: Agreed | None) -> None:
         """Leave the script's function if what the workers agreed on calls for it."""
@@ -489,76 +473,6 @@ class Runtime:
         self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True))
         return self._flags_in_flight() if self.membership.agreed_at_once else None
 
-    # -- stragglers ----------------------------------------------------------------------
-
-    def _exchange_due(self, group: Group) -> bool:
-        """Whether this boundary exchanges step times: the same answer on every worker of the
-        generation (same settings, same step)."""
-        return (self.stragglers is not None and group.world_size > 1
-                and self.state.step % self.stragglers.interval == 0)
-
-    def _exchange_step_times(self, group: Group) -> None:
-        """Every worker's fastest own step of the interval (and, once per generation, its node),
-        to every worker; rank 0 names, clears and evicts stragglers."""
-        fastest, steps = self._clock.take()
-        device = self._flag_device()
-        if self._rank_nodes is None:
-            name = torch.tensor(encode_name(self.node), dtype=torch.uint8, device=device)
-            names = [torch.empty_like(name) for _ in range(group.world_size)]
-            dist.all_gather(names, name)
-            try:
-                self._rank_nodes = [decode_name(n.cpu().tolist()) for n in names]
-            except ConfigError as exc:  # a peer's bytes are untrusted: no decisions this generation
-                log.warning("[%s] straggler detection is off in generation %d: %s", self.worker, group.number, exc)
-                self._rank_nodes = []
-        mine = torch.tensor([fastest, float(steps)], dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
-        dist.all_gather(gathered, mine)
-        if group.rank != 0 or not self._rank_nodes:
-            return
-        values = [t.cpu().tolist() for t in gathered]
-        if not all(valid_seconds(seconds) and counted >= 1 for seconds, counted in values):
-            # A worker that measured no step in the interval (or sent nonsense): no evidence, and
-            # the intervals before it no longer run up to now (a node is named only for steps
-            # that were all measured).
-            self._intervals.clear()
-            return
-        self._intervals.append(Interval(steps=int(min(counted for _, counted in values)),
-                                        seconds=node_times(self._rank_nodes, [seconds for seconds, _ in values])))
-        settings = self.stragglers
-        del self._intervals[:-(settings.window // settings.interval + 2)]  # enough to cover the window
-        self._act_on_stragglers(group, len(set(self._rank_nodes)))
-
-    def _act_on_stragglers(self, group: Group, world_nodes: int) -> None:
-        settings = self.stragglers
-        named = {s.node: s for s in find_stragglers(self._intervals, settings.ratio, settings.window)}
-        for node in sorted(named.keys() - self._named):
-            straggler = named[node]
-            log.warning("[%s] node %s is a straggler: its own step time is %.2fx the others' median for "
-                        "%d steps", self.worker, node, straggler.ratio, straggler.steps)
-            self._record(EventKind.STRAGGLER, node=node, ratio=straggler.ratio, step=self.state.step,
-                         world_size=group.world_size,
-                         reason=f"own step time above {settings.ratio:g}x the others' median "
-                                f"for {straggler.steps} steps")
-        for node in sorted(self._named - named.keys()):
-            log.info("[%s] node %s is no longer a straggler", self.worker, node)
-            self._record(EventKind.STRAGGLER_CLEARED, node=node, step=self.state.step)
-        self._named = set(named)
-        if not settings.evict:
-            return
-        evict = to_evict(find_stragglers(self._intervals, settings.evict, settings.window), world_nodes,
-                         settings.min_nodes)
-        if evict is None or evict.node in self._evicted:
-            return
-        self._evicted.add(evict.node)
-        log.warning("[%s] evicting the straggler %s (%.2fx the others for %d steps; --evict-stragglers %g)",
-                    self.worker, evict.node, evict.ratio, evict.steps, settings.evict)
-        self._record(EventKind.STRAGGLER, node=evict.node, ratio=evict.ratio, step=self.state.step,
-                     world_size=group.world_size,
-                     reason=f"evicted: above {settings.evict:g}x the others' median for {evict.steps} steps "
-                            f"(--evict-stragglers); asked to leave")
-        self._request_leave(evict.node)
-
     def _request_leave(self, node: str) -> None:
         """Ask ``node`` to leave as ``elasticctl leave`` does, on the event writer thread (the
         training thread never waits for etcd)."""
@@ -582,10 +496,7 @@ class Runtime:
     def _ddp(self, model: torch.nn.Module, group: Group) -> torch.nn.Module:
         """The default wrapping (DDP), timing this worker's own part of each step when the job
         watches for stragglers (the hook's why: elasticctl.train.stragglers)."""
-        wrapped = _ddp(model, group)
-        if self.stragglers is not None and isinstance(wrapped, DistributedDataParallel):
-            wrapped.register_comm_hook(None, timed_allreduce_hook(self._clock))
-        return wrapped
+        return self._stragglers.time_steps_of(_ddp(model, group))
 
     def _record_first_step(self, group: Group) -> None:
         """The first step of a generation formed after a fault or change ends that recovery: its

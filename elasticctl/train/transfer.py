@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import io
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,35 +123,33 @@ def flatten(tree: Any) -> tuple[Any, list[tuple[tuple, torch.Tensor]]]:
     """``tree`` with each tensor replaced by None, and its tensors with their paths, in the walk's order."""
     tensors: list[tuple[tuple, torch.Tensor]] = []
 
-    def walk(node: Any, path: tuple) -> Any:
+    def take(node: Any, path: tuple) -> tuple[bool, Any]:
         if isinstance(node, torch.Tensor):
             tensors.append((path, node))
-            return None
-        if isinstance(node, dict):
-            return _same_mapping(node, {key: walk(value, (*path, key)) for key, value in node.items()})
-        if isinstance(node, list):
-            return [walk(value, (*path, index)) for index, value in enumerate(node)]
-        if isinstance(node, tuple) and type(node) is tuple:
-            return tuple(walk(value, (*path, index)) for index, value in enumerate(node))
-        return node
+            return True, None
+        return False, None
 
-    return walk(tree, ()), tensors
+    return _walk(tree, (), take), tensors
 
 
 def rebuild(skeleton: Any, tensors: Mapping[tuple, torch.Tensor]) -> Any:
     """The inverse of :func:`flatten`: ``skeleton`` with the tensor at each of ``tensors``' paths."""
-    def walk(node: Any, path: tuple) -> Any:
-        if path in tensors:
-            return tensors[path]
-        if isinstance(node, dict):
-            return _same_mapping(node, {key: walk(value, (*path, key)) for key, value in node.items()})
-        if isinstance(node, list):
-            return [walk(value, (*path, index)) for index, value in enumerate(node)]
-        if isinstance(node, tuple) and type(node) is tuple:
-            return tuple(walk(value, (*path, index)) for index, value in enumerate(node))
-        return node
+    return _walk(skeleton, (), lambda node, path: (path in tensors, tensors.get(path)))
 
-    return walk(skeleton, ())
+
+def _walk(node: Any, path: tuple, leaf: Callable[[Any, tuple], tuple[bool, Any]]) -> Any:
+    """``node`` rebuilt through its dicts, lists and plain tuples, with what ``leaf`` returns
+    wherever it says so (``(True, value)``); everything else is kept as it is."""
+    replaced, value = leaf(node, path)
+    if replaced:
+        return value
+    if isinstance(node, dict):
+        return _same_mapping(node, {key: _walk(item, (*path, key), leaf) for key, item in node.items()})
+    if isinstance(node, list):
+        return [_walk(item, (*path, index), leaf) for index, item in enumerate(node)]
+    if isinstance(node, tuple) and type(node) is tuple:
+        return tuple(_walk(item, (*path, index), leaf) for index, item in enumerate(node))
+    return node
 
 
 def _same_mapping(original: dict, items: dict) -> dict:

@@ -4,7 +4,7 @@ What a user of the local cluster does, checked from the trainers' records and `e
 world 3; `docker kill` of one -> the others go on at world 2 without spending a restart (hot mode:
 in the same processes); `docker stop` of one -> it exits 0 (restart mode: after a final checkpoint
 the other resumes from; hot mode: the state lives on in the other's process); starting both again
--> world 3; stopping the job -> every trainer exits 0 after one final checkpoint; `down -v` leaves
+-> world 3; stopping the job -> every trainer exits 0 and the last step is in a final checkpoint; `down -v` leaves
 no container, network or volume. Both Compose spellings run it when both are installed (v2
 `docker compose`, v1 `docker-compose`).
 
@@ -160,13 +160,16 @@ def test_compose_cluster_loses_a_node_then_one_leaves_then_both_return(engine, t
         # Restart mode may re-do the steps since its newest checkpoint; hot mode re-does none.
         assert min(r["step"] for r in back) >= resumable, "the job went back after the rejoin"
 
-        # The whole job stops (compose stop: SIGTERM to every trainer): in both modes every trainer
-        # exits 0 after the final checkpoint of one step.
+        # The whole job stops (compose stop: SIGTERM to every trainer, not all at the same instant):
+        # every trainer exits 0, and the last step trained is in a final checkpoint. (Hot mode: a
+        # trainer whose SIGTERM comes first may leave alone, its state living on in the others;
+        # the last to stop write the job's final checkpoint. Restart mode: every stop writes one.)
         ended = time.time()
         cluster("stop", "--timeout", "90", "trainer", timeout=300)
         assert [docker.inspect(engine, c)["State"]["ExitCode"] for c in trainers] == [0, 0, 0]
         final = [r for r in cluster.records() if r.get("event") == "final_checkpoint" and r["time"] > ended]
-        assert {r["rank"] for r in final} == {0, 1, 2} and len({r["step"] for r in final}) == 1, final
+        last_trained = max(r["step"] for r in cluster.steps_after(restarted))
+        assert final and max(r["step"] for r in final) == last_trained + 1, (last_trained, final)
     finally:
         down = subprocess.run([*cluster.compose, "down", "-v", "--remove-orphans", "--timeout", "30"],
                               env=cluster.env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)

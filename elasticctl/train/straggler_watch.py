@@ -1,0 +1,144 @@
+"""One worker's part in straggler detection: its step clock, the exchange every K steps and,
+on rank 0, naming, clearing and evicting (the why of each: :mod:`elasticctl.train.stragglers`,
+whose pure rules decide; this module does the collectives and hands events and leave requests
+to the runtime's callbacks, which write them on the event thread).
+
+The runtime owns one watch per run: ``new_generation`` when a generation forms, ``step_done``,
+``at_boundary`` and ``next_step`` at each step boundary, ``time_steps_of`` on the model it wraps.
+Without settings (not under elasticctl's handler) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elasticctl.errors import ConfigError
+from elasticctl.job.settings import StragglerSettings
+from elasticctl.job.records import EventKind
+from elasticctl.train.stragglers import (
+    Interval,
+    StepClock,
+    decode_name,
+    encode_name,
+    find_stragglers,
+    node_times,
+    timed_allreduce_hook,
+    to_evict,
+    valid_seconds,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StragglerWatch:
+    """This worker's own step times, and what the exchanges of the current generation found."""
+
+    def __init__(self, settings: StragglerSettings | None, worker: str, node: str, *,
+                 device: Callable[[], torch.device], record: Callable[..., None],
+                 request_leave: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.worker, self.node = worker, node
+        self._device = device              # where a collective's tensors live (the flags' device)
+        self._record = record              # record(kind, node=..., **fields): an event, later
+        self._request_leave = request_leave  # ask a node to leave, as `elasticctl leave` does
+        self.clock = StepClock()
+        self._intervals: list[Interval] = []
+        self._rank_nodes: list[str] | None = None  # the node of each rank ([]: a peer sent a bad id)
+        self._named: set[str] = set()     # nodes named stragglers in this generation
+        self._evicted: set[str] = set()   # nodes asked to leave as stragglers (once each, per run)
+
+    # -- the runtime's calls ------------------------------------------------------------
+
+    def new_generation(self) -> None:
+        """Measure afresh: the members, and so the ranks' nodes, changed."""
+        self._intervals, self._rank_nodes, self._named = [], None, set()
+        self.clock.restart()
+
+    def step_done(self) -> None:
+        self.clock.step_done()
+
+    def next_step(self) -> None:
+        self.clock.next_step()
+
+    def time_steps_of(self, model: Any) -> Any:
+        """``model``, with the DDP communication hook that marks when this worker's gradients are
+        ready (a model that is not DDP is timed up to ``commit``: see stragglers' docstring)."""
+        if self.settings is not None and isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(None, timed_allreduce_hook(self.clock))
+        return model
+
+    def at_boundary(self, group: Any, step: int) -> None:
+        """The exchange, if this boundary is one: the same answer on every worker of the
+        generation (same settings, same step)."""
+        if self.settings is not None and group.world_size > 1 and step % self.settings.interval == 0:
+            self._exchange(group, step)
+
+    # -- the exchange ---------------------------------------------------------------------
+
+    def _exchange(self, group: Any, step: int) -> None:
+        """Every worker's fastest own step of the interval (and, once per generation, its node),
+        to every worker; rank 0 names, clears and evicts stragglers."""
+        fastest, steps = self.clock.take()
+        device = self._device()
+        if self._rank_nodes is None:
+            name = torch.tensor(encode_name(self.node), dtype=torch.uint8, device=device)
+            names = [torch.empty_like(name) for _ in range(group.world_size)]
+            dist.all_gather(names, name)
+            try:
+                self._rank_nodes = [decode_name(n.cpu().tolist()) for n in names]
+            except ConfigError as exc:  # a peer's bytes are untrusted: no decisions this generation
+                log.warning("[%s] straggler detection is off in generation %d: %s", self.worker, group.number, exc)
+                self._rank_nodes = []
+        mine = torch.tensor([fastest, float(steps)], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
+        dist.all_gather(gathered, mine)
+        if group.rank != 0 or not self._rank_nodes:
+            return
+        values = [t.cpu().tolist() for t in gathered]
+        if not all(valid_seconds(seconds) and counted >= 1 for seconds, counted in values):
+            # A worker that measured no step in the interval (or sent nonsense): no evidence, and
+            # the intervals before it no longer run up to now (a node is named only for steps
+            # that were all measured).
+            self._intervals.clear()
+            return
+        self._intervals.append(Interval(steps=int(min(counted for _, counted in values)),
+                                        seconds=node_times(self._rank_nodes, [seconds for seconds, _ in values])))
+        settings = self.settings
+        del self._intervals[:-(settings.window // settings.interval + 2)]  # enough to cover the window
+        self._act(group, step, len(set(self._rank_nodes)))
+
+    def _act(self, group: Any, step: int, world_nodes: int) -> None:
+        settings = self.settings
+        named = {s.node: s for s in find_stragglers(self._intervals, settings.ratio, settings.window)}
+        for node in sorted(named.keys() - self._named):
+            straggler = named[node]
+            log.warning("[%s] node %s is a straggler: its own step time is %.2fx the others' median for "
+                        "%d steps", self.worker, node, straggler.ratio, straggler.steps)
+            self._record(EventKind.STRAGGLER, node=node, ratio=straggler.ratio, step=step,
+                         world_size=group.world_size,
+                         reason=f"own step time above {settings.ratio:g}x the others' median "
+                                f"for {straggler.steps} steps")
+        for node in sorted(self._named - named.keys()):
+            log.info("[%s] node %s is no longer a straggler", self.worker, node)
+            self._record(EventKind.STRAGGLER_CLEARED, node=node, step=step)
+        self._named = set(named)
+        if not settings.evict:
+            return
+        evict = to_evict(find_stragglers(self._intervals, settings.evict, settings.window), world_nodes,
+                         settings.min_nodes)
+        if evict is None or evict.node in self._evicted:
+            return
+        self._evicted.add(evict.node)
+        log.warning("[%s] evicting the straggler %s (%.2fx the others for %d steps; --evict-stragglers %g)",
+                    self.worker, evict.node, evict.ratio, evict.steps, settings.evict)
+        self._record(EventKind.STRAGGLER, node=evict.node, ratio=evict.ratio, step=step,
+                     world_size=group.world_size,
+                     reason=f"evicted: above {settings.evict:g}x the others' median for {evict.steps} steps "
+                            f"(--evict-stragglers); asked to leave")
+        self._request_leave(evict.node)
