@@ -97,6 +97,18 @@ class JobCollector(Collector):
                 family.add_metric(job, value)
                 yield family
 
+        def per_label(name: str, doc: str, label: str, values: dict) -> GaugeMetricFamily:
+            """A gauge with one series per ``label`` value (a node, a state)."""
+            family = GaugeMetricFamily(name, doc, labels=["elastic_job", label])
+            for key, value in sorted(values.items()):
+                family.add_metric([*job, key], value)
+            return family
+
+        def counter(name: str, doc: str, value) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["elastic_job"])
+            family.add_metric(job, value)
+            return family
+
         yield from gauge(
             "elasticctl_world_size", "Nodes training in the current round.", m.world_size
         )
@@ -114,21 +126,10 @@ class JobCollector(Collector):
             "Nodes whose workers finished the script (member records in state done).",
             m.finished_nodes,
         )
-        nodes = GaugeMetricFamily(
-            "elasticctl_nodes", "Live nodes by state.", labels=["elastic_job", "state"]
-        )
-        for state, count in sorted(m.nodes_by_state.items()):
-            nodes.add_metric([*job, state], count)
-        yield nodes
+        yield per_label("elasticctl_nodes", "Live nodes by state.", "state", m.nodes_by_state)
         # From the event history (failure_judged that charged one): it may drop when the bounded
         # history forgets old events, which Prometheus treats as a counter reset.
-        restarts = CounterMetricFamily(
-            "elasticctl_restarts_spent",
-            "Restarts charged to the job's nodes.",
-            labels=["elastic_job"],
-        )
-        restarts.add_metric(job, m.restarts_spent)
-        yield restarts
+        yield counter("elasticctl_restarts_spent", "Restarts charged to the job's nodes.", m.restarts_spent)
         # The budget is per node (a node over it stops alone), so what each node spent is a
         # series of its own: an alert can name the node that is about to stop.
         yield from gauge(
@@ -136,30 +137,14 @@ class JobCollector(Collector):
             "Restarts each node may spend on its own failures (--max-restarts).",
             m.restart_budget,
         )
-        node_restarts = GaugeMetricFamily(
-            "elasticctl_node_restarts_spent",
-            "Restarts a live node's own failures spent (its member record).",
-            labels=["elastic_job", "node"],
-        )
-        for node, spent in sorted(m.node_restarts.items()):
-            node_restarts.add_metric([*job, node], spent)
-        yield node_restarts
+        yield per_label("elasticctl_node_restarts_spent",
+                        "Restarts a live node's own failures spent (its member record).", "node", m.node_restarts)
         # A gauge per node while it is named (the newest straggler event since the round formed).
-        straggler_ratio = GaugeMetricFamily(
-            "elasticctl_straggler_ratio",
-            "A live node named a straggler: its own step time over the other nodes' median.",
-            labels=["elastic_job", "node"],
-        )
-        for node, ratio in sorted(m.straggler_ratios.items()):
-            straggler_ratio.add_metric([*job, node], ratio)
-        yield straggler_ratio
-        straggler_events = CounterMetricFamily(
-            "elasticctl_straggler_events",
-            "Nodes named (or evicted as) stragglers: straggler events in the history.",
-            labels=["elastic_job"],
-        )
-        straggler_events.add_metric(job, m.straggler_events)
-        yield straggler_events
+        yield per_label("elasticctl_straggler_ratio",
+                        "A live node named a straggler: its own step time over the other nodes' median.",
+                        "node", m.straggler_ratios)
+        yield counter("elasticctl_straggler_events",
+                      "Nodes named (or evicted as) stragglers: straggler events in the history.", m.straggler_events)
         recoveries = HistogramMetricFamily(
             "elasticctl_recovery_seconds",
             "Seconds each recovery took (recovery_finished events).",

@@ -241,6 +241,25 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
     return options
 
 
+def _numbers_in(settings: type, text: str, what: str, where: str, where_when_not_a_number: bool = True) -> dict:
+    """The ``name=value,...`` pairs of ``text`` as the numbers (int or float) the fields of the
+    dataclass ``settings`` are; a ConfigError naming the ``what`` that is unknown or not a number
+    (and ``where`` the text came from; the hot settings' sentence for a bad number omits it)."""
+    types = {field.name: field.type for field in dataclasses.fields(settings)}
+    values: dict[str, object] = {}
+    for item in text.split(","):
+        name, _, raw = item.partition("=")
+        name = name.strip()
+        if name not in types:
+            raise ConfigError(f"The {what} {name!r} in {where} is unknown.")
+        try:
+            values[name] = int(raw) if types[name] in ("int", int) else float(raw)
+        except ValueError:
+            source = f" in {where}" if where_when_not_a_number else ""
+            raise ConfigError(f"The {what} {name} ({raw!r}){source} is not a number.") from None
+    return values
+
+
 @dataclasses.dataclass(frozen=True)
 class HotSettings:
     """What the workers of a hot-recovery job need to form their generations
@@ -272,17 +291,7 @@ class HotSettings:
     def decode(cls, text: str, where: str = "the hot-recovery settings") -> HotSettings:
         """The settings in ``text`` (``name=value,...``); a ConfigError naming what is wrong
         (``where``: what carried them)."""
-        types = {field.name: field.type for field in dataclasses.fields(cls)}
-        values: dict[str, object] = {}
-        for item in text.split(","):
-            name, _, raw = item.partition("=")
-            name = name.strip()
-            if name not in types:
-                raise ConfigError(f"The hot-recovery setting {name!r} in {where} is unknown.")
-            try:
-                values[name] = int(raw) if types[name] in ("int", int) else float(raw)
-            except ValueError:
-                raise ConfigError(f"The hot-recovery setting {name} ({raw!r}) is not a number.") from None
+        values = _numbers_in(cls, text, "hot-recovery setting", where, where_when_not_a_number=False)
         try:
             return cls(**values)
         except TypeError:
@@ -331,15 +340,4 @@ class StragglerSettings:
     @classmethod
     def decode(cls, text: str, where: str = "the straggler settings") -> StragglerSettings:
         """The settings in ``text`` (``name=value,...``); a ConfigError naming what is wrong."""
-        types = {field.name: field.type for field in dataclasses.fields(cls)}
-        values: dict[str, object] = {}
-        for item in text.split(","):
-            name, _, raw = item.partition("=")
-            name = name.strip()
-            if name not in types:
-                raise ConfigError(f"The straggler setting {name!r} in {where} is unknown.")
-            try:
-                values[name] = int(raw) if types[name] in ("int", int) else float(raw)
-            except ValueError:
-                raise ConfigError(f"The straggler setting {name} ({raw!r}) in {where} is not a number.") from None
-        return cls(**values)
+        return cls(**_numbers_in(cls, text, "straggler setting", where))
