@@ -94,11 +94,14 @@ class Declaration:
     wants: int
     pid: int = 0
     port: int = 0  # a free port on this node for the workers' store, should it be rank 0
+    # A port the declaring process listens on while it lives (0: none): a connection to it that
+    # is refused proves the process gone, long before its lease ends (rendezvous/liveness.py).
+    alive_port: int = 0
     revision: int = 0  # etcd's mod_revision of the key: the order of declarations
 
     def to_json(self, key: str = "", secret: bytes | None = None) -> str:
         return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
-                        "port": self.port}, key, secret)
+                        "port": self.port, "alive_port": self.alive_port}, key, secret)
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
@@ -107,7 +110,8 @@ class Declaration:
         try:
             declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
                               wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)),
-                              port=_port(data.get("port", 0)), revision=revision)
+                              port=_port(data.get("port", 0)), alive_port=_port(data.get("alive_port", 0)),
+                              revision=revision)
         except (KeyError, TypeError, ValueError):
             return None
         return declaration

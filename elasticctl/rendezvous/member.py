@@ -20,6 +20,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.lease import Lease
 from elasticctl.job.records import Claim, Declaration, Round
+from elasticctl.rendezvous.liveness import AlivePort, Liveness, probe
 from elasticctl.rendezvous.rounds import (
     Change,
     Settings,
@@ -27,7 +28,9 @@ from elasticctl.rendezvous.rounds import (
     next_members,
     next_number,
     seal_due,
+    to_probe,
     wanting,
+    without_dead,
 )
 from elasticctl.rendezvous.view import RoundView
 
@@ -56,6 +59,8 @@ class RoundMember:
         self._lease_lost = threading.Event()
         self._cancelled = threading.Event()
         self._left = False
+        self._alive_port: AlivePort | None = None  # opened at the first declaration
+        self._probed: dict[tuple[str, int], bool] = {}  # (node, declaration revision) -> alive
         self.round: Round | None = None  # the round this node is in
         view.on_round_missing(self._restore)
 
@@ -104,7 +109,10 @@ class RoundMember:
             if closed:
                 raise RendezvousClosedError()
             target = next_number(current)
-            declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port())
+            if self._alive_port is None:
+                self._alive_port = AlivePort(self.addr)
+            declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port(),
+                                      alive_port=self._alive_port.port)
             self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
             log.info("[%s] wants round %d", self.node, target)
             self._lease_lost.clear()  # the declaration is on the lease in use now
@@ -148,6 +156,7 @@ class RoundMember:
             elif claim.node == self.node:
                 view.follow_nodes()
                 live = list(declarations.values()) if view.nodes_followed else []
+                live = self._without_gone(current, live)
                 enough = len(wanting(current, live)) >= settings.min_nodes
                 quorum_since = (quorum_since or now) if enough else None
                 if seal_due(current, live, settings, quorum_since, now, len(view.unreadable)):
@@ -156,6 +165,21 @@ class RoundMember:
                     wake_at.append(quorum_since + settings.last_call)
             view.wait_until(lambda seen=seen: view.progress(target) != seen,
                             max(0.0, min(wake_at) - time.monotonic()) + 0.01)
+
+    def _without_gone(self, current: Round | None, live: list[Declaration]) -> list[Declaration]:
+        """``live`` less the members whose process is gone although their lease lives on: the
+        few silent members of a re-formation are probed once per declaration (see
+        :mod:`elasticctl.rendezvous.liveness`), so that a crash is not waited for until
+        the last call."""
+        self._probed = {key: alive for key, alive in self._probed.items()
+                        if key in {(d.node, d.revision) for d in live}}
+        for declaration in to_probe(current, live, self._probed):
+            alive = probe(declaration.addr, declaration.alive_port) is not Liveness.GONE
+            self._probed[(declaration.node, declaration.revision)] = alive
+            if not alive:
+                log.info("[%s] %s (pid %d) is gone (its liveness port refused a connection); not waiting "
+                         "for its lease", self.node, declaration.node, declaration.pid)
+        return without_dead(live, self._probed)
 
     def _claim(self, target: int, expected_revision: int) -> bool:
         """Try to take the claim to seal ``target``; False if etcd could not be asked (the
@@ -221,6 +245,8 @@ class RoundMember:
     def leave(self) -> None:
         """Leave gracefully: the others see this node's key go at once, not after node_ttl."""
         self._left = True
+        if self._alive_port is not None:
+            self._alive_port.close()
         try:
             self.view.withdraw(self.node)
         finally:

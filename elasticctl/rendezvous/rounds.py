@@ -88,6 +88,34 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     return quorum_since is not None and now - quorum_since >= settings.last_call
 
 
+PROBE_AT_MOST = 8  # silent members probed at once: the few a re-formation still waits for
+
+
+def to_probe(current: Round | None, live: Iterable[Declaration], known: Mapping[tuple[str, int], bool],
+             at_most: int = PROBE_AT_MOST) -> list[Declaration]:
+    """The live declarations whose process the sealer should probe now (see
+    :mod:`elasticctl.rendezvous.liveness`): members of the running round that have not declared
+    for the next one, and listen on a liveness port, not probed yet at this revision of their
+    declaration (``known``: (node, revision) -> alive). A re-formation after a crash waits for
+    exactly these: the dead one's declaration stays until its lease ends, a survivor's is
+    replaced within milliseconds. None while more than ``at_most`` are silent: early in a
+    re-formation most members have not re-declared yet, and probing them all would cost a
+    connection each for nothing."""
+    if current is None:
+        return []
+    target = next_number(current)
+    members = set(current.members)
+    silent = [d for d in live if d.node in members and d.wants < target]
+    if len(silent) > at_most:
+        return []
+    return [d for d in silent if d.alive_port and (d.node, d.revision) not in known]
+
+
+def without_dead(live: Iterable[Declaration], known: Mapping[tuple[str, int], bool]) -> list[Declaration]:
+    """``live`` less the declarations whose process a probe found gone (at that revision)."""
+    return [d for d in live if known.get((d.node, d.revision), True)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Change:
     """Why a member of a round must re-form: counts for torch's ``num_nodes_waiting``."""

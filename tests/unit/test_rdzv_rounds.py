@@ -12,7 +12,9 @@ from elasticctl.rendezvous.rounds import (
     change_for,
     next_members,
     seal_due,
+    to_probe,
     wanting,
+    without_dead,
 )
 
 
@@ -163,3 +165,39 @@ def test_no_round_is_sealed_beside_live_members_it_cannot_see(current, live, unr
 ])
 def test_preferred_round(known, candidate, believed):
     assert preferred_round(known, candidate) is (candidate if believed == "candidate" else known)
+
+
+def p(node: str, wants: int, revision: int, alive_port: int = 7000) -> Declaration:
+    return Declaration(node=node, addr="10.0.0.1", wants=wants, revision=revision, alive_port=alive_port)
+
+
+@pytest.mark.parametrize(("current", "live", "known", "at_most", "probed"), [
+    # no round yet: nobody to wait for by name, nothing to probe
+    (None, [p("a", 1, 1), p("b", 1, 2)], {}, 8, []),
+    # a and b re-declared; c (a member) is silent: probe c
+    (R1, [p("a", 2, 11), p("b", 2, 12), p("c", 1, 5)], {}, 8, ["c"]),
+    # early in a re-formation two members are silent: both probed (a survivor answers, cached)
+    (R1, [p("a", 2, 11), p("b", 1, 4), p("c", 1, 5)], {}, 8, ["b", "c"]),
+    # more silent members than at_most: nobody probed yet (they will re-declare within ms)
+    (R1, [p("a", 2, 11), p("b", 1, 4), p("c", 1, 5)], {}, 1, []),
+    # already probed at this revision: not again; a new declaration is a new revision
+    (R1, [p("a", 2, 11), p("b", 2, 12), p("c", 1, 5)], {("c", 5): True}, 8, []),
+    (R1, [p("a", 2, 11), p("b", 2, 12), p("c", 1, 6)], {("c", 5): True}, 8, ["c"]),
+    # a process that listens on no liveness port (an older version, another host's NAT): not probed
+    (R1, [p("a", 2, 11), p("b", 2, 12), p("c", 1, 5, alive_port=0)], {}, 8, []),
+    # a newcomer (not a member) is never probed: it is not waited for
+    (R1, [p("a", 2, 11), p("b", 2, 12), p("c", 2, 13), p("x", 1, 9)], {}, 8, []),
+])
+def test_to_probe_only_the_few_silent_members(current, live, known, at_most, probed):
+    assert [x.node for x in to_probe(current, live, known, at_most)] == probed
+
+
+def test_a_member_found_gone_is_not_waited_for():
+    live = [p("a", 2, 11), p("b", 2, 12), p("c", 1, 5)]
+    assert not seal_due(R1, live, S, 0.0, 0.0)  # c's lease lives: wait for it
+    gone = without_dead(live, {("c", 5): False})
+    assert [x.node for x in gone] == ["a", "b"]
+    assert seal_due(R1, gone, S, 0.0, 0.0)  # c's process is gone: seal now, without it
+    # alive, or probed at an older revision only: still waited for
+    assert without_dead(live, {("c", 5): True}) == live
+    assert without_dead(live, {("c", 4): False}) == live
