@@ -41,6 +41,10 @@ def render(view: JobView) -> str:
     lines.append(f"  {label} {data['round'] if data['round'] is not None else '-'}   "
                  f"world size {nodes} node{'s' if nodes != 1 else ''}"
                  + ("   (hot recovery: survivors re-form in process)" if data["recovery"] == "hot" else ""))
+    if data["spares"] or data["spares_expected"]:
+        short = data["spares_expected"] - len(data["spares"])
+        lines.append(f"  spares    {len(data['spares'])} waiting warm" + (f" of {data['spares_expected']} expected"
+                     if data["spares_expected"] else "") + (f"   ({short} SHORT)" if short > 0 else ""))
     rows = [["NODE", "HOST", "ADDRESS", "STATE", "RANK", "GPUS", "NPROC", "RESTARTS", "JOINED"]]
     for node in data["nodes"]:
         state = node.get("state", "?")

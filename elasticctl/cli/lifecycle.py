@@ -101,6 +101,9 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.option("--evict-stragglers", default=None, metavar="R",
               help="Ask a node whose step time stays above R x the others' for the window to leave, "
                    "as `elasticctl leave` does (default 0: never).")
+@click.option("--spares", default=None, metavar="N",
+              help="Hot spares the job expects: nodes beyond --nnodes MAX start their workers and wait warm, "
+                   "and one takes a lost node's place at once (default 0; status shows the count).")
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
@@ -117,7 +120,7 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, recovery,
-       straggler_ratio, straggler_window, straggler_interval, evict_stragglers, legacy_local_rank,
+       straggler_ratio, straggler_window, straggler_interval, evict_stragglers, spares, legacy_local_rank,
        node_id, local_addr, etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script,
        script_args, **etcd_params) -> None:
     """Start a job (or join it with the same spec): publish it, register, run torchrun.
@@ -138,7 +141,8 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
         conf["recovery"] = recovery
     # Checked with every rendezvous option when the spec is built (job.settings).
     for key, value in (("straggler_ratio", straggler_ratio), ("straggler_window", straggler_window),
-                       ("straggler_interval", straggler_interval), ("evict_stragglers", evict_stragglers)):
+                       ("straggler_interval", straggler_interval), ("evict_stragglers", evict_stragglers),
+                       ("spares", spares)):
         if value is not None:
             conf[key] = str(value).strip()
     spec = JobSpec(

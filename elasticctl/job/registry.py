@@ -26,6 +26,7 @@ from elasticctl.job.records import (
     typed_record,
 )
 from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.job.settings import parse_rdzv_options
 from elasticctl.job.snapshot import MAX_HEARTBEAT_LOOKUPS, JobSnapshot, Part
 from elasticctl.job.spec import JobSpec, validate_name
 
@@ -79,8 +80,28 @@ class JobView:
         current = self.round
         return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == MemberState.TRAINING])
 
+    def spares(self) -> list[str]:
+        """Live nodes waiting beside a full world (hot spares): their agent runs (restart mode)
+        or their workers too (hot mode), and none of them is in the current round or generation."""
+        if self.spec is None:
+            return []
+        if self.generation is not None:
+            in_world = set(self._generation_ranks())
+        else:
+            in_world = {n for n, m in self.members.items()
+                        if m.get("round") == self.round and m.get("state") == MemberState.TRAINING}
+        if len(in_world) < self.spec.max_nodes:
+            return []  # a node outside a world with room is joining, not spare
+        waiting = (MemberState.JOINING.value, MemberState.TRAINING.value)
+        return sorted(n for n in self.nodes if n not in in_world
+                      and self.members.get(n, {}).get("state", MemberState.JOINING.value) in waiting)
+
+    def spares_expected(self) -> int:
+        return 0 if self.spec is None else parse_rdzv_options(dict(self.spec.rdzv_conf)).spares
+
     def to_dict(self) -> dict:
         ranks = self._generation_ranks()
+        spares = set(self.spares())
         return {
             "job": self.name,
             "spec": None if self.spec is None else self.spec.to_dict(),
@@ -89,9 +110,12 @@ class JobView:
             "nodes": [
                 {**record, **{k: v for k, v in self.members.get(node, {}).items() if k in ("round", "rank", "restarts")},
                  **({"round": self.generation.number, "rank": ranks[node]} if node in ranks else {}),
-                 "id": node, "rendezvous": self.members.get(node, {}).get("state", MemberState.JOINING.value)}
+                 "id": node, "rendezvous": "spare" if node in spares
+                 else self.members.get(node, {}).get("state", MemberState.JOINING.value)}
                 for node, record in sorted(self.nodes.items())
             ],
+            "spares": sorted(spares),
+            "spares_expected": self.spares_expected(),
             "progress": self.progress,
             "down_requested": self.down_requested,
             "recovery": "hot" if self.generation is not None else "restart",

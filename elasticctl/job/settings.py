@@ -87,6 +87,11 @@ class RdzvOptions:
     straggler_window: int = 50
     straggler_interval: int = 10
     evict_stragglers: float = 0.0
+    # Hot spares: nodes beyond --nnodes MAX wait warm (workers started, no share of the data) and
+    # take a lost member's place at the survivors' re-formation. This says how many the job
+    # expects (status and the dashboard show the count and the shortfall); any node beyond MAX
+    # is a spare, counted or not.
+    spares: int = 0
 
 
 def _seconds(name: str, text: str) -> float:
@@ -205,6 +210,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "straggler_window": ("straggler_window", _steps),
     "straggler_interval": ("straggler_interval", _steps),
     "evict_stragglers": ("evict_stragglers", _ratio(allow_zero=True)),
+    "spares": ("spares", _whole(0, 1_000_000)),
 }
 
 KNOWN_OPTIONS = frozenset(_OPTIONS)

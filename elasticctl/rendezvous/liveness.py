@@ -5,16 +5,18 @@ re-formation after a crash would wait its whole last call for a process that no 
 exists. The kernel knows sooner: when a process dies, its sockets close with it, and a
 connection to its listening port is refused at once (a RST, on the same host or across the
 network). So every declaring process listens on a port of its own (:class:`AlivePort`,
-``Declaration.alive_port``) and accepts and drops whatever connects; the sealer, waiting for
-a member that has not re-declared, connects once (:func:`probe`):
+``Declaration.alive_port``), and a thread of its own answers each connection with one byte;
+the sealer, waiting for a member that has not re-declared, connects once (:func:`probe`):
 
 * refused: the process is gone; the round is sealed without waiting for it;
-* accepted: it lives (perhaps frozen: the kernel answers for a stopped process too); wait;
-* anything else (a timeout: a machine powered off, a network cut): not known; wait, as before.
+* the byte came: the process runs (it is slow to notice, e.g. on a loaded machine): it will
+  declare, and is worth waiting for longer than a last call;
+* anything else (no byte in time: a frozen process, whose kernel still completes the
+  handshake; a machine powered off; a network cut): not known; wait as before.
 
-Only a refusal changes anything, and it can only be wrong towards a re-formation more (a
-live member sealed out re-declares as a newcomer), never towards training beside a member.
-Nothing is read from or written to the connection.
+A refusal can only be wrong towards a re-formation more (a live member sealed out
+re-declares as a newcomer), never towards training beside a member. Nothing is read
+from the prober.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import threading
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT = 0.2  # seconds; a refusal comes back within a round trip
+PROBE_TIMEOUT = 0.2  # seconds; a refusal comes back within a round trip, the byte soon after
+ALIVE_BYTE = b"+"
 
 
 class Liveness(enum.Enum):
@@ -39,11 +42,11 @@ class Liveness(enum.Enum):
 def probe(addr: str, port: int, timeout: float = PROBE_TIMEOUT) -> Liveness:
     """Connect to ``addr:port`` once and say what that shows of the process listening there."""
     try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return Liveness.ALIVE
+        with socket.create_connection((addr, port), timeout=timeout) as connection:
+            return Liveness.ALIVE if connection.recv(1) == ALIVE_BYTE else Liveness.UNKNOWN
     except ConnectionRefusedError:
         return Liveness.GONE
-    except OSError as exc:
+    except OSError as exc:  # a timeout included
         if exc.errno == errno.ECONNREFUSED:
             return Liveness.GONE
         return Liveness.UNKNOWN
@@ -74,7 +77,12 @@ class AlivePort:
                 connection, _ = sock.accept()
             except OSError:
                 return  # closed
-            connection.close()
+            try:
+                connection.sendall(ALIVE_BYTE)
+            except OSError:
+                pass  # the prober gave up already
+            finally:
+                connection.close()
 
     def close(self) -> None:
         sock, self._sock = self._sock, None

@@ -9,6 +9,7 @@ with a timeout only where a deadline (last call, the join timeout) can fire.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from elasticctl.rendezvous.rounds import (
     next_members,
     next_number,
     seal_due,
+    last_call_for,
     to_probe,
     wanting,
     without_dead,
@@ -60,7 +62,8 @@ class RoundMember:
         self._cancelled = threading.Event()
         self._left = False
         self._alive_port: AlivePort | None = None  # opened at the first declaration
-        self._probed: dict[tuple[str, int], bool] = {}  # (node, declaration revision) -> alive
+        # (node, declaration revision) -> what a probe of it showed: True runs, False gone, None not known
+        self._probed: dict[tuple[str, int], bool | None] = {}
         self.round: Round | None = None  # the round this node is in
         view.on_round_missing(self._restore)
 
@@ -145,6 +148,10 @@ class RoundMember:
                 raise JoinCancelled(f"{self.node} was told to stop while it waited for round {target}.")
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
+            if current is not None and current.world_size >= settings.max_nodes and self.node not in current.members:
+                # The running round is full: this node is a spare, warm, and waits as long as
+                # the job runs (a member lost, it takes the place at the same re-formation).
+                deadline = max(deadline, now + self.join_timeout)
             if now >= deadline:
                 raise RendezvousTimeoutError(
                     f"The rendezvous round {target} did not complete within {self.join_timeout:g} s "
@@ -159,10 +166,13 @@ class RoundMember:
                 live = self._without_gone(current, live)
                 enough = len(wanting(current, live)) >= settings.min_nodes
                 quorum_since = (quorum_since or now) if enough else None
-                if seal_due(current, live, settings, quorum_since, now, len(view.unreadable)):
+                # A running member slow to re-declare is waited for up to its lease's length.
+                rounds = dataclasses.replace(settings, last_call=last_call_for(
+                    current, live, self._probed, settings.last_call, self.node_ttl))
+                if seal_due(current, live, rounds, quorum_since, now, len(view.unreadable)):
                     self._seal(current, live, target)
                 elif quorum_since is not None:
-                    wake_at.append(quorum_since + settings.last_call)
+                    wake_at.append(quorum_since + rounds.last_call)
             view.wait_until(lambda seen=seen: view.progress(target) != seen,
                             max(0.0, min(wake_at) - time.monotonic()) + 0.01)
 
@@ -174,9 +184,9 @@ class RoundMember:
         self._probed = {key: alive for key, alive in self._probed.items()
                         if key in {(d.node, d.revision) for d in live}}
         for declaration in to_probe(current, live, self._probed):
-            alive = probe(declaration.addr, declaration.alive_port) is not Liveness.GONE
-            self._probed[(declaration.node, declaration.revision)] = alive
-            if not alive:
+            seen = probe(declaration.addr, declaration.alive_port)
+            self._probed[(declaration.node, declaration.revision)] = {Liveness.ALIVE: True, Liveness.GONE: False}.get(seen)
+            if seen is Liveness.GONE:
                 log.info("[%s] %s (pid %d) is gone (its liveness port refused a connection); not waiting "
                          "for its lease", self.node, declaration.node, declaration.pid)
         return without_dead(live, self._probed)

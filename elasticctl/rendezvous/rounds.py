@@ -91,29 +91,47 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
 PROBE_AT_MOST = 8  # silent members probed at once: the few a re-formation still waits for
 
 
-def to_probe(current: Round | None, live: Iterable[Declaration], known: Mapping[tuple[str, int], bool],
-             at_most: int = PROBE_AT_MOST) -> list[Declaration]:
-    """The live declarations whose process the sealer should probe now (see
-    :mod:`elasticctl.rendezvous.liveness`): members of the running round that have not declared
-    for the next one, and listen on a liveness port, not probed yet at this revision of their
-    declaration (``known``: (node, revision) -> alive). A re-formation after a crash waits for
-    exactly these: the dead one's declaration stays until its lease ends, a survivor's is
-    replaced within milliseconds. None while more than ``at_most`` are silent: early in a
-    re-formation most members have not re-declared yet, and probing them all would cost a
-    connection each for nothing."""
+def silent_members(current: Round | None, live: Iterable[Declaration]) -> list[Declaration]:
+    """The members of the running round whose live declaration does not want the next one yet."""
     if current is None:
         return []
     target = next_number(current)
     members = set(current.members)
-    silent = [d for d in live if d.node in members and d.wants < target]
+    return [d for d in live if d.node in members and d.wants < target]
+
+
+def to_probe(current: Round | None, live: Iterable[Declaration], known: Mapping[tuple[str, int], bool | None],
+             at_most: int = PROBE_AT_MOST) -> list[Declaration]:
+    """The live declarations whose process the sealer should probe now (see
+    :mod:`elasticctl.rendezvous.liveness`): members of the running round that have not declared
+    for the next one, and listen on a liveness port, not probed yet at this revision of their
+    declaration (``known``: (node, revision) -> True alive, False gone, None not known). A re-formation after a crash waits for
+    exactly these: the dead one's declaration stays until its lease ends, a survivor's is
+    replaced within milliseconds. None while more than ``at_most`` are silent: early in a
+    re-formation most members have not re-declared yet, and probing them all would cost a
+    connection each for nothing."""
+    silent = silent_members(current, live)
     if len(silent) > at_most:
         return []
     return [d for d in silent if d.alive_port and (d.node, d.revision) not in known]
 
 
-def without_dead(live: Iterable[Declaration], known: Mapping[tuple[str, int], bool]) -> list[Declaration]:
+def without_dead(live: Iterable[Declaration], known: Mapping[tuple[str, int], bool | None]) -> list[Declaration]:
     """``live`` less the declarations whose process a probe found gone (at that revision)."""
-    return [d for d in live if known.get((d.node, d.revision), True)]
+    return [d for d in live if known.get((d.node, d.revision)) is not False]
+
+
+def last_call_for(current: Round | None, live: Iterable[Declaration], known: Mapping[tuple[str, int], bool | None],
+                  last_call: float, running_wait: float) -> float:
+    """How long a re-formation waits, once it has quorum, for the members still silent
+    (``live``: without the dead). ``last_call``, or ``running_wait`` when every one of them
+    answered a probe (it runs: slow to notice on a loaded machine, it will declare within
+    moments, and sealing without it would cost a second re-formation at once). A frozen
+    member does not answer and keeps the short last call; its lease decides."""
+    silent = silent_members(current, live)
+    if silent and all(known.get((d.node, d.revision)) is True for d in silent):
+        return max(last_call, running_wait)
+    return last_call
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,11 @@ def saturated_cores():
 
 
 def current_round(j) -> int:
+    """The agents' round (restart mode), or the workers' generation (hot mode: the unit that re-forms)."""
+    keys = j.registry.keys
+    hot = "hot" in j.up_args
     with EtcdClient(j.etcd.client_settings()) as client:
-        return json.loads(client.get(j.registry.keys.rdzv_round).value)["round"]
+        return json.loads(client.get(keys.generations().rdzv_round if hot else keys.rdzv_round).value)["round"]
 
 
 def node_tree(node) -> list[psutil.Process]:
@@ -42,8 +45,17 @@ def node_tree(node) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def test_a_kill_and_a_join_under_cpu_overload_reform_once_each(job, saturated_cores):  # noqa: F811
-    j = job(nnodes="1:3")
+# A node TTL of 2 s (keep-alives every 0.67 s) holds under this load too: no lease of a live
+# process expires, in either mode (issue 21: the TTL can go to 2 s without false alarms).
+MODES = pytest.mark.parametrize("extra", [
+    pytest.param(("--node-ttl", "2"), id="restart-ttl2"),
+    pytest.param(("--node-ttl", "2", "--recovery", "hot"), id="hot-ttl2"),
+])
+
+
+@MODES
+def test_a_kill_and_a_join_under_cpu_overload_reform_once_each(job, saturated_cores, extra):  # noqa: F811
+    j = job(nnodes="1:3", extra=extra)
     started = j.start("a", "b", "c", timeout=300)
     before = current_round(j)
 
@@ -70,17 +82,18 @@ def test_a_kill_and_a_join_under_cpu_overload_reform_once_each(job, saturated_co
     assert result.returncode == 0, result.stderr
 
 
-def test_a_node_that_was_only_slow_forces_no_round(job, saturated_cores):  # noqa: F811
-    j = job(nnodes="1:2")
+@MODES
+def test_a_node_that_was_only_slow_forces_no_round(job, saturated_cores, extra):  # noqa: F811
+    j = job(nnodes="1:2", extra=extra)
     started = j.start("a", "b", timeout=300)
     before = current_round(j)
 
-    # Frozen for 2 s, well inside the 5 s node TTL: a pause, not a loss.
+    # Frozen for 1 s, inside the 2 s node TTL: a pause, not a loss.
     tree = node_tree(started["b"])
     for proc in tree:
         proc.send_signal(signal.SIGSTOP)
     try:
-        time.sleep(2.0)  # the stimulus: how long the node is frozen, not a synchronisation
+        time.sleep(1.0)  # the stimulus: how long the node is frozen, not a synchronisation
     finally:
         for proc in tree:
             proc.send_signal(signal.SIGCONT)

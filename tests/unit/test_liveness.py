@@ -49,11 +49,13 @@ def test_a_killed_process_is_gone_at_once(child_with_port):
     assert probe("127.0.0.1", port) is Liveness.GONE
 
 
-def test_a_stopped_process_is_not_taken_for_gone(child_with_port):
-    # The kernel completes the handshake for a frozen process: a freeze is the lease's to judge.
+def test_a_stopped_process_is_neither_gone_nor_alive(child_with_port):
+    # The kernel completes the handshake for a frozen process, but nobody answers: a freeze is
+    # the lease's to judge, and not worth a longer wait either.
     child, port = child_with_port
     os.kill(child.pid, signal.SIGSTOP)
     try:
-        assert probe("127.0.0.1", port) is Liveness.ALIVE
+        assert probe("127.0.0.1", port) is Liveness.UNKNOWN
     finally:
         os.kill(child.pid, signal.SIGCONT)
+    assert probe("127.0.0.1", port) is Liveness.ALIVE

@@ -12,6 +12,7 @@ from elasticctl.rendezvous.rounds import (
     change_for,
     next_members,
     seal_due,
+    last_call_for,
     to_probe,
     wanting,
     without_dead,
@@ -201,3 +202,20 @@ def test_a_member_found_gone_is_not_waited_for():
     # alive, or probed at an older revision only: still waited for
     assert without_dead(live, {("c", 5): True}) == live
     assert without_dead(live, {("c", 4): False}) == live
+    assert without_dead(live, {("c", 5): None}) == live  # not known (frozen, cut off): waited for
+
+
+@pytest.mark.parametrize(("live", "known", "last_call"), [
+    # c silent and answering its probe: it runs, slow to notice; wait for it up to its lease
+    ([p("a", 2, 11), p("b", 2, 12), p("c", 1, 5)], {("c", 5): True}, 2.0),
+    # c silent and not answering (frozen) or not probed yet: the short last call
+    ([p("a", 2, 11), p("b", 2, 12), p("c", 1, 5)], {("c", 5): None}, 0.5),
+    ([p("a", 2, 11), p("b", 2, 12), p("c", 1, 5)], {}, 0.5),
+    # one of two silent members answers, the other not: the short last call
+    ([p("a", 2, 11), p("b", 1, 4), p("c", 1, 5)], {("b", 4): True, ("c", 5): None}, 0.5),
+    # nobody silent (the dead already left out): the short last call (never waited: all want it)
+    ([p("a", 2, 11), p("b", 2, 12)], {("c", 5): False}, 0.5),
+])
+def test_a_running_member_slow_to_declare_is_waited_for_longer(live, known, last_call):
+    assert last_call_for(R1, live, known, 0.5, 2.0) == last_call
+    assert last_call_for(None, live, known, 0.5, 2.0) == 0.5  # a first round: nobody known by name
