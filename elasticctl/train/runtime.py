@@ -680,6 +680,7 @@ class Runtime:
         if self._events:  # None: never needed; False: not under elasticctl
             self._events.flush(5.0)
         self.membership.close()
+        self.control_group = None  # destroyed with the training group (the run ended without a teardown)
         if dist.is_initialized():
             dist.destroy_process_group()
 
