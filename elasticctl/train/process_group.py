@@ -61,9 +61,9 @@ def control_channel(backend: str) -> ControlChannel:
     and gloo runs an asynchronous collective on threads of its own, so the hot-mode flags still
     travel while the next step computes. A training group whose CPU backend already is gloo
     carries them at no extra cost, whatever device the model is on (the flags are CPU tensors
-    either way); any other backend gets a gloo side group, as torchft does for its quorum. Only
-    gloo is trusted for this: MPI or UCC carry CPU tensors too, but how an asynchronous
-    collective progresses there depends on the build.
+    either way); any other backend gets a gloo side group. Only gloo is trusted for this: MPI
+    or UCC carry CPU tensors too, but how an asynchronous collective progresses there depends
+    on the build.
     """
     cpu_backend = dist.BackendConfig(backend).get_device_backend_map().get("cpu")
     return ControlChannel.TRAINING_GROUP if cpu_backend == dist.Backend.GLOO else ControlChannel.GLOO_SIDE_GROUP
