@@ -1,12 +1,13 @@
 """What a worker does at a step boundary, given what every worker agreed on: a pure decision.
 
 At each boundary (:meth:`elasticctl.train.state.State.commit`) the workers of a generation
-sum two flags over the process group: a membership change is pending (a member lost or
-gone on, a newcomer waiting: hot mode only), and how many workers are leaving (told to
-stop with SIGTERM). :func:`at_boundary` turns the sums into what this worker does. When
-the sums are agreed is the membership's business (:mod:`elasticctl.train.membership`):
-restart mode at the same boundary, hot mode at the next one (the all-reduce runs
-asynchronously meanwhile), a generation of one at once.
+sum two flags: a membership change is pending (a member lost or gone on, a newcomer
+waiting: hot mode only), and how many workers are leaving (told to stop with SIGTERM).
+:func:`at_boundary` turns the sums into what this worker does. When the sums are agreed is
+the membership's business (:mod:`elasticctl.train.membership`): restart mode at the same
+boundary, hot mode at the next one (the all-reduce runs asynchronously meanwhile), a
+generation of one at once. Where they travel (CPU tensors on gloo: the training group, or a
+side group beside NCCL) is :func:`elasticctl.train.process_group.control_channel`'s.
 """
 
 from __future__ import annotations

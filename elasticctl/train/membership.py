@@ -24,7 +24,7 @@ from elasticctl.job.records import Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.train import script as worker_env
 from elasticctl.train.boundary import Mode
-from elasticctl.train.process_group import build_generation_group, reset_group_counter
+from elasticctl.train.process_group import build_control_group, build_generation_group, reset_group_counter
 from elasticctl.train.state import StateError
 
 if TYPE_CHECKING:
@@ -64,7 +64,8 @@ class Membership(abc.ABC):
 
     @abc.abstractmethod
     def form(self, runtime: Runtime) -> Group:
-        """The first generation, its process group up and the state in sync."""
+        """The first generation, its process groups up (the training group, then the runtime's
+        control group: ``process_group.build_control_group``) and the state in sync."""
 
     @abc.abstractmethod
     def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
@@ -96,6 +97,7 @@ class RestartMembership(Membership):
         ctx = worker_env.init(timeout=runtime.pg_timeout.total_seconds(), backend=runtime.backend,
                               environment=runtime.environment)
         generation = Round(number=ctx.restart, members=())
+        runtime.control_group = build_control_group(runtime.backend, runtime.pg_timeout)
         return runtime.start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
 
     def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
@@ -134,6 +136,7 @@ class HotMembership(Membership):
             try:
                 runtime.store = build_generation_group(generation, rank, runtime.backend, runtime.pg_timeout,
                                                        runtime.device)
+                runtime.control_group = build_control_group(runtime.backend, runtime.pg_timeout)
                 runtime.mark_recovery("group_built")
                 return runtime.start_generation(generation, rank, generation.world_size,
                                                 noticed_at if why else None)

@@ -1,10 +1,13 @@
-"""A generation's torch process group: built on a fresh store of its own, and torch's
-default-group counter reset after a set-up that failed (hot recovery forms generation after
-generation in one process; :mod:`elasticctl.train.membership` calls these)."""
+"""A generation's torch process groups: the training group, built on a fresh store of its own;
+the group the runtime's own per-step collectives run on (:func:`control_channel`, a pure
+decision, and :func:`build_control_group`); and torch's default-group counter reset after a
+set-up that failed (hot recovery forms generation after generation in one process;
+:mod:`elasticctl.train.membership` calls these)."""
 
 from __future__ import annotations
 
 import datetime
+import enum
 
 import torch
 import torch.distributed as dist
@@ -38,3 +41,40 @@ def reset_group_counter() -> None:
     """
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.destroy_process_group()
+
+
+class ControlChannel(enum.Enum):
+    """Which group carries the runtime's own collectives of every step boundary (the two flags,
+    the straggler exchange), always on CPU tensors."""
+
+    TRAINING_GROUP = "the training group"    # its backend runs CPU tensors on gloo: no second group
+    GLOO_SIDE_GROUP = "a gloo side group"    # a CPU gloo group over the same ranks, one per generation
+
+
+def control_channel(backend: str) -> ControlChannel:
+    """Where the boundary flags and the straggler exchange go, for a training group on ``backend``
+    (as ``init_process_group`` takes it: ``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``...).
+
+    Why not the training group whatever it is: on NCCL its tensors live on the GPU, and reading
+    a flag there (``.tolist()``) waits for the device to finish the step's queued work, every
+    step, for elasticctl's sake alone. CPU tensors on gloo are read without touching the device,
+    and gloo runs an asynchronous collective on threads of its own, so the hot-mode flags still
+    travel while the next step computes. A training group whose CPU backend already is gloo
+    carries them at no extra cost, whatever device the model is on (the flags are CPU tensors
+    either way); any other backend gets a gloo side group. Only gloo is trusted for this: MPI
+    or UCC carry CPU tensors too, but how an asynchronous collective progresses there depends
+    on the build.
+    """
+    cpu_backend = dist.BackendConfig(backend).get_device_backend_map().get("cpu")
+    return ControlChannel.TRAINING_GROUP if cpu_backend == dist.Backend.GLOO else ControlChannel.GLOO_SIDE_GROUP
+
+
+def build_control_group(backend: str, timeout: datetime.timedelta):
+    """The current generation's group for the runtime's boundary collectives: a CPU gloo group over
+    every rank of the training group just formed (a collective: every rank calls it, right after
+    that group), or None where :func:`control_channel` keeps them on the training group (torch's
+    ``group=None``). Destroying the training group (``destroy_process_group()``) takes it down too.
+    """
+    if control_channel(backend) is ControlChannel.TRAINING_GROUP:
+        return None
+    return dist.new_group(backend=dist.Backend.GLOO, timeout=timeout, group_desc="elasticctl boundary")

@@ -24,6 +24,11 @@ In either mode every ``--straggler-interval`` steps the workers exchange their o
 and rank 0 names (and, with ``--evict-stragglers``, asks to leave) a node that sets everyone's
 pace: :mod:`elasticctl.train.stragglers`.
 
+The flags and the straggler exchange are CPU tensors on gloo, never the GPU's: the training
+group carries them when it is gloo, a gloo side group over the same ranks otherwise (NCCL),
+built and torn down with each generation (why: ``process_group.control_channel``). No step
+waits for the device on elasticctl's behalf.
+
 The two modes are two :class:`elasticctl.train.membership.Membership` implementations
 (``RestartMembership``, ``HotMembership``); what a worker does at a boundary is the pure
 :func:`elasticctl.train.boundary.at_boundary`; where the worker is, :class:`Phase`.
@@ -172,10 +177,13 @@ class Runtime:
         # _last_boundary, each replaced whole.
         self.phase = Phase.FORMING
         self.store: Any = None  # the current generation's TCPStore (hot mode), kept alive with its group
+        # The current generation's group for the boundary flags and the straggler exchange (CPU
+        # tensors on gloo; None: the training group is gloo and carries them): process_group.py.
+        self.control_group: Any = None
         self._checkpointer: Checkpointer | None = None
         self._group: Group | None = None  # the current generation's, while the phase is TRAINING (and its end)
         # This boundary's flags, summed asynchronously over the group, read at the next boundary.
-        self._flags_sent: tuple[torch.Tensor, Any] | None = None  # (the flags, torch's Work)
+        self._flags_sent: tuple[torch.Tensor, Any] | None = None  # (the flags, torch's Work), on control_group
         self._leaving = False       # told to stop (SIGTERM); acted on at an agreed boundary
         self._leaving_sent = False  # _leaving as this worker sent it with the last flags
         self._noticed_at: float | None = None  # when this worker noticed the fault or change
@@ -193,7 +201,7 @@ class Runtime:
         self._watchdog = threading.Event()  # set: the run is over
         # Stragglers: this worker's own step times and the exchange of them (train/straggler_watch.py).
         self._stragglers = StragglerWatch(self.environment.stragglers, self.worker, self.node,
-                                          device=self._flag_device, record=self._record,
+                                          control_group=lambda: self.control_group, record=self._record,
                                           request_leave=self._request_leave)
         self._registry: Any = None
 
@@ -347,8 +355,10 @@ class Runtime:
         self._noticed_at = None
         self._flags_sent = None
         self._stragglers.new_generation()
-        log.info("[%s] generation %d: rank %d of %d at step %d%s", self.worker, generation.number, rank, world_size,
-                 self.state.step, f" (state from rank {', '.join(map(str, sent_from))})" if sent_from else "")
+        log.info("[%s] generation %d: rank %d of %d at step %d%s; boundary collectives on %s", self.worker,
+                 generation.number, rank, world_size, self.state.step,
+                 f" (state from rank {', '.join(map(str, sent_from))})" if sent_from else "",
+                 self._describe_control_group())
         if rank == 0:
             self._progress_publisher()
             if self.membership.records_generations:
@@ -361,9 +371,13 @@ class Runtime:
         return group
 
     def teardown(self) -> None:
-        """Take the process group down, bounded: one that will not come down ends the worker."""
+        """Take the process groups down, bounded: one that will not come down ends the worker."""
         self._flags_sent = None
         self._group = None
+        # destroy_process_group() below takes the side group down with the training group; the
+        # last reference goes here, so that its gloo threads and sockets go with it (a gloo
+        # collective still waiting on a lost peer ends by its timeout, the node TTL: gloo has no abort).
+        self.control_group = None
         if not dist.is_initialized():
             return
         stuck = threading.Timer(TEARDOWN_BOUND, _exit_stuck, args=(self.worker,))
@@ -382,8 +396,8 @@ class Runtime:
         the ranks that sent it (none: nothing was sent)."""
         if world_size == 1 and self.state.live:
             return ()
-        flag_device = self._flag_device()
-        mine = torch.tensor([self.state.step if self.state.live else -1], dtype=torch.int64, device=flag_device)
+        transport = self._training_group_device()
+        mine = torch.tensor([self.state.step if self.state.live else -1], dtype=torch.int64, device=transport)
         steps = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(steps, mine)
         steps = [int(t.item()) for t in steps]
@@ -396,7 +410,7 @@ class Runtime:
             return ()
         if plan.source is None:
             return ()
-        moved = transfer_state(self.state, rank, plan.sources, device=self.device, transport=flag_device,
+        moved = transfer_state(self.state, rank, plan.sources, device=self.device, transport=transport,
                                bucket_bytes=self.transfer_bucket_bytes)
         log.info("[%s] state of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
                  self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, moved.senders)), moved.seconds)
@@ -464,13 +478,15 @@ class Runtime:
     def _send_flags(self, group: Group) -> Agreed | None:
         """This boundary's flags to every worker; agreed now if the membership wants them at
         once (restart mode: the agent waits for these workers to stop before its node can
-        re-form, so a blocking all-reduce) or the worker is alone, else at the next boundary."""
+        re-form, so a blocking all-reduce) or the worker is alone, else at the next boundary.
+        CPU tensors on the control group: reading them never waits for a GPU."""
         pending = self.membership.change_pending()
         self._leaving_sent = self._leaving
         if group.world_size == 1:
             return Agreed(int(pending), int(self._leaving), 1)
-        flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64, device=self._flag_device())
-        self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True))
+        flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64)
+        self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.control_group,
+                                                   async_op=True))
         return self._flags_in_flight() if self.membership.agreed_at_once else None
 
     def _request_leave(self, node: str) -> None:
@@ -595,7 +611,7 @@ class Runtime:
         unpickled."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return failure
-        device = self._flag_device()
+        device = self._training_group_device()
         world = dist.get_world_size()
         first = torch.tensor([dist.get_rank() if failure is not None else world], dtype=torch.int64, device=device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -664,13 +680,22 @@ class Runtime:
         if self._events:  # None: never needed; False: not under elasticctl
             self._events.flush(5.0)
         self.membership.close()
+        self.control_group = None  # destroyed with the training group (the run ended without a teardown)
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _flag_device(self) -> torch.device:
+    def _training_group_device(self) -> torch.device:
+        """Where the tensors of the runtime's collectives on the training group live (once per
+        generation: the state sync and transfer; the final checkpoint's agreement)."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def _describe_control_group(self) -> str:
+        """For the generation's log line: where the boundary flags and straggler exchange go."""
+        if self.control_group is None:
+            return f"the training group ({self.backend})"
+        return f"a side group ({dist.get_backend(self.control_group)}) beside the training group ({self.backend})"
 
     def _epoch(self) -> int:
         return int(getattr(self.state.sampler, "epoch", 0))

@@ -6,6 +6,10 @@ to the runtime's callbacks, which write them on the event thread).
 The runtime owns one watch per run: ``new_generation`` when a generation forms, ``step_done``,
 ``at_boundary`` and ``next_step`` at each step boundary, ``time_steps_of`` on the model it wraps.
 Without settings (not under elasticctl's handler) every call is a no-op.
+
+The exchange runs on the generation's control group with CPU tensors, as the boundary flags do
+(a gloo side group where the training group is NCCL: ``process_group.control_channel``), so
+that reading the gathered times never waits for a GPU.
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ class StragglerWatch:
     """This worker's own step times, and what the exchanges of the current generation found."""
 
     def __init__(self, settings: StragglerSettings | None, worker: str, node: str, *,
-                 device: Callable[[], torch.device], record: Callable[..., None],
+                 control_group: Callable[[], Any], record: Callable[..., None],
                  request_leave: Callable[[str], None]) -> None:
         self.settings = settings
         self.worker, self.node = worker, node
-        self._device = device              # where a collective's tensors live (the flags' device)
+        self._control_group = control_group  # the current generation's, as the flags' (None: torch's default)
         self._record = record              # record(kind, node=..., **fields): an event, later
         self._request_leave = request_leave  # ask a node to leave, as `elasticctl leave` does
         self.clock = StepClock()
@@ -85,22 +89,22 @@ class StragglerWatch:
         """Every worker's fastest own step of the interval (and, once per generation, its node),
         to every worker; rank 0 names, clears and evicts stragglers."""
         fastest, steps = self.clock.take()
-        device = self._device()
+        control_group = self._control_group()
         if self._rank_nodes is None:
-            name = torch.tensor(encode_name(self.node), dtype=torch.uint8, device=device)
+            name = torch.tensor(encode_name(self.node), dtype=torch.uint8)
             names = [torch.empty_like(name) for _ in range(group.world_size)]
-            dist.all_gather(names, name)
+            dist.all_gather(names, name, group=control_group)
             try:
-                self._rank_nodes = [decode_name(n.cpu().tolist()) for n in names]
+                self._rank_nodes = [decode_name(n.tolist()) for n in names]
             except ConfigError as exc:  # a peer's bytes are untrusted: no decisions this generation
                 log.warning("[%s] straggler detection is off in generation %d: %s", self.worker, group.number, exc)
                 self._rank_nodes = []
-        mine = torch.tensor([fastest, float(steps)], dtype=torch.float64, device=device)
+        mine = torch.tensor([fastest, float(steps)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
-        dist.all_gather(gathered, mine)
+        dist.all_gather(gathered, mine, group=control_group)
         if group.rank != 0 or not self._rank_nodes:
             return
-        values = [t.cpu().tolist() for t in gathered]
+        values = [t.tolist() for t in gathered]
         if not all(valid_seconds(seconds) and counted >= 1 for seconds, counted in values):
             # A worker that measured no step in the interval (or sent nonsense): no evidence, and
             # the intervals before it no longer run up to now (a node is named only for steps

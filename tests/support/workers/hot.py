@@ -14,6 +14,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,6 +37,10 @@ parser.add_argument("--hidden", type=int, default=16, help="another width: a wor
 parser.add_argument("--transfer-bucket-bytes", type=int, default=None,
                     help="the state transfer's bucket size (small: many buckets from every sender)")
 parser.add_argument("--log-transfers", action="store_true", help="log the runtime's INFO lines (what was sent)")
+parser.add_argument("--backend-named", default=None, metavar="NAME",
+                    help="train on torch's gloo registered as the backend NAME (torch's public Backend.register_"
+                         "backend): to the runtime a training backend that is not gloo, as NCCL is not, so it "
+                         "builds its gloo side group for the boundary collectives on a machine without GPUs")
 args = parser.parse_args()
 if args.log_transfers:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
@@ -88,6 +93,11 @@ def train(state: elastic.State, group: elastic.Group) -> None:
 
 
 options = {"transfer_bucket_bytes": args.transfer_bucket_bytes} if args.transfer_bucket_bytes else {}
+if args.backend_named:
+    dist.Backend.register_backend(
+        args.backend_named, lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
+        devices=["cpu"])
+    options["backend"] = args.backend_named
 elastic.run(state, train, checkpoint_every=args.checkpoint_every, **options)
 record.write(json.dumps({"event": "done", "step": state.step, "pid": os.getpid(), "time": time.time(),
                          "node": ENVIRONMENT.node}) + "\n")
