@@ -416,8 +416,12 @@ def measure_hot(etcd: EmbeddedEtcd | None, workers: int, policy: str = FOLLOWERS
                 revoked_at = message["revoked_t"]
             elif "seal_t" in message:
                 sealed_at = message["seal_t"]
-            elif "error" in message:
-                row["errors"].append(f"worker {message['index']}: {message['error']}")
+            elif "error" in message:  # sealed without it (it re-declared after the last call), ...
+                row["workers_failed"] = row.get("workers_failed", 0) + 1
+                if row["workers_failed"] <= 5:
+                    row["errors"].append(f"worker {message['index']}: {message['error']}")
+                if len(done) + row["workers_failed"] >= workers - 1:
+                    break
             elif "rank" in message:
                 done[message["index"]] = message
         after = etcd_counters(etcd.endpoint)
