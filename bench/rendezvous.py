@@ -12,6 +12,14 @@ timeout is a result ("k/N in 120 s"), not a crash.
 Backends: ``etcd3`` (elasticctl's etcd-native handler), ``etcd3-dynamic`` (torch's
 DynamicRendezvousHandler on elasticctl's EtcdRendezvousBackend: the previous main's etcd3,
 one pickled state every agent compare-and-swaps) and ``c10d`` (torch's, a TCPStore in agent 0).
+``etcd3-light`` (bench/rdzv_light.py): the etcd3 protocol's own etcd operations by simulated
+agents, asyncio and one etcd connection per process, for the sizes a real handler per agent
+cannot reach on one machine (10,000).
+
+``--hot N``: a hot re-formation instead (:func:`measure_hot`): N simulated workers in a sealed
+generation, one lease revoked; seconds until the survivors' generation is sealed, and the watch
+events etcd delivered, with the declaration followers of issue 21.5 (``followers``) or every
+member following every declaration as before it (``every-member``).
 
 Run: python -m bench.rendezvous --agents 8 64 256 1000 --backends etcd3 etcd3-dynamic c10d \
          --max-agents etcd3-dynamic=64 c10d=128 --repeat 1
@@ -42,8 +50,11 @@ from elasticctl.embedded_etcd import EmbeddedEtcd, etcd_version, find_etcd_binar
 from elasticctl.job.spec import whole_number
 
 REPO = Path(__file__).resolve().parents[1]
-ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
-BACKENDS = (ETCD3, DYNAMIC, C10D)
+ETCD3, DYNAMIC, C10D, LIGHT = "etcd3", "etcd3-dynamic", "c10d", "etcd3-light"
+BACKENDS = (ETCD3, DYNAMIC, C10D)  # real handlers; LIGHT is asked for by name
+LIGHT_AGENTS_PER_PROCESS = 2500  # asyncio agents per process: a process per core at 10,000
+LIGHT_MAX_PROCESSES = 4
+FOLLOWERS, EVERY_MEMBER = "followers", "every-member"  # who follows the declarations (hot)
 PREFIX = "@rdzv "  # bench.rdzv_worker's protocol lines
 AGENTS_PER_PROCESS = 64
 MAX_PROCESSES = 16
@@ -57,6 +68,7 @@ COUNTERS = {
     "etcd_mvcc_txn_total": "txns",  # transactions of more than one operation only
     "etcd_mvcc_range_total": "ranges",
     "process_cpu_seconds_total": "cpu",  # etcd's CPU when there is no pid to ask (external etcd)
+    "etcd_debugging_mvcc_events_total": "events",  # watch events sent, one per event per watcher
 }
 
 
@@ -77,8 +89,17 @@ def planned(agents: int, backends: list[str] | tuple[str, ...],
     return [b for b in backends if max_agents.get(b) is None or agents <= max_agents[b]]
 
 
-def default_processes(agents: int) -> int:
+def default_processes(agents: int, backend: str = ETCD3) -> int:
+    if backend == LIGHT:
+        return max(1, min(LIGHT_MAX_PROCESSES, math.ceil(agents / LIGHT_AGENTS_PER_PROCESS), agents))
     return max(1, min(MAX_PROCESSES, math.ceil(agents / AGENTS_PER_PROCESS), agents))
+
+
+def light_spec(agents: int, timeout: float, watchers: str = "agent") -> dict:
+    """What bench.rdzv_light's agents need beyond the endpoint and run id: one round of
+    min = max = N, torchrun_conf's last call, leases that outlive the round (no keep-alives)."""
+    return {"mode": "round", "min_nodes": agents, "max_nodes": agents, "last_call": 1.0,
+            "ttl": math.ceil(timeout) + 60, "watchers": watchers}
 
 
 def torchrun_conf(timeout: float) -> dict:
@@ -125,13 +146,13 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
 class _Children:
     """The child processes of one round and the messages they send (one queue for all)."""
 
-    def __init__(self, count: int, logs: Path) -> None:
+    def __init__(self, count: int, logs: Path, module: str = "bench.rdzv_worker") -> None:
         self.messages: queue.Queue = queue.Queue()
         self.popens: list[subprocess.Popen] = []
         self.logs = [logs / f"child{k}.log" for k in range(count)]
         self._readers: list[threading.Thread] = []
         self.ps: list[psutil.Process] = []
-        command = [sys.executable, "-m", "bench.rdzv_worker"]
+        command = [sys.executable, "-m", module]
         pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
         self.killed = 0
         try:
@@ -197,7 +218,7 @@ class _Children:
 
 def measure_round(backend: str, etcd: EmbeddedEtcd | str | None, agents: int,
                   processes: int | None = None, timeout: float = 120.0,
-                  setup_timeout: float = SETUP_TIMEOUT) -> dict:
+                  setup_timeout: float = SETUP_TIMEOUT, watchers: str = "agent") -> dict:
     """One round of ``agents`` handlers of ``backend``: a row, also for a round that fails.
 
     ``etcd``: the server etcd3 uses and whose metrics are read, an EmbeddedEtcd (its CPU is
@@ -206,8 +227,8 @@ def measure_round(backend: str, etcd: EmbeddedEtcd | str | None, agents: int,
     """
     if etcd is None and backend != "c10d":
         with EmbeddedEtcd(client_port=0, peer_port=0) as fresh:
-            return measure_round(backend, fresh, agents, processes, timeout, setup_timeout)
-    count = min(processes or default_processes(agents), agents)
+            return measure_round(backend, fresh, agents, processes, timeout, setup_timeout, watchers)
+    count = min(processes or default_processes(agents, backend), agents)
     etcd_endpoint = etcd.endpoint if isinstance(etcd, EmbeddedEtcd) else etcd
     etcd_process = psutil.Process(etcd.pid) if isinstance(etcd, EmbeddedEtcd) and etcd.pid else None
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -217,8 +238,11 @@ def measure_round(backend: str, etcd: EmbeddedEtcd | str | None, agents: int,
                  "agents_failed": 0, "seconds": None, "errors": []}
     spec = {"backend": backend, "endpoint": endpoint, "run_id": run_id, "agents": agents,
             "conf": torchrun_conf(timeout)}
+    if backend == LIGHT:
+        spec.update(light_spec(agents, timeout, watchers))
+        row["watchers"] = watchers
     logs = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
-    children = _Children(count, logs)
+    children = _Children(count, logs, "bench.rdzv_light" if backend == LIGHT else "bench.rdzv_worker")
     try:
         _round(children, row, spec, etcd_endpoint, etcd_process, timeout, setup_timeout)
     finally:
@@ -231,6 +255,18 @@ def measure_round(backend: str, etcd: EmbeddedEtcd | str | None, agents: int,
             row["shutdown_stuck"] += (message or {}).get("stuck", 0)
         shutil.rmtree(logs, ignore_errors=True)
     return row
+
+
+def _counter_deltas(row: dict, before: dict, after: dict, per: int) -> None:
+    """etcd's counters over a measurement into ``row``: totals, writes, and per agent (or worker)."""
+    for name in ("proposals", "puts", "deletes", "txns", "ranges", "events"):
+        if name in before and name in after:
+            row[name] = int(after[name] - before[name])
+    if "puts" in row and "deletes" in row:
+        row["writes"] = row["puts"] + row["deletes"]
+    for name in ("proposals", "writes", "events"):
+        if name in row:
+            row[f"{name}_per_agent"] = round(row[name] / per, 2)
 
 
 def _round(children: _Children, row: dict, spec: dict, etcd_endpoint: str | None,
@@ -310,14 +346,136 @@ def _round(children: _Children, row: dict, spec: dict, etcd_endpoint: str | None
             row["errors"].append(
                 f"wrong round: world sizes {sorted(sizes)}, ranks {_ranges(ranks)}")
 
-    for name in ("proposals", "puts", "deletes", "txns", "ranges"):
-        if name in before and name in after:
-            row[name] = int(after[name] - before[name])
-    if "puts" in row and "deletes" in row:
-        row["writes"] = row["puts"] + row["deletes"]
-    for name in ("proposals", "writes"):
-        if name in row:
-            row[f"{name}_per_agent"] = round(row[name] / agents, 1)
+    _counter_deltas(row, before, after, agents)
+
+
+def hot_spec(workers: int, timeout: float, policy: str) -> dict:
+    """What bench.rdzv_light's hot workers need beyond the endpoint and run id: generations of
+    1..N workers re-formed with hot mode's re-form last call, one watch of ctl/ per worker,
+    the last rank lost (no declaration follower, unless N <= 2)."""
+    return {"mode": "hot", "min_nodes": 1, "max_nodes": workers, "last_call": 1.0,
+            "ttl": math.ceil(timeout) + 60, "watchers": "agent", "policy": policy, "victim": workers - 1}
+
+
+def measure_hot(etcd: EmbeddedEtcd | None, workers: int, policy: str = FOLLOWERS,
+                processes: int | None = None, timeout: float = 60.0,
+                setup_timeout: float = SETUP_TIMEOUT) -> dict:
+    """A hot re-formation of ``workers`` simulated workers after one loss: a row.
+
+    Not timed: the workers declare for generation 1, the harness seals it (as its claim holder
+    would), the declaration followers (``policy``) load the declarations. Timed from the lost
+    worker's lease revocation: ``sealed_s`` until the sealer's transaction returned, ``seconds``
+    until the last survivor learned generation 2 (world N-1). ``events``: watch events etcd sent
+    (its counter), ``events_received``: those the workers' watches got.
+    """
+    if etcd is None:
+        with EmbeddedEtcd(client_port=0, peer_port=0) as fresh:
+            return measure_hot(fresh, workers, policy, processes, timeout, setup_timeout)
+    from elasticctl.etcd.client import EtcdClient
+    from elasticctl.job.keys import JobKeys
+    from elasticctl.job.rdzv_records import RoundRecords
+    from elasticctl.job.records import Round
+
+    count = min(processes or default_processes(workers, LIGHT), workers)
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    row: dict = {"scenario": "hot", "policy": policy, "workers": workers, "processes": count, "run_id": run_id,
+                 "timeout": timeout, "completed": False, "correct": None, "workers_done": 0, "seconds": None,
+                 "sealed_s": None, "errors": []}
+    spec = {"endpoint": etcd.endpoint, "run_id": run_id, **hot_spec(workers, timeout, policy)}
+    logs = Path(tempfile.mkdtemp(prefix="rdzv-hot-"))
+    children = _Children(count, logs, "bench.rdzv_light")
+    client = EtcdClient(etcd.client_settings())
+    try:
+        for k in range(count):
+            indices = list(range(k * workers // count, (k + 1) * workers // count))
+            children.send(k, json.dumps({**spec, "indices": indices}))
+        if not _await_all(children, row, "ready", count, setup_timeout):
+            return row
+        members = tuple(f"agent{i}" for i in range(workers))
+        generation = Round(number=1, members=members, addrs=("127.0.0.1",) * workers, sealed_at=time.time())
+        RoundRecords(client, JobKeys(run_id).generations()).restore(generation, 0)
+        if not _await_all(children, row, "running", count, setup_timeout):
+            return row
+        before = etcd_counters(etcd.endpoint)
+        etcd_ps = [psutil.Process(etcd.pid)] if etcd.pid else []
+        cpu_agents, cpu_etcd = _cpu_seconds(children.ps), _cpu_seconds(etcd_ps)
+        for k in range(count):
+            children.send(k, "go")
+        done, revoked_at, sealed_at = {}, None, None
+        deadline = time.monotonic() + timeout
+        while len(done) < workers - 1:
+            try:
+                k, message = children.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                row["errors"].append(f"{len(done)}/{workers - 1} survivors in generation 2 within {timeout:g} s")
+                break
+            if message is None:
+                row["errors"].append(f"process {k} exited: {children.log_tail(k)}")
+                break
+            if "revoked_t" in message:
+                revoked_at = message["revoked_t"]
+            elif "seal_t" in message:
+                sealed_at = message["seal_t"]
+            elif "error" in message:  # sealed without it (it re-declared after the last call), ...
+                row["workers_failed"] = row.get("workers_failed", 0) + 1
+                if row["workers_failed"] <= 5:
+                    row["errors"].append(f"worker {message['index']}: {message['error']}")
+                if len(done) + row["workers_failed"] >= workers - 1:
+                    break
+            elif "rank" in message:
+                done[message["index"]] = message
+        after = etcd_counters(etcd.endpoint)
+        row["cpu_agents_s"] = round(_cpu_seconds(children.ps) - cpu_agents, 2)
+        row["cpu_etcd_s"] = round(_cpu_seconds(etcd_ps) - cpu_etcd, 2)
+        row["load_1min"] = round(os.getloadavg()[0], 2)
+        row["workers_done"] = len(done)
+        row["completed"] = len(done) == workers - 1 and revoked_at is not None
+        if row["completed"]:
+            row["seconds"] = round(max(m["t"] for m in done.values()) - revoked_at, 3)
+            row["sealed_s"] = None if sealed_at is None else round(sealed_at - revoked_at, 3)
+            ranks = sorted(m["rank"] for m in done.values())
+            sizes = {m["world_size"] for m in done.values()}
+            row["correct"] = ranks == list(range(workers - 1)) and sizes == {workers - 1}
+        _counter_deltas(row, before, after, workers)
+    finally:
+        client.close()
+        row["leftover"] = children.stop()
+        row["pids"] = [process.pid for process in children.ps]
+        received = 0
+        while not children.messages.empty():
+            _, message = children.messages.get()
+            received += (message or {}).get("events", 0)
+        row["events_received"] = received
+        shutil.rmtree(logs, ignore_errors=True)
+    return row
+
+
+def _await_all(children: _Children, row: dict, what: str, count: int, timeout: float) -> bool:
+    """Wait for the message ``what`` from each of ``count`` processes; False (and why in
+    ``row``) if one failed or the time ran out."""
+    seen, deadline = 0, time.monotonic() + timeout
+    while seen < count:
+        try:
+            k, message = children.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            row["errors"].append(f"{what}: {count - seen} of {count} processes not there in {timeout:g} s")
+            return False
+        if message is None or "setup_error" in message:
+            row["errors"].append(f"{what}, process {k}: "
+                                 f"{message['setup_error'] if message else children.log_tail(k)}")
+            return False
+        if what in message:
+            seen += 1
+            if what == "ready":
+                row["setup_s"] = round(max(row.get("setup_s", 0.0), message["setup_s"]), 2)
+    return True
+
+
+def describe_hot(row: dict) -> str:
+    if row["completed"]:
+        return (f"{row['seconds']:.2f} s, {row.get('events', '?')} events" if row["correct"]
+                else "WRONG GENERATION")
+    return f"did not complete: {row['workers_done']}/{row['workers'] - 1} in {row['timeout']:g} s"
 
 
 def _ranges(values: list[int]) -> str:
@@ -377,6 +535,12 @@ def main() -> None:
     parser.add_argument("--etcd-binary", default=None,
                         help="etcd server to start (default: the one elasticctl finds)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row to this file")
+    parser.add_argument("--watchers", choices=("agent", "process"), default="agent", help=(
+        f"{LIGHT}: a watch of ctl/ per agent (as real agents have; default) or per process"))
+    parser.add_argument("--hot", type=int, nargs="+", default=[], metavar="N", help=(
+        "instead of rounds: a hot re-formation of N simulated workers after one loss"))
+    parser.add_argument("--policy", nargs="+", choices=(FOLLOWERS, EVERY_MEMBER), default=[FOLLOWERS],
+                        help="--hot: who follows the declarations (default: followers, issue 21.5)")
     args = parser.parse_args()
     binary = args.etcd_binary or find_etcd_binary()
     version = etcd_version(binary)
@@ -387,6 +551,19 @@ def main() -> None:
     if args.c10d_max_agents is not None:
         max_agents[C10D] = args.c10d_max_agents
     rows = []
+    if args.hot:
+        for workers in args.hot:
+            for policy in args.policy:
+                print(f"# hot, {workers} workers, {policy}", file=sys.stderr, flush=True)
+                with EmbeddedEtcd(client_port=0, peer_port=0, binary=binary) as etcd:
+                    row = measure_hot(etcd, workers, policy, args.processes, min(args.timeout, 60.0))
+                row["etcd_version"] = version
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                print(f"hot {workers} {policy}: {describe_hot(row)}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        sys.exit(1 if any(row["correct"] is False or row["leftover"] for row in rows) else 0)
     for agents in args.agents:
         for backend in planned(agents, args.backends, max_agents):
             for repeat in range(args.repeat):
@@ -397,7 +574,8 @@ def main() -> None:
                 else:
                     # A fresh etcd per round: no lease of the last round expires into its counts.
                     with EmbeddedEtcd(client_port=0, peer_port=0, binary=binary) as etcd:
-                        row = measure_round(backend, etcd, agents, args.processes, args.timeout)
+                        row = measure_round(backend, etcd, agents, args.processes, args.timeout,
+                                            watchers=args.watchers)
                     row["etcd_version"] = version
                 row["repeat"] = repeat + 1
                 rows.append(row)

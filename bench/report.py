@@ -27,6 +27,9 @@ ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
 # Issue 11's targets for one round on the 2-core machine: (agents, seconds).
 ROUND_TARGETS = ((256, 3.0), (1000, 10.0))
 WRITES_TARGET = 3.0  # etcd writes per round per agent
+# Issue 21.5's targets, simulated agents (bench/rdzv_light.py) on the 2-core machine.
+LIGHT_TARGET = (10000, 10.0, 2.2)  # agents, seconds for one round, etcd writes per agent
+HOT_REFORM_TARGET = (1000, 1.0, 5.0)  # workers, seconds to the next generation, watch events per worker
 # Issue 12's targets for hot mode, 3 nodes x 1 process (seconds unless said).
 HOT_CRASH_TARGET = 1.5       # SIGKILL -> first step at world 2
 HOT_FREEZE_MARGIN = 1.5      # SIGSTOP -> first step at world 2, beyond the node TTL
@@ -293,6 +296,92 @@ def _rendezvous_plan(results: dict) -> str:
     return f"{per_size} below 256 agents, 1 from 256 on" + (f"; {runs}: {why}" if runs else "")
 
 
+def _number(value, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def scale_rows(results: dict) -> list[tuple[str, ...]]:
+    """(what, size, seconds, writes/agent, watch events (per agent), etcd CPU s, watches) of
+    issue 21.5's light rounds and hot re-formations."""
+    scale = results["scenarios"].get("rendezvous_scale") or {}
+    out = []
+    for row in scale.get("light", []):
+        outcome = f"{row['seconds']:.2f}" if row.get("completed") and row.get("correct") else "no round"
+        out.append((f"one round, watch per {row.get('watchers', 'agent')}", f"{row['agents']:,}", outcome,
+                    _number(row.get("writes_per_agent")),
+                    f"{_number(row.get('events'), 0)} ({_number(row.get('events_per_agent'))})",
+                    _number(row.get("cpu_etcd_s"))))
+    for row in scale.get("hot", []):
+        outcome = (f"{row['seconds']:.2f} (sealed {row['sealed_s']:.2f})"
+                   if row.get("completed") and row.get("correct") else "no generation")
+        events = row.get("events_received")
+        per = None if events is None else events / row["workers"]
+        out.append((f"hot re-formation, {row['policy']}", f"{row['workers']:,}", outcome,
+                    _number(row.get("writes_per_agent")), f"{_number(events, 0)} ({_number(per)})",
+                    _number(row.get("cpu_etcd_s"))))
+    return out
+
+
+def scale_targets(results: dict) -> str:
+    scale = results["scenarios"].get("rendezvous_scale") or {}
+    agents, seconds, writes = LIGHT_TARGET
+    light = [r for r in scale.get("light", []) if r["agents"] == agents]
+    if not light:
+        parts = [f"{agents:,} agents in ≤ {seconds:g} s, ≤ {writes:g} writes each: not measured in this run"]
+    else:
+        row = light[0]
+        ok = row.get("completed") and row.get("correct")
+        parts = [f"{agents:,} agents in ≤ {seconds:g} s: "
+                 + (f"{row['seconds']:.2f} s ({'met' if row['seconds'] <= seconds else 'missed'})" if ok
+                    else "no round (missed)"),
+                 f"≤ {writes:g} etcd writes per agent: " + (
+                     f"{row['writes_per_agent']:.2f} ({'met' if row['writes_per_agent'] <= writes else 'missed'})"
+                     if row.get("writes_per_agent") is not None else "not measured")
+                 + (f", etcd's CPU {row['cpu_etcd_s']:.2f} s" if row.get("cpu_etcd_s") is not None else "")]
+    workers, seconds, per_worker = HOT_REFORM_TARGET
+    hot = [r for r in scale.get("hot", []) if r["workers"] == workers and r["policy"] == "followers"]
+    if not hot:
+        parts.append(f"a hot re-formation of {workers:,} in ≤ {seconds:g} s with ≤ {per_worker:g} × N watch "
+                     "events: not measured in this run")
+    elif not (hot[0].get("completed") and hot[0].get("correct")):
+        parts.append(f"a hot re-formation of {workers:,}: no generation (missed)")
+    else:
+        row = hot[0]
+        events = row["events_received"] / workers
+        before = [r for r in scale.get("hot", []) if r["workers"] == workers and r["policy"] == "every-member"]
+        parts.append(f"a hot re-formation of {workers:,} in ≤ {seconds:g} s: {row['seconds']:.2f} s "
+                     f"({'met' if row['seconds'] <= seconds else 'missed'}), ≤ {per_worker:g} × N watch events: "
+                     f"{events:.1f} × N ({'met' if events <= per_worker else 'missed'})"
+                     + (f"; every member following every declaration: {before[0]['events_received'] / workers:.1f} × N"
+                        if before and before[0].get("events_received") else ""))
+    return "Targets (issue 21.5), simulated agents: " + "; ".join(parts) + "."
+
+
+def scale_section(results: dict) -> list[str]:
+    return [
+        "## Rendezvous at scale: simulated agents and hot re-formation",
+        "",
+        ("`bench/rendezvous.py --backends etcd3-light` and `--hot N` (`bench/rdzv_light.py`): simulated agents "
+         "that make the etcd3 protocol's own etcd requests with its real records and decisions (a lease "
+         "each, the declaration bound to it, the claim's compare-and-swap, the sealing transaction, "
+         "watches of `ctl/`), with asyncio and one etcd connection per process instead of a torchrun "
+         "agent each. A round: min = max = N from nothing, timed from the start to the last agent learning "
+         "it. A hot re-formation: N workers in a sealed generation, one worker's lease revoked, timed "
+         "until the last survivor learns generation 2 (world N−1; \"sealed\": the sealer's transaction "
+         "returned); watch events are those the workers' watches received (one watch of `ctl/` per "
+         "worker; `nodes/` followed by the declaration followers and the sealer, or by every member as "
+         "before issue 21.5). At 10,000 agents one watch per process: the sealed round (~25 bytes per "
+         "member) sent to 10,000 watches would be 2.5 GB."),
+        "",
+        "| scenario | N | seconds | etcd writes per agent | watch events (per agent) | etcd CPU s |",
+        "|---|---|---|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in scale_rows(results)),
+        "",
+        scale_targets(results),
+        "",
+    ]
+
+
 def checkpoint_rows(results: dict) -> list[str]:
     lines = []
     for entry in results["scenarios"].get("checkpoint", []):
@@ -383,6 +472,7 @@ def markdown(results: dict, png: str | None) -> str:
         *state_transfer_section(results),
         *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
         *(rendezvous_section(results) if results["scenarios"].get("rendezvous") else []),
+        *(scale_section(results) if results["scenarios"].get("rendezvous_scale") else []),
         "## How each system is run",
         "",
         ("- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
@@ -509,6 +599,10 @@ def text_table(results: dict) -> str:
               for row in rendezvous_rows(results)]
     if results["scenarios"].get("rendezvous"):
         lines.append(rendezvous_targets(results))
+    if results["scenarios"].get("rendezvous_scale"):
+        lines += [f"rendezvous scale, {row[0]}, N={row[1]}: {row[2]} s, writes/agent {row[3]}, events {row[4]}, "
+                  f"etcd CPU {row[5]} s" for row in scale_rows(results)]
+        lines.append(scale_targets(results))
     return "\n".join(lines)
 
 

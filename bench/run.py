@@ -51,6 +51,8 @@ class Plan:
     checkpoint_steps: int
     checkpoint_repeats: int
     state_transfer_mb: tuple[int, ...] = (64,)  # bench/state_transfer.py: 2 holders -> 1 joiner, once from 2 GB
+    light_agents: tuple[int, ...] = (1000, 10000)  # bench/rendezvous.py etcd3-light: one round each
+    hot_workers: tuple[int, ...] = (1000,)  # bench/rendezvous.py --hot: both policies each
 
 
 PLANS = {
@@ -65,7 +67,7 @@ PLANS = {
                  state_transfer_mb=(64, 512, 2048)),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "steady": scenarios.steady}
-ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous")
+ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous", "rendezvous_scale")
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)
 RENDEZVOUS_BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
@@ -142,6 +144,26 @@ def run_rendezvous(plan: Plan) -> list[dict]:
         rows.append(row)
         log(f"rendezvous {agents} agents: " + ", ".join(f"{b} {row[b]}" for b in backends))
     return rows
+
+
+def run_rendezvous_scale(plan: Plan) -> dict:
+    """Issue 21.5: light agents in one round (a watch per agent up to 1,000, one per process
+    above: see bench/rdzv_light.py), and hot re-formations with both declaration policies.
+    Each measurement starts its own etcd."""
+    from bench.rendezvous import EVERY_MEMBER, FOLLOWERS, LIGHT, describe, describe_hot, measure_hot, measure_round
+
+    light, hot = [], []
+    for agents in plan.light_agents:
+        row = measure_round(LIGHT, None, agents, timeout=RENDEZVOUS_TIMEOUT,
+                            watchers="agent" if agents <= 1000 else "process")
+        light.append(row)
+        log(f"rendezvous light {agents} agents: {describe(row)}, {row.get('writes_per_agent')} writes/agent")
+    for workers in plan.hot_workers:
+        for policy in (FOLLOWERS, EVERY_MEMBER):
+            row = measure_hot(None, workers, policy, timeout=60.0)
+            hot.append(row)
+            log(f"rendezvous hot {workers} workers, {policy}: {describe_hot(row)}")
+    return {"light": light, "hot": hot}
 
 
 def run_checkpoint(plan: Plan, errors: list[str]) -> list[dict]:
@@ -244,6 +266,8 @@ def main() -> None:
             # Last: the heaviest on the machine (up to 1,000 agents); each round starts its own etcd.
             if "rendezvous" in args.only:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan)
+            if "rendezvous_scale" in args.only:
+                results["scenarios"]["rendezvous_scale"] = run_rendezvous_scale(plan)
     except BaseException:  # keep the raw samples gathered so far
         args.output.mkdir(parents=True, exist_ok=True)
         partial = args.output / f"{now:%Y-%m-%d-%H%M}-{args.mode}-partial.json"

@@ -23,8 +23,11 @@ Under ``<key_prefix>/<job>/``::
     rdzv/ctl/round            the sealed round
     rdzv/ctl/closed           the job is done: no round after it
     rdzv/ctl/sealer           the claim to seal the next round, bound to its holder's lease
+    rdzv/ctl/reform           the running round must re-form, and why, as a follower of the
+                              declarations saw it (bound to the run lease)
     generations/...           the same keys as rdzv/ for the workers' generations (hot recovery):
-                              nodes/<node>.<local rank>, ctl/round, ctl/sealer, ctl/closed
+                              nodes/<node>.<local rank>, ctl/round, ctl/sealer, ctl/closed,
+                              ctl/reform
     store/<round>/...         the agents' c10d store of a round
     rdzv                      torch's own rendezvous state (``EtcdRendezvousBackend`` only)
 """
@@ -165,6 +168,10 @@ class JobKeys:
     @property
     def rdzv_sealer(self) -> str:
         return self.rdzv_ctl + "sealer"
+
+    @property
+    def rdzv_reform(self) -> str:
+        return self.rdzv_ctl + "reform"
 
     def store(self, round_number: int | None = None) -> str:
         """The agents' store of a round (of every round without one)."""

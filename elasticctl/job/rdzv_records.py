@@ -21,7 +21,7 @@ from elasticctl.etcd.client import EtcdClient, KeyValue
 from elasticctl.etcd.lease import Lease
 from elasticctl.etcd.watch import PrefixWatch
 from elasticctl.job.keys import JobKeys, name_under
-from elasticctl.job.records import Claim, Declaration, Round
+from elasticctl.job.records import Claim, Declaration, Reform, Round
 
 
 class RecordFeed(PrefixWatch):
@@ -51,6 +51,7 @@ class RoundRecords:
         self.round_key = keys.rdzv_round
         self.closed_key = keys.rdzv_closed
         self.claim_key = keys.rdzv_sealer
+        self.reform_key = keys.rdzv_reform
 
     @property
     def retry_timeout(self) -> float:
@@ -60,7 +61,8 @@ class RoundRecords:
     # -- the watched prefixes ------------------------------------------------------------
 
     def ctl_feed(self, load: Callable, apply: Callable) -> RecordFeed:
-        """The watch of ``ctl/``: the sealed round, ``closed`` and the claim (not started)."""
+        """The watch of ``ctl/``: the sealed round, ``closed``, the claim and the re-form record
+        (not started)."""
         return RecordFeed(self._client, self.ctl_prefix, load, apply)
 
     def nodes_feed(self, load: Callable, apply: Callable) -> RecordFeed:
@@ -83,6 +85,10 @@ class RoundRecords:
 
     def claim_from(self, value: bytes) -> Claim | None:
         return Claim.from_json(value, self.claim_key, self._secret)
+
+    def reform_from(self, value: bytes, revision: int) -> Reform | None:
+        """The re-form record in ``value`` (at ``revision``), if it is readable and signed."""
+        return Reform.from_json(value, revision, self.reform_key, self._secret)
 
     # -- the protocol's writes -----------------------------------------------------------
 
@@ -107,6 +113,13 @@ class RoundRecords:
         ok, _, _ = self._client.compare_and_swap(
             self.round_key, sealed.to_json(self.round_key, self._secret), expected_revision, lease,
             also_delete=self.claim_key)
+        return ok
+
+    def publish_reform(self, reform: Reform, expected_revision: int, lease: int | None = None) -> bool:
+        """Write ``reform`` if the re-form key is still at ``expected_revision`` (0: absent): of
+        two followers that see the same change, one writes it. ``lease``: the run's."""
+        ok, _, _ = self._client.compare_and_swap(
+            self.reform_key, reform.to_json(self.reform_key, self._secret), expected_revision, lease)
         return ok
 
     def restore(self, known: Round, expected_revision: int, lease: int | None = None) -> bool:

@@ -203,6 +203,52 @@ class Claim:
             return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Reform:
+    """Round ``round`` must re-form, and why (``ctl/reform``), written by a member that follows
+    the declarations (:func:`elasticctl.rendezvous.rounds.publishes_changes`): what every other
+    member of the round reads instead of following each declaration itself.
+
+    ``lost`` is complete (a member's agent reads each lost member's record: lost or finished);
+    ``moved_on`` and ``waiting`` name the ones seen when it was written (that there are any is
+    what counts: the round re-forms), so that a thousand members re-declaring do not rewrite it.
+    """
+
+    round: int
+    lost: tuple[str, ...] = ()
+    moved_on: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    seen_by: str = ""  # the member that wrote it, for the logs
+    revision: int = 0  # etcd's mod_revision of the key: the token for rewriting it
+
+    @property
+    def count(self) -> int:
+        return len(self.lost) + len(self.moved_on) + len(self.waiting)
+
+    def to_json(self, key: str = "", secret: bytes | None = None) -> str:
+        return _signed({"round": self.round, "lost": list(self.lost), "moved_on": list(self.moved_on),
+                        "waiting": list(self.waiting), "seen_by": self.seen_by}, key, secret)
+
+    @classmethod
+    def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Reform | None:
+        """The record in ``raw``, or None if it is malformed or, with a secret, not signed."""
+        data = _verified(json_object(raw), key, secret)
+        try:
+            names = {field: tuple(validate_name(m, "node id") for m in _names(data.get(field, [])))
+                     for field in ("lost", "moved_on", "waiting")}
+            seen_by = data.get("seen_by", "")
+            return cls(round=_whole(data["round"]), seen_by=validate_name(seen_by, "node id") if seen_by != "" else "",
+                       revision=revision, **names)
+        except (KeyError, TypeError, ValueError, ConfigError):
+            return None
+
+
+def _names(value: object) -> list:
+    if not isinstance(value, list):
+        raise ValueError(value)
+    return value
+
+
 class EventKind(str, enum.Enum):
     """What happened (``history/events/...``)."""
 

@@ -5,6 +5,12 @@ watched view, until a round with this node in it is sealed; the node holding the
 claim to seal it (a lease-bound key, won by one compare-and-swap) seals it as soon
 as :func:`seal_due` says so. Nothing polls: every wait is on the view's condition,
 with a timeout only where a deadline (last call, the join timeout) can fire.
+
+In a sealed round, :meth:`RoundMember.change` says what changed. Two members
+(:func:`declaration_followers`) and the holder of the next claim follow every declaration
+and publish what they see in one ``ctl/reform`` record (:meth:`RoundMember._publish_change`);
+the others read that record from the ``ctl/`` watch: a round of N re-forms with O(N)
+notifications, not O(N²).
 """
 
 from __future__ import annotations
@@ -26,8 +32,14 @@ from elasticctl.rendezvous.rounds import (
     Change,
     Settings,
     change_for,
+    change_from_reform,
+    declaration_followers,
     next_members,
     next_number,
+    observed_change,
+    publishes_changes,
+    reform_due,
+    reform_record,
     seal_due,
     last_call_for,
     to_probe,
@@ -65,7 +77,10 @@ class RoundMember:
         # (node, declaration revision) -> what a probe of it showed: True runs, False gone, None not known
         self._probed: dict[tuple[str, int], bool | None] = {}
         self.round: Round | None = None  # the round this node is in
+        # Members known to have finished (see change_for): what this node publishes leaves them out.
+        self._finished: frozenset[str] = frozenset()
         view.on_round_missing(self._restore)
+        view.on_change(self._publish_change)
 
     # -- liveness --------------------------------------------------------------------
 
@@ -112,6 +127,9 @@ class RoundMember:
             if closed:
                 raise RendezvousClosedError()
             target = next_number(current)
+            # Waiting, it follows only ctl/ (see _await_round); its last round's changes are
+            # published by the claim holder from here on (publishes_changes).
+            self.view.unfollow_nodes()
             if self._alive_port is None:
                 self._alive_port = AlivePort(self.addr)
             declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port(),
@@ -239,18 +257,60 @@ class RoundMember:
 
     def change(self, finished: frozenset[str] = frozenset()) -> Change:
         """What changed since this node's round was sealed, from the watched view alone
-        (``finished``: members known to have finished, see :func:`change_for`)."""
+        (``finished``: members known to have finished, see :func:`change_for`).
+
+        A follower of the declarations (:func:`declaration_followers`) answers from them; every
+        other member from the followers' ``ctl/reform`` record, and stops following them if it
+        did (it sealed the round).
+        """
         if self.round is None:
             return Change()
         if self._lease_lost.is_set():
             return Change(superseded=True)
-        if not self.view.nodes_followed:
-            # A member restarts its workers on a lost, re-joining or waiting node: it follows
-            # the declarations from its first look on (loaded while its workers start).
+        self._finished |= finished
+        my_round = self.round.number
+        follows = self.view.evaluate(lambda current, _declarations, _closed: current is not None and (
+            current.number == my_round and self.node in declaration_followers(current)))
+        if not follows:
+            self.view.unfollow_nodes()
+        elif not self.view.nodes_followed:
+            # From its first look on (loaded while its workers start): meanwhile, what another
+            # follower published.
             self.view.follow_nodes(background=True)
-            return Change()
-        return self.view.evaluate(lambda current, declarations, _closed: change_for(
-            self.node, self.round.number, current, declarations, self.settings.max_nodes, finished))
+        else:
+            return self.view.evaluate(lambda current, declarations, _closed: change_for(
+                self.node, my_round, current, declarations, self.settings.max_nodes, finished))
+        return self.view.evaluate(lambda current, _declarations, _closed: change_from_reform(
+            self.node, my_round, current, self.view.reform, finished))
+
+    def _publish_change(self) -> None:
+        """After each change the view's watches bring (on a watch thread): if this node follows
+        the declarations of the running round for everyone (:func:`publishes_changes`), write
+        what changed in it to ``ctl/reform`` when :func:`reform_due` says so. A compare-and-swap
+        on the record's revision: of two followers that see the same change, one writes it, and
+        the other sees it through its watch."""
+        if self._left:
+            return
+        view = self.view
+
+        def decide(current, declarations, closed):
+            if not view.nodes_followed or not publishes_changes(self.node, current, view.claim):
+                return None
+            seen = observed_change(current, declarations, self.settings.max_nodes, self._finished)
+            if not reform_due(seen, current, view.reform, closed):
+                return None
+            return reform_record(seen, current, self.node), view.reform_revision
+
+        decision = view.evaluate(decide)
+        if decision is None:
+            return
+        reform, revision = decision
+        run_lease = self._run_lease.id() if self._run_lease is not None else None
+        try:
+            if view.publish_reform(reform, revision, run_lease):
+                log.info("[%s] round %d must re-form: %s", self.node, reform.round, _reasons(reform))
+        except ElasticctlError as exc:
+            log.warning("[%s] cannot publish that round %d must re-form: %s", self.node, reform.round, exc)
 
     def leave(self) -> None:
         """Leave gracefully: the others see this node's key go at once, not after node_ttl."""
@@ -263,3 +323,14 @@ class RoundMember:
             if self._lease is not None:
                 self._lease.stop(revoke=True)
                 self._lease = None
+
+
+def _reasons(reform) -> str:
+    """What a re-form record says, for a log line (a few names of each kind)."""
+    def names(nodes: tuple[str, ...]) -> str:
+        return ", ".join(nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
+
+    parts = [f"lost {names(reform.lost)}"] if reform.lost else []
+    parts += [f"{names(reform.moved_on)} re-forming"] if reform.moved_on else []
+    parts += [f"{names(reform.waiting)} waiting"] if reform.waiting else []
+    return "; ".join(parts) or "nothing any more"

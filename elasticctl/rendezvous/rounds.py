@@ -13,6 +13,10 @@ Protocol (keys under :attr:`JobKeys.rdzv <elasticctl.job.keys.JobKeys.rdzv>`, re
   written (and the claim released) by one transaction on the previous round's
   revision. Every node learns it from a watch.
 * ``ctl/closed`` — the job is done; no round is sealed after it.
+* ``ctl/reform`` — a :class:`Reform`: the running round must re-form, and why. Only a few
+  members of a running round follow the declarations (:func:`publishes_changes`); they
+  write it when they see a member lost, moved on or a newcomer waiting, and every other
+  member learns it from the ``ctl/`` watch it has anyway (:func:`change_from_reform`).
 
 A round is sealed when enough nodes want it and there is nobody left worth waiting
 for (:func:`seal_due`); its members are chosen by :func:`next_members`. Every
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from elasticctl.job.records import Declaration, Round
+from elasticctl.job.records import Claim, Declaration, Reform, Round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +162,92 @@ def change_for(node: str, my_round: int, current: Round | None, live: Mapping[st
     """
     if current is None or current.number != my_round or node not in current.members:
         return Change(superseded=True)
+    return observed_change(current, live, max_nodes, finished)
+
+
+def observed_change(current: Round, live: Mapping[str, Declaration], max_nodes: int,
+                    finished: frozenset[str] = frozenset()) -> Change:
+    """What changed in the running round ``current`` as the declarations ``live`` show it
+    (from no member's point of view: what a follower of the declarations publishes)."""
+    my_round = current.number
     lost = tuple(m for m in current.members if m not in live and m not in finished)
     moved_on = tuple(m for m in current.members if m in live and live[m].wants > my_round)
     room = max_nodes - current.world_size
     waiting = tuple(d.node for d in sorted(live.values(), key=lambda d: d.revision)
                     if d.node not in current.members and d.wants > my_round)[:max(0, room)]
     return Change(lost=lost, moved_on=moved_on, waiting=waiting)
+
+
+# -- who follows the declarations of a running round -------------------------------------
+#
+# Following every declaration costs a member one notification per declaration: were every
+# member of a round of N to follow them, its re-forming (N re-declarations) would cost etcd
+# N² notifications. Instead a few members follow them and publish what they see in one small
+# record under ctl/ (a Reform), which every member follows anyway: N notifications.
+
+
+def declaration_followers(current: Round) -> tuple[str, ...]:
+    """The members of the running round ``current`` that follow every declaration: rank 0,
+    and a second one so that a frozen or dead rank 0 is noticed too, the first member at
+    another address than rank 0's (a node that dies takes its workers, rank 0's neighbours,
+    with it), else rank 1."""
+    if not current.members:
+        return ()
+    first, rest = current.members[0], current.members[1:]
+    if current.addrs and len(current.addrs) == len(current.members):
+        elsewhere = [m for m, addr in zip(rest, current.addrs[1:]) if addr != current.addrs[0]]
+        if elsewhere:
+            return (first, elsewhere[0])
+    return (first, *rest[:1])
+
+
+def publishes_changes(node: str, current: Round | None, claim: Claim | None) -> bool:
+    """Whether ``node`` follows the declarations of the running round ``current`` and publishes
+    what changed in it: one of its :func:`declaration_followers`, or the holder of the claim to
+    seal the next round (it follows them to seal; the followers stop once they re-declare, and
+    a member lost after that is still seen, which the others' failure verdicts need)."""
+    if current is None:
+        return False
+    if claim is not None and claim.node == node and claim.round == current.number + 1:
+        return True
+    return node in declaration_followers(current)
+
+
+def reform_due(seen: Change, current: Round, published: Reform | None, closed: bool = False) -> bool:
+    """Whether a follower that sees ``seen`` in the running round ``current`` (re)writes the
+    :class:`Reform` record, given the one ``published`` (None: none).
+
+    Once the record says the round re-forms, it is rewritten only when the lost members
+    change (each member's agent tells a lost member from a finished one by name), not for
+    each member that re-declares or newcomer that arrives: that would cost N notifications
+    each. An empty one is written when nothing is left to re-form for (a waiting newcomer
+    withdrew before anyone moved on). Never once the job is closed: its members then withdraw
+    their declarations one by one as they finish, which is not a loss, and the members still
+    training run to their own end.
+    """
+    if closed:
+        return False
+    if published is None or published.round != current.number:
+        return seen.count > 0
+    if not seen.count or not published.count:
+        return bool(seen.count) != bool(published.count)
+    return set(seen.lost) != set(published.lost)
+
+
+def reform_record(seen: Change, current: Round, node: str) -> Reform:
+    """The record a follower ``node`` publishes for what it sees."""
+    return Reform(round=current.number, lost=seen.lost, moved_on=seen.moved_on, waiting=seen.waiting,
+                  seen_by=node)
+
+
+def change_from_reform(node: str, my_round: int, current: Round | None, published: Reform | None,
+                       finished: frozenset[str] = frozenset()) -> Change:
+    """What changed for ``node``, a member of round ``my_round`` that does not follow the
+    declarations: the followers' :class:`Reform` record for its round, if any (see
+    :func:`change_for` for ``finished``)."""
+    if current is None or current.number != my_round or node not in current.members:
+        return Change(superseded=True)
+    if published is None or published.round != my_round:
+        return Change()
+    return Change(lost=tuple(m for m in published.lost if m not in finished), moved_on=published.moved_on,
+                  waiting=published.waiting)

@@ -2,14 +2,16 @@
 
 Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl.etcd.watch`):
 
-* ``ctl/`` — the sealed ``round``, ``closed``, and the ``sealer`` claim. Every node
-  follows it: O(1) events per round, so a thousand joiners cost etcd a thousand
-  small notifications, not a million.
+* ``ctl/`` — the sealed ``round``, ``closed``, the ``sealer`` claim and the ``reform``
+  record. Every node follows it: O(1) events per round, so a thousand joiners cost etcd
+  a thousand small notifications, not a million.
 * ``nodes/`` — every node's declaration. Followed only by the node that seals (it
-  must count who wants the round) and by members of a sealed round (a lost lease, a
-  member re-joining, a newcomer waiting are what restarts their workers). Members
-  load it in the background from their first look at it (torch's agent looks once
-  the workers run), not while the round forms.
+  must count who wants the round) and by two members of a sealed round
+  (:func:`~elasticctl.rendezvous.rounds.publishes_changes`), which publish a lost lease,
+  a member re-joining or a newcomer waiting (what restarts the workers) in ``reform``
+  for all the others. They load it in the background from their first look at it
+  (torch's agent looks once the workers run), not while the round forms, and stop
+  following it when they re-declare (:meth:`RoundView.unfollow_nodes`).
 
 Nodes answer questions such as "is anybody waiting?" from the view, with no etcd
 request. Writes per node per round: one declaration (a put bound to the node's
@@ -30,7 +32,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient, KeyValue
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.rdzv_records import RoundRecords
-from elasticctl.job.records import Claim, Declaration, Round, preferred_round
+from elasticctl.job.records import Claim, Declaration, Reform, Round, preferred_round
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,11 @@ class RoundView:
         self.claim: Claim | None = None  # who seals the next round, if anybody claimed it
         self.claim_revision = 0  # of the claim key as it is in etcd, readable or not
         self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
+        # Of those, the ones known from a re-form record only (this view did not follow the
+        # declarations): dropped once the node is in a sealed round again.
+        self._gone_as_reported: set[str] = set()
+        self.reform: Reform | None = None  # the running round must re-form (ctl/reform), if readable
+        self.reform_revision = 0  # of the re-form key as it is in etcd, readable or not
         # Live declarations (bound to a lease) that this node cannot read: malformed, or signed
         # with another secret or for another run. Nobody seals a round from scratch beside them.
         self.unreadable: set[str] = set()
@@ -79,10 +86,14 @@ class RoundView:
         # unreadable, older or forged record is there); see on_round_missing.
         self.round_in_etcd = True
         self._round_missing: list[Callable[[Round, int], None]] = []
+        self._on_change: list[Callable[[], None]] = []
         self._ctl = self.records.ctl_feed(self._load_ctl, self._apply_ctl)
-        self._nodes = self.records.nodes_feed(self._load_nodes, self._apply_nodes)
-        self._nodes_state = "off"  # off -> loading -> on
         self._nodes_lock = threading.Lock()
+        # Each following of nodes/ has its own feed; what an earlier one still delivers (a load
+        # that ends after unfollow_nodes) is ignored by its number.
+        self._nodes_epoch = 0
+        self._nodes = self._nodes_feed()
+        self._nodes_state = "off"  # off -> loading -> on
         self._loader: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -91,28 +102,61 @@ class RoundView:
         self._ctl.start()
         return self
 
+    def _nodes_feed(self):
+        epoch = self._nodes_epoch
+        return self.records.nodes_feed(lambda kvs, revision: self._load_nodes(kvs, revision, epoch),
+                                       lambda response: self._apply_nodes(response, epoch))
+
     def follow_nodes(self, background: bool = False) -> None:
         """Start following the declarations (idempotent); ``background``: return at once."""
         with self._nodes_lock:
             if self._nodes_state != "off":
                 return
             self._nodes_state = "loading"
+            feed = self._nodes
         if background:
-            self._loader = threading.Thread(target=self._start_nodes, args=(True,), name="elasticctl-rdzv-nodes",
-                                            daemon=True)
+            self._loader = threading.Thread(target=self._start_nodes, args=(feed, True),
+                                            name="elasticctl-rdzv-nodes", daemon=True)
             self._loader.start()
         else:
-            self._start_nodes(False)
+            self._start_nodes(feed, False)
 
-    def _start_nodes(self, background: bool) -> None:
+    def _start_nodes(self, feed, background: bool) -> None:
         try:
-            self._nodes.start()
+            feed.start()
         except ElasticctlError as exc:
             with self._nodes_lock:
-                self._nodes_state = "off"  # the next follow_nodes() tries again
+                if feed is self._nodes:
+                    self._nodes_state = "off"  # the next follow_nodes() tries again
             if not background:
                 raise
             log.warning("cannot read the rendezvous declarations yet (%s); trying again at the next look", exc)
+
+    def unfollow_nodes(self) -> None:
+        """Stop following the declarations (idempotent; not from a watch callback): a member that
+        does not publish changes gets no notification per declaration. What the view knew of
+        them is dropped; :meth:`follow_nodes` reads them afresh."""
+        with self._nodes_lock:
+            if self._nodes_state == "off":
+                return
+            feed = self._nodes
+            self._nodes_epoch += 1
+            self._nodes = self._nodes_feed()
+            self._nodes_state = "off"
+        feed.stop()  # a load still running starts no watch after this
+        with self._changed:
+            self.declarations, self.unreadable = {}, set()
+            self.want_counts = collections.Counter()
+            self._notify()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """``callback()`` on a watch thread, outside the view's lock, after each change the watches
+        bring (either feed): a member that publishes changes decides there whether to."""
+        self._on_change.append(callback)
+
+    def _changed_now(self) -> None:
+        for callback in list(self._on_change):
+            callback()
 
     @property
     def nodes_followed(self) -> bool:
@@ -122,11 +166,13 @@ class RoundView:
     def stop(self) -> None:
         """Stop both watches and wait for their threads (and a background load) to end."""
         self._ctl.stop()
-        self._nodes.stop()  # a load still running starts no watch after this
+        with self._nodes_lock:
+            nodes = self._nodes
+        nodes.stop()  # a load still running starts no watch after this
         loader = self._loader
         if loader is not None and loader is not threading.current_thread():
             loader.join(timeout=self.records.retry_timeout)
-        self._nodes.stop()  # and joins the watch that load may have started
+        nodes.stop()  # and joins the watch that load may have started
 
     # -- reading ---------------------------------------------------------------------
 
@@ -195,6 +241,7 @@ class RoundView:
     def _load_ctl(self, kvs: list[KeyValue], revision: int) -> None:
         with self._changed:
             self.round_revision, self.claim, self.claim_revision, self.closed = 0, None, 0, False
+            self.reform, self.reform_revision = None, 0
             round_seen = False
             for kv in kvs:
                 round_seen |= kv.key.decode(errors="replace") == self._round_key
@@ -204,6 +251,7 @@ class RoundView:
             self._notify()
             missing = self._missing()
         self._report_missing(missing)
+        self._changed_now()
 
     def _apply_ctl(self, response) -> None:
         with self._changed:
@@ -214,6 +262,7 @@ class RoundView:
             self._notify()
             missing = self._missing()
         self._report_missing(missing)
+        self._changed_now()
 
     def _missing(self) -> tuple[Round, int] | None:
         return None if self.round_in_etcd or self.round is None else (self.round, self.round_revision)
@@ -233,6 +282,12 @@ class RoundView:
                 candidate = self.records.round_from(value, revision)
                 believed = self._believed_round(candidate, revision)
                 self.round_in_etcd = believed is candidate or (believed is None and candidate is None)
+                if believed is not None:
+                    # Every member of a sealed round was live when it was sealed: a loss only
+                    # reported earlier is over (one this view saw itself goes when it re-declares).
+                    for node in self._gone_as_reported & set(believed.members):
+                        self.gone_at.pop(node, None)
+                    self._gone_as_reported -= set(believed.members)
                 self.round = believed
             self.round_revision = 0 if deleted else revision
         elif name == self._closed_key:
@@ -241,6 +296,17 @@ class RoundView:
             # A claim must be bound to a lease: one that could never expire would block sealing.
             claim = None if deleted or not lease else self.records.claim_from(value)
             self.claim, self.claim_revision = claim, 0 if deleted else revision
+        elif name == self.records.reform_key:
+            self.reform = None if deleted else self.records.reform_from(value, revision)
+            self.reform_revision = 0 if deleted else revision
+            if self.reform is not None and self._nodes_state != "on":
+                # A member that does not follow the declarations learns of a loss here: when
+                # it was seen (a few milliseconds late) is what its failure verdicts weigh.
+                now = time.monotonic()
+                for node in self.reform.lost:
+                    if node not in self.gone_at:
+                        self.gone_at[node] = now
+                        self._gone_as_reported.add(node)
 
     def _believed_round(self, candidate: Round | None, revision: int) -> Round | None:
         """The round to believe: ``candidate`` unless it is unreadable, older than the round this
@@ -265,7 +331,7 @@ class RoundView:
 
     # -- the nodes/ feed -------------------------------------------------------------
 
-    def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
+    def _load_nodes(self, kvs: list[KeyValue], revision: int, epoch: int) -> None:
         declarations: dict[str, Declaration] = {}
         unreadable: set[str] = set()
         for kv in kvs:
@@ -276,17 +342,23 @@ class RoundView:
                 unreadable.add(node)
         self._warn_unreadable(unreadable - self.unreadable)
         with self._changed:
+            with self._nodes_lock:
+                if epoch != self._nodes_epoch:
+                    return  # unfollowed while it loaded
+                self._nodes_state = "on"
             self.unreadable = unreadable
             now = time.monotonic()
             for node in self.declarations.keys() - declarations.keys():
                 self.gone_at[node] = now
             self.declarations = declarations
             self.want_counts = collections.Counter(d.wants for d in declarations.values())
-            self._nodes_state = "on"
             self._notify()
+        self._changed_now()
 
-    def _apply_nodes(self, response) -> None:
+    def _apply_nodes(self, response, epoch: int) -> None:
         with self._changed:
+            if epoch != self._nodes_epoch:
+                return  # the watch of a feed this view stopped following
             now = time.monotonic()
             for event in response.events:
                 deleted = type(event).__name__ == "DeleteEvent"
@@ -308,6 +380,7 @@ class RoundView:
                     self.want_counts[value.wants] += 1
                     self.gone_at.pop(node, None)
             self._notify()
+        self._changed_now()
 
     def _warn_unreadable(self, nodes: set[str]) -> None:
         if nodes:
@@ -331,6 +404,10 @@ class RoundView:
     def seal(self, sealed: Round, expected_revision: int, lease: int | None = None) -> bool:
         """See :meth:`RoundRecords.seal`."""
         return self.records.seal(sealed, expected_revision, lease)
+
+    def publish_reform(self, reform: Reform, expected_revision: int, lease: int | None = None) -> bool:
+        """See :meth:`RoundRecords.publish_reform`."""
+        return self.records.publish_reform(reform, expected_revision, lease)
 
     def restore(self, known: Round, expected_revision: int, lease: int | None = None) -> bool:
         """See :meth:`RoundRecords.restore`: a member of a running round puts back its record

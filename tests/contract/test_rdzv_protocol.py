@@ -240,3 +240,40 @@ def test_a_node_that_dies_after_declaring_costs_one_round(run):
     second = r.join_all([a, b])
     assert second["a"] == second["b"] and set(second["a"].members) == {"a", "b"}
     assert second["a"].number == 2
+
+
+def test_only_two_members_follow_declarations_and_a_frozen_rank_0_still_reaches_everyone(run):
+    """Issue 21.5: the others learn of changes from the ctl/reform record the followers write."""
+    r = run(Settings(min_nodes=4, max_nodes=5, last_call=0.5), node_ttl=2)
+    members = {m.node: m for m in (r.member(n) for n in "abcd")}
+    sealed = r.join_all(list(members.values()))["a"]
+    rank0, rank1, *others = (members[n] for n in sealed.members)
+    for m in members.values():
+        m.change()  # the first look: followers start following, the sealer stops
+    assert rank1.view.wait_for(lambda: rank1.view.nodes_followed, 5)
+    assert rank0.view.wait_for(lambda: rank0.view.nodes_followed, 5)
+    assert not any(m.view.nodes_followed for m in others)
+    # A newcomer waits: everybody sees it, the non-followers through the record.
+    x = r.member("x")
+    x_joined = {}
+    t = threading.Thread(target=lambda: x_joined.update(x=x.join()))
+    t.start()
+    for m in members.values():
+        assert m.view.wait_for(lambda m=m: m.change().waiting == ("x",), 5), m.node
+    assert not any(m.view.nodes_followed for m in others)
+    second = r.join_all(list(members.values()))
+    t.join(30)
+    assert x_joined["x"] == second["a"] and len(second["a"].members) == 5
+    # Rank 0 freezes: its lease expires, rank 1 sees it and tells the others.
+    rank0 = members[second["a"].members[0]]
+    for m in [*members.values(), x]:
+        m.change()
+    rank0._lease.stop(revoke=False)
+    survivors = [m for m in [*members.values(), x] if m is not rank0]
+    for m in survivors:
+        assert m.view.wait_for(lambda m=m: m.change().lost == (rank0.node,), 10), m.node
+        # ... and when it was seen, for the failure verdicts of the agents that did not follow it
+        assert rank0.node in m.view.gone_at
+    third = r.join_all(survivors)
+    assert {res.number for res in third.values()} == {3}
+    assert set(third[survivors[0].node].members) == {m.node for m in survivors}

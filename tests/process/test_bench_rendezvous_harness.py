@@ -47,3 +47,27 @@ def test_rendezvous_harness_forms_a_correct_round_on_every_backend(tmp_path):
     for row in rows.values():  # no orphan once the harness is gone
         for pid in row["pids"]:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_light_agents_and_a_hot_re_formation_at_small_n(tmp_path):
+    """Issue 21.5: 16 light agents in 2 processes form one correct round with about one write
+    each; 12 hot workers re-form to 11 after one loss, with both declaration-following policies,
+    the followers' with fewer watch events."""
+    from bench.rendezvous import EVERY_MEMBER, FOLLOWERS, LIGHT, measure_hot, measure_round
+    from elasticctl.embedded_etcd import EmbeddedEtcd
+
+    with EmbeddedEtcd(client_port=0, peer_port=0, data_dir=str(tmp_path / "etcd")) as etcd:
+        row = measure_round(LIGHT, etcd, 16, processes=2, timeout=40)
+        assert row["completed"] and row["correct"], row["errors"]
+        assert row["writes_per_agent"] <= 2.2 and row["leftover"] == []
+        hot = {policy: measure_hot(etcd, 12, policy, processes=2, timeout=40) for policy in (FOLLOWERS, EVERY_MEMBER)}
+    for policy, row in hot.items():
+        assert row["completed"] and row["correct"], (policy, row["errors"])
+        assert row["workers_done"] == 11 and row["leftover"] == [], policy
+        assert row["events_received"] > 0, policy
+    assert hot[FOLLOWERS]["events_received"] < hot[EVERY_MEMBER]["events_received"]
+    for row in (*hot.values(),):
+        for pid in row["pids"]:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -78,3 +78,25 @@ def test_scale_table_reads_results_from_before_the_scale_series():
     assert row[1] == "1.25 (1.20–1.30, n=2); 1 failed"
     assert row[-1] == "1.14"
     assert "3 repeats per size." in "\n".join(report.rendezvous_section(_results(entries)))
+
+
+def test_scale_section_reports_light_rounds_and_hot_re_formations_against_their_targets():
+    """Issue 21.5: one round of simulated agents, and a hot re-formation with both policies."""
+    light = [{"backend": "etcd3-light", "agents": 10000, "watchers": "process", "completed": True, "correct": True,
+              "seconds": 3.46, "writes_per_agent": 1.0, "events": 12, "events_per_agent": 0.0, "cpu_etcd_s": 4.2}]
+    hot = [{"workers": 1000, "policy": "followers", "completed": True, "correct": True, "seconds": 0.5,
+            "sealed_s": 0.42, "events_received": 4114, "writes_per_agent": 1.0, "cpu_etcd_s": 0.2},
+           {"workers": 1000, "policy": "every-member", "completed": True, "correct": True, "seconds": 9.0,
+            "sealed_s": 8.0, "events_received": 1_004_000, "writes_per_agent": 1.0, "cpu_etcd_s": 3.0}]
+    results = {"mode": "full", "scenarios": {"rendezvous_scale": {"light": light, "hot": hot}}, "settings": {}}
+    rows = report.scale_rows(results)
+    assert rows[0] == ("one round, watch per process", "10,000", "3.46", "1.00", "12 (0.00)", "4.20")
+    assert rows[1][2:5] == ("0.50 (sealed 0.42)", "1.00", "4,114 (4.11)")
+    targets = report.scale_targets(results)
+    assert "10,000 agents in ≤ 10 s: 3.46 s (met)" in targets
+    assert "≤ 2.2 etcd writes per agent: 1.00 (met), etcd's CPU 4.20 s" in targets
+    assert "1,000 in ≤ 1 s: 0.50 s (met), ≤ 5 × N watch events: 4.1 × N (met)" in targets
+    assert targets.endswith("every member following every declaration: 1004.0 × N.")
+    assert "| hot re-formation, every-member | 1,000 |" in "\n".join(report.scale_section(results))
+    empty = {"scenarios": {"rendezvous_scale": {}}}
+    assert "not measured in this run" in report.scale_targets(empty)

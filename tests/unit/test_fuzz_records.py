@@ -24,6 +24,7 @@ from elasticctl.job.records import (
     Declaration,
     Event,
     EventKind,
+    Reform,
     Round,
     json_object,
     typed_record,
@@ -161,7 +162,7 @@ def test_random_rendezvous_options(conf):
 
 
 PROTOCOL_KEYS = st.sampled_from(["node", "addr", "wants", "pid", "port", "round", "members", "addrs",
-                                 "master_port", "sig"]) | st.text(max_size=8)
+                                 "master_port", "sig", "lost", "moved_on", "waiting", "seen_by"]) | st.text(max_size=8)
 
 
 @FUZZ
@@ -170,7 +171,7 @@ PROTOCOL_KEYS = st.sampled_from(["node", "addr", "wants", "pid", "port", "round"
 def test_random_rendezvous_records(raw, secret, revision):
     """Declarations, rounds and sealing claims from etcd: a record or None, never a crash; with a
     secret, nothing unsigned gets through."""
-    for kind in (Declaration, Round, Claim):
+    for kind in (Declaration, Round, Claim, Reform):
         record = (kind.from_json(raw, "k", secret) if kind is Claim
                   else kind.from_json(raw, revision, "k", secret))
         assert record is None or isinstance(record, kind)
@@ -180,6 +181,8 @@ def test_random_rendezvous_records(raw, secret, revision):
             assert len(set(record.members)) == len(record.members) and 0 <= record.master_port <= 65535
         if isinstance(record, Declaration):
             assert 0 <= record.port <= 65535 and record.wants >= 0
+        if isinstance(record, Reform):
+            assert all(isinstance(m, str) and "/" not in m for m in (*record.lost, *record.moved_on, *record.waiting))
 
 
 @FUZZ

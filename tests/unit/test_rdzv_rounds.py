@@ -6,11 +6,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticctl.job.records import Declaration, Round, preferred_round
+from elasticctl.job.records import Claim, Declaration, Reform, Round, preferred_round
 from elasticctl.rendezvous.rounds import (
+    Change,
     Settings,
     change_for,
+    change_from_reform,
+    declaration_followers,
     next_members,
+    observed_change,
+    publishes_changes,
+    reform_due,
+    reform_record,
     seal_due,
     last_call_for,
     to_probe,
@@ -219,3 +226,97 @@ def test_a_member_found_gone_is_not_waited_for():
 def test_a_running_member_slow_to_declare_is_waited_for_longer(live, known, last_call):
     assert last_call_for(R1, live, known, 0.5, 2.0) == last_call
     assert last_call_for(None, live, known, 0.5, 2.0) == 0.5  # a first round: nobody known by name
+
+
+# -- issue 21.5: a few members follow the declarations and publish changes for the others ----
+
+@pytest.mark.parametrize(("members", "addrs", "followers"), [
+    (("a",), ("h1",), ("a",)),
+    (("a", "b", "c"), (), ("a", "b")),  # no addresses (an older record): ranks 0 and 1
+    (("a", "b", "c"), ("h1", "h1", "h1"), ("a", "b")),  # one host: ranks 0 and 1
+    # workers of one node share its address: the second follower is on another node, so that
+    # the node of rank 0 dying (all its workers with it) is still seen
+    (("a.0", "a.1", "b.0", "b.1"), ("h1", "h1", "h2", "h2"), ("a.0", "b.0")),
+    (("a.0", "a.1", "a.2"), ("h1", "h1", "h1"), ("a.0", "a.1")),
+])
+def test_declaration_followers_are_rank_0_and_one_more_elsewhere(members, addrs, followers):
+    assert declaration_followers(Round(number=3, members=members, addrs=addrs)) == followers
+
+
+R3 = Round(number=3, members=("a", "b", "c", "d"))
+
+
+@pytest.mark.parametrize(("node", "current", "claim", "publishes"), [
+    ("a", R3, None, True),
+    ("b", R3, None, True),
+    ("c", R3, None, False),
+    ("x", R3, None, False),
+    # the holder of the claim to seal the next round follows them anyway (re-declared members stop)
+    ("c", R3, Claim("c", 4), True),
+    ("x", R3, Claim("x", 4), True),
+    ("c", R3, Claim("c", 3), False),  # a stale claim
+    ("a", None, Claim("a", 1), False),  # no running round: nothing to publish
+])
+def test_who_publishes_changes(node, current, claim, publishes):
+    assert publishes_changes(node, current, claim) is publishes
+
+
+def _reform(round_number=3, **reasons) -> Reform:
+    return Reform(round=round_number, **{k: tuple(v) for k, v in reasons.items()})
+
+
+@pytest.mark.parametrize(("seen", "published", "closed", "due"), [
+    (Change(), None, False, False),
+    (Change(lost=("c",)), None, False, True),
+    (Change(waiting=("x",)), None, False, True),
+    (Change(lost=("c",)), _reform(2, lost="c"), False, True),  # a record of an older round
+    (Change(lost=("c",)), _reform(lost="c"), False, False),
+    # once it says "re-form", members moving on and newcomers arriving do not rewrite it
+    # (N rewrites of a record N members follow would be the N² this record avoids) ...
+    (Change(lost=("c",), moved_on=("a", "b")), _reform(lost="c"), False, False),
+    (Change(moved_on=("a", "b", "d")), _reform(moved_on="a"), False, False),
+    (Change(lost=("c",), waiting=("x", "y")), _reform(lost="c", waiting="x"), False, False),
+    # ... but the lost members do (each agent tells a lost member from a finished one)
+    (Change(lost=("c", "d")), _reform(lost="c"), False, True),
+    (Change(moved_on=("c",)), _reform(lost="c"), False, True),  # it came back
+    # a newcomer that waited withdrew before anyone moved on: nothing to re-form for any more
+    (Change(), _reform(waiting="x"), False, True),
+    (Change(waiting=("x",)), _reform(), False, True),
+    (Change(), _reform(), False, False),
+    # closed: members withdraw as they finish, which is no loss
+    (Change(lost=("c",)), None, True, False),
+])
+def test_when_a_follower_rewrites_the_reform_record(seen, published, closed, due):
+    assert reform_due(seen, R3, published, closed) is due
+
+
+@pytest.mark.parametrize(("current", "published", "finished", "expected"), [
+    (R3, None, (), Change()),
+    (R3, _reform(2, lost="c"), (), Change()),  # about an older round
+    (R3, _reform(lost="c", moved_on="b"), (), Change(lost=("c",), moved_on=("b",))),
+    (R3, _reform(lost="cd"), ("c",), Change(lost=("d",))),  # c finished: not lost
+    (R3, _reform(waiting="x"), (), Change(waiting=("x",))),
+    (Round(number=4, members=("b", "c")), _reform(lost="c"), (), Change(superseded=True)),
+    (None, None, (), Change(superseded=True)),
+])
+def test_change_of_a_member_that_reads_the_reform_record(current, published, finished, expected):
+    assert change_from_reform("a", 3, current, published, frozenset(finished)) == expected
+
+
+def test_what_a_follower_publishes_is_what_the_others_read():
+    live = {"a": d("a", 4, 20), "b": d("b", 3, 2), "x": d("x", 4, 21)}
+    seen = observed_change(R3, live, max_nodes=8)
+    assert seen == Change(lost=("c", "d"), moved_on=("a",), waiting=("x",))
+    published = reform_record(seen, R3, "b")
+    assert published.seen_by == "b" and reform_due(seen, R3, published) is False
+    assert change_from_reform("d", 3, R3, published) == change_for("b", 3, R3, live, 8) == seen
+
+
+def test_reform_records_round_trip_and_refuse_bad_names():
+    reform = Reform(round=7, lost=("a.0",), moved_on=("b.1", "c.0"), waiting=("x",), seen_by="b.1", revision=5)
+    assert Reform.from_json(reform.to_json("k", b"s").encode(), 5, "k", b"s") == reform
+    assert Reform.from_json(reform.to_json("k", b"s").encode(), 5, "other", b"s") is None
+    assert Reform.from_json(b'{"round": 7, "lost": ["a/b"]}', 1) is None
+    assert Reform.from_json(b'{"round": 7, "lost": "abc"}', 1) is None
+    assert Reform.from_json(b'{"round": 7, "seen_by": 0}', 1) is None
+    assert Reform.from_json(b'{"round": 7}', 1) == Reform(round=7, revision=1)
