@@ -56,17 +56,18 @@ class Plan:
 
 
 PLANS = {
-    "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "steady": 1}, caps=Caps(recover=60, freeze=60, steady_window=10),
+    "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "spare": 1, "steady": 1}, caps=Caps(recover=60, freeze=60, steady_window=10),
                   rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
                   rendezvous_repeats=2,
                   checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2, state_transfer_mb=(64,)),
-    "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "steady": 3}, caps=Caps(recover=90, freeze=120, steady_window=20),
+    "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "spare": 3, "steady": 5}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
                  state_transfer_mb=(64, 512, 2048)),
 }
-JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "steady": scenarios.steady}
+JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
+                 "steady": scenarios.steady}
 ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous", "rendezvous_scale")
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)

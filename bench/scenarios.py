@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.cluster import Cluster, wait_for
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.keys import JobKeys
 from elasticctl.train.timeline import RECOVERY_PHASES
 
 # --step-sleep keeps event runs near 15 steps/s, so agents and etcd are not starved of
@@ -188,6 +189,43 @@ def crash_host(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict
         killed = time.time()
         cluster.nodes["a"].signal_tree(signal.SIGKILL)
         return {"cold_start_s": cold_start, **_recovery(cluster, killed, 2, {"b", "c"}, caps.recover)}
+    finally:
+        cluster.close()
+
+
+TORCHRUN_SPARE_WARMUP = 10.0  # seconds: torchrun shows no "waiting as a spare" to wait on
+
+
+def _spare_waiting(cluster: Cluster, node: str, started: float) -> bool:
+    """Whether ``node`` waits beside the full world: its declaration is in the rendezvous (elasticctl
+    restart mode: the agent's; hot mode: its worker's, which has imported torch and built its
+    model). torchrun shows no such state: its spare is given a fixed warm-up instead."""
+    if not cluster.elastic:
+        return time.time() - started >= TORCHRUN_SPARE_WARMUP
+    keys = JobKeys(cluster.job)
+    key = keys.generations().rdzv_node(f"{node}.0") if cluster.system == "elasticctl-hot" else keys.rdzv_node(node)
+    return cluster.etcd.get(key) is not None
+
+
+def spare(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
+    """SIGKILL node c while node d waits as a spare beyond --nnodes MAX (1:3) → seconds to the first
+    step back at world 3 (a, b and d). Hot mode admits the warm spare at the survivors' own
+    re-formation; restart mode and torchrun restart every worker, the spare's included."""
+    args = [*EVENT_TRAINING, "--checkpoint-dir", str(workdir / "checkpoints"),
+            "--checkpoint-every", str(caps.checkpoint_every)]
+    cluster = Cluster(system, workdir, args, etcd, up_args=("--spares", "1") if system != "torchrun" else ())
+    try:
+        cold_start = _start_world3(cluster, caps)
+        if cold_start is None:
+            return {"cold_start_s": None, "error": f"no world of 3 within {caps.start:g} s"}
+        added = time.time()
+        cluster.start("d")
+        if not wait_for(lambda: _spare_waiting(cluster, "d", added), caps.start):
+            return {"cold_start_s": cold_start, "error": f"node d did not wait as a spare within {caps.start:g} s"}
+        _train_a_while(cluster, 3, added, caps, workdir.name.replace(system, ""))
+        killed = time.time()
+        cluster.nodes["c"].signal_tree(signal.SIGKILL)
+        return {"cold_start_s": cold_start, **_recovery(cluster, killed, 3, {"a", "b", "d"}, caps.recover)}
     finally:
         cluster.close()
 

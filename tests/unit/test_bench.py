@@ -91,14 +91,15 @@ def test_report_puts_hot_mode_between_restart_mode_and_torchrun_with_both_ratios
 
 
 def test_hot_targets_say_met_or_missed_with_the_measured_value():
-    met = report.hot_targets(_results(hot_crash=1.0, pause=0.5))
-    assert met.startswith("Targets (issue 12), elasticctl hot mode: ")
-    assert "SIGKILL → world 2 ≤ 1.5 s: 1.00 s (met)" in met
-    assert "node TTL 5 s + 1.5) ≤ 6.5 s: 6.00 s (met)" in met
+    met = report.hot_targets(_results(hot_crash=0.2, pause=0.5))
+    assert met.startswith("Targets (issues 12 and 21), elasticctl hot mode: ")
+    assert "SIGKILL → world 2 ≤ 0.3 s: 0.20 s (met)" in met
+    assert "node TTL 5 s + 0.5) ≤ 5.5 s: 6.00 s (missed)" in met
     assert "at most 1 over 2 failures (met)" in met
     assert "0.990 × (99.0 vs 100.0 steps/s) (met)" in met
+    assert "with one spare, SIGKILL → world 3 ≤ 1 s: not measured in this run" in met
     missed = report.hot_targets(_results(hot_crash=2.0, pause=1.5))
-    assert "SIGKILL → world 2 ≤ 1.5 s: 2.00 s (missed)" in missed
+    assert "SIGKILL → world 2 ≤ 0.3 s: 2.00 s (missed)" in missed
     assert "pause for a joiner ≤ 1 s: 1.50 s (missed)" in missed
 
 
