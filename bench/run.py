@@ -1,6 +1,6 @@
 """elasticctl (restart mode and hot recovery) next to plain torchrun, every scenario, one command.
 
-    python -m bench.run --quick    # about 12 min on 2 cores: 1 repeat per scenario and system
+    python -m bench.run --quick    # about 15 min on 2 cores: 1 repeat per event scenario and system, 5 of steady state
     python -m bench.run --full     # < 45 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
@@ -56,7 +56,7 @@ class Plan:
 
 
 PLANS = {
-    "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "spare": 1, "steady": 1}, caps=Caps(recover=60, freeze=60, steady_window=10),
+    "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "spare": 1, "steady": 5}, caps=Caps(recover=60, freeze=60, steady_window=10),
                   rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
                   rendezvous_repeats=2,
                   checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2, state_transfer_mb=(64,)),
