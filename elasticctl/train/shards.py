@@ -91,6 +91,13 @@ def hsdp_mesh(group: Group) -> DeviceMesh:
                       mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (sharded, e.g. by ``fully_shard``)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardPosition:
     """Where a worker's local shards sit in its mesh: the shard it holds, out of how many."""
