@@ -14,7 +14,7 @@ in process. The default, ``--shard none``, is plain DDP.
 Everything else (the record, checkpoints, the LR policy, fault injection, the straggler knob)
 is trainers/mlp.py's, whose training loop this script runs with its own model, data and loss:
 see ``python trainers/mlp.py --help``. With ``--record-params`` a sharded run's step lines carry
-``shard`` (the worker's shard index, its local rank) and the digest of that worker's local shards.
+``shard`` (the index of the shard the worker holds) and the digest of its local shards.
 """
 
 from __future__ import annotations
@@ -100,14 +100,16 @@ class LanguageModel(nn.Module):
         self.register_buffer("positions", torch.arange(seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next-token logits of every position, one row each (batch x length rows: a tensor of its
+        own, not a view, which FSDP's backward hook on the output needs)."""
         x = self.embedding(tokens) + self.position(self.positions[:tokens.shape[1]])
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x).flatten(0, 1))
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return nn.functional.cross_entropy(logits, targets.reshape(-1))
 
 
 def shard_hsdp(model: LanguageModel, group: elastic.Group) -> nn.Module:

@@ -196,8 +196,8 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
         if record is not None:
             record.write(json.dumps({**entry, **where, "restart": restart, "time": time.time()}) + "\n")
 
-    def on_event(kind: str, **fields) -> None:  # the runtime's resume, checkpoint, final_checkpoint
-        entry = {"event": kind, **fields}
+    def on_event(kind: str, **fields) -> None:  # the runtime's resume, checkpoint, state_restored, ...
+        entry = {"event": kind, "node": node, "pid": os.getpid(), **fields}
         if kind == "resume":
             before_training.append(entry)
         else:
@@ -242,10 +242,10 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
                     injected = True  # hot mode re-enters this function in the same process: inject once
                     inject_failure(args.exit_mode)
                 # Before the step: a replica's digest here is the state every rank starts it from
-                # (sharded: every replica of this worker's shard, the local rank).
+                # (sharded: every replica of this worker's shard).
                 extra = {"generation": group.number, "params": params_digest(group.model)} if args.record_params else {}
                 if sharded:
-                    extra["shard"] = group.local_rank
+                    extra["shard"] = group.shard
                 loss_sum, indices = 0.0, []
                 optimizer.zero_grad(set_to_none=True)  # a step a failure cut short left gradients behind
                 for i, (index, x, y) in enumerate(micro_batches):

@@ -113,6 +113,7 @@ class Group:
     model: torch.nn.Module  # the state's model, wrapped in DDP over this generation's group (or sharded)
     members: tuple[str, ...] = ()  # hot mode: the workers <node>.<local rank> in rank order
     local_world_size: int = 1  # workers per node (LOCAL_WORLD_SIZE): an HSDP mesh's shard count
+    shard: int | None = None  # run(..., sharded=True): the index of the shard this worker holds
 
 
 class Phase(enum.Enum):
@@ -351,6 +352,7 @@ class Runtime:
         if self._sharded is not None:
             # The shards move between the modules of this generation's mesh: wrapped first.
             self._sharded.rewrap(self.state, group)
+            group = dataclasses.replace(group, shard=self._sharded.position.index)
             sent_from = self._sync_shards(rank, world_size, survivors)
             model = self.state.model
         else:

@@ -11,7 +11,7 @@ a new module (:class:`ShardedModel`):
    (``to_empty``);
 2. the new module's local shards are filled from the previous module's: the same tensors when
    this worker holds the same shard (same shard index, same shard count; :func:`hsdp_mesh`
-   keeps both fixed, shard index = local rank), else nothing (the worker reports no state and
+   keeps both for a survivor), else nothing (the worker reports no state and
    receives its shards, :mod:`elasticctl.train.sync`); the first generation fills them from the
    script's full tensors (``distribute_tensor`` of each rank's own data, no communication);
 3. the optimizer is pointed at the new parameters, its state moved onto them.
@@ -55,35 +55,40 @@ class LayoutError(ElasticctlError):
 
 
 def hsdp_layout(members: Sequence[str], world_size: int, local_world_size: int) -> list[list[int]]:
-    """The ranks of an HSDP mesh: one row per node (its replicas), one column per local rank (its
-    shard index), so that a worker keeps its shard index (= its local rank) in every generation.
+    """The ranks of an HSDP mesh: one row per node (its replicas), one column per shard index.
+
+    A row holds its node's ranks in ascending order: torch numbers a mesh dimension's workers by
+    their rank in its process group (sorted global ranks), FSDP shards by that number and DTensor
+    locates shards by the mesh coordinate, which agree only so. A worker's shard index is thus its
+    place among its node's workers in rank order, which a survivor keeps: a new generation keeps
+    the order of the members of the one before (newcomers come after).
 
     ``members``: the workers ``<node>.<local rank>`` in rank order (hot mode); empty: torchrun's
     ranks, node after node (``rank = node * local_world_size + local rank``). Raises LayoutError
-    when a node does not bring exactly local ranks 0 to ``local_world_size - 1``."""
+    when a node does not bring exactly ``local_world_size`` workers."""
     if local_world_size < 1 or world_size % local_world_size:
         raise LayoutError(f"A world of {world_size} workers is not nodes of {local_world_size} workers each.")
     if not members:
         return [list(range(start, start + local_world_size)) for start in range(0, world_size, local_world_size)]
     if len(members) != world_size:
         raise LayoutError(f"The generation lists {len(members)} workers for a world of {world_size}.")
-    rows: dict[str, dict[int, int]] = {}
+    rows: dict[str, list[int]] = {}
     for rank, member in enumerate(members):
         node, _, local = member.rpartition(".")
         if not node or not local.isdigit():
             raise LayoutError(f"The worker '{member}' is not named <node>.<local rank>.")
-        rows.setdefault(node, {})[int(local)] = rank
+        rows.setdefault(node, []).append(rank)
     for node, ranks in rows.items():
-        if sorted(ranks) != list(range(local_world_size)):
-            raise LayoutError(f"The node '{node}' has the workers {sorted(ranks)} in this generation, not 0 to "
-                              f"{local_world_size - 1}: it cannot hold a replica of every shard.")
-    return [[ranks[local] for local in range(local_world_size)] for ranks in rows.values()]
+        if len(ranks) != local_world_size:
+            raise LayoutError(f"The node '{node}' has {len(ranks)} of its {local_world_size} workers in this "
+                              "generation: it cannot hold a replica of every shard.")
+    return list(rows.values())  # rows in order of their first rank, each ascending
 
 
 def hsdp_mesh(group: Group) -> DeviceMesh:
     """The 2-D mesh of ``group``'s workers for ``fully_shard``: dimension ``replicate`` across nodes,
-    ``shard`` within a node (shard count = workers per node, shard index = local rank). Every
-    worker calls it, at the same point (it builds the process groups of both dimensions)."""
+    ``shard`` within a node (shard count = workers per node; :func:`hsdp_layout`). Every worker
+    calls it, at the same point (it builds the process groups of both dimensions)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     layout = hsdp_layout(group.members, group.world_size, group.local_world_size)
@@ -131,6 +136,9 @@ class ShardedModel:
     def __init__(self, wrap: Any) -> None:
         self._wrap = wrap
         self._template: nn.Module | None = None  # the script's model on the meta device
+        # The current module's sharded parameters by name, as wrapped: a step that failed half-way
+        # leaves FSDP's unsharded ones registered on the module instead (and the optimizer holds these).
+        self._parameters: dict[str, nn.Parameter] = {}
         self.mesh: Any = None
         self.replicate_dim: int | None = None
         self.position: ShardPosition | None = None
@@ -149,7 +157,7 @@ class ShardedModel:
         mesh, placements, replicate_dim, shard_dim = _sharding(fresh)
         position = ShardPosition(mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
         kept = first or (state.live and position == self.position)
-        old_parameters = dict(previous.named_parameters())
+        old_parameters = self._parameters or dict(previous.named_parameters())
         with torch.no_grad():
             for name, parameter in fresh.named_parameters():
                 old = old_parameters[name]
@@ -162,9 +170,10 @@ class ShardedModel:
             old_buffers = dict(previous.named_buffers())
             for name, buffer in fresh.named_buffers():
                 buffer.copy_(old_buffers[name])
+        parameters = dict(fresh.named_parameters())
         if state.optimizer is not None:
-            rebind_optimizer(state.optimizer, previous, fresh, keep_state=kept)
-        state.model = fresh
+            rebind_optimizer(state.optimizer, old_parameters, parameters, keep_state=kept)
+        state.model, self._parameters = fresh, parameters
         self.mesh, self.replicate_dim, self.position = mesh, replicate_dim, position
         if not kept:
             state.live = False
@@ -185,14 +194,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def rebind_optimizer(optimizer: torch.optim.Optimizer, old: nn.Module, new: nn.Module, keep_state: bool) -> None:
-    """Point ``optimizer`` at ``new``'s parameters (matched to ``old``'s by name), its per-parameter
+def rebind_optimizer(optimizer: torch.optim.Optimizer, old_parameters: dict[str, nn.Parameter],
+                     new_parameters: dict[str, nn.Parameter], keep_state: bool) -> None:
+    """Point ``optimizer`` at the new parameters (matched to the old ones by name), its per-parameter
     state moved onto them (the same local tensors on the new mesh), or dropped (``keep_state``
     False: the state will be received)."""
     from torch.distributed.tensor import DTensor
 
-    new_parameters = dict(new.named_parameters())
-    name_of = {id(p): name for name, p in old.named_parameters()}
+    name_of = {id(p): name for name, p in old_parameters.items()}
     moved = {}
     for group in optimizer.param_groups:
         group["params"] = [new_parameters[name_of[id(p)]] for p in group["params"]]

@@ -50,10 +50,12 @@ def test_plan_shard_sync(steps, shards, survivors, plan):
     # torchrun's ranks: node after node
     ((), 6, 2, [[0, 1], [2, 3], [4, 5]]),
     ((), 3, 1, [[0], [1], [2]]),
-    # hot generations keep survivors' ranks and append newcomers: rows by node, columns by local rank
+    # hot generations keep survivors' order and append newcomers: a row per node, its ranks ascending
+    # (torch numbers a dimension's workers in rank order), rows in order of their first rank
     (("a.0", "a.1", "b.0", "b.1"), 4, 2, [[0, 1], [2, 3]]),
-    (("b.1", "a.0", "b.0", "a.1"), 4, 2, [[2, 0], [1, 3]]),
-    (("a.0", "a.1", "b.0", "b.1", "d.1", "d.0"), 6, 2, [[0, 1], [2, 3], [5, 4]]),
+    (("b.1", "a.0", "b.0", "a.1"), 4, 2, [[0, 2], [1, 3]]),
+    (("a.0", "a.1", "b.0", "b.1", "d.1", "d.0"), 6, 2, [[0, 1], [2, 3], [4, 5]]),
+    (("a.0", "b.0", "b.1", "a.1"), 4, 2, [[0, 3], [1, 2]]),
     # node ids with dots
     (("n.1.x.0", "n.1.x.1"), 2, 2, [[0, 1]]),
 ])
@@ -64,8 +66,8 @@ def test_hsdp_layout(members, world, local, layout):
 @pytest.mark.parametrize("members, world, local, why", [
     ((), 5, 2, "not nodes of 2"),
     (("a.0", "a.1", "b.0"), 3, 2, "not nodes of 2"),
-    (("a.0", "a.1", "b.0", "c.0"), 4, 2, "'b' has the workers [0]"),
-    (("a.0", "a.2"), 2, 2, "'a' has the workers [0, 2]"),
+    (("a.0", "a.1", "b.0", "c.0"), 4, 2, "'b' has 1 of its 2 workers"),
+    (("a.0", "a.1", "a.2", "b.0"), 4, 2, "'a' has 3 of its 2 workers"),
     (("a", "b"), 2, 1, "not named"),
     (("a.0",), 2, 1, "lists 1 workers"),
 ])
