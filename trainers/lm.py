@@ -9,7 +9,9 @@ the loss falls towards the table's entropy within a few hundred steps on a CPU.
 model) on :func:`elasticctl.train.hsdp_mesh`: replicated across nodes, sharded within a node.
 Checkpoints are then sharded (DCP, resharded on load at another world size) and, with
 ``--recovery hot``, a lost node's shards are restored from their replicas on the other nodes,
-in process. The default, ``--shard none``, is plain DDP.
+in process. ``--shard fsdp`` shards over every worker instead (no replica: in hot mode a
+changed world restores the newest sharded checkpoint, resharded, in process). The default,
+``--shard none``, is plain DDP.
 
 Everything else (the record, checkpoints, the LR policy, fault injection, the straggler knob)
 is trainers/mlp.py's, whose training loop this script runs with its own model, data and loss:
@@ -20,6 +22,7 @@ see ``python trainers/mlp.py --help``. With ``--record-params`` a sharded run's 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -36,7 +39,7 @@ from torch.utils.data import TensorDataset
 import elasticctl.train as elastic
 from elasticctl.train.script import run_main
 
-SHARDINGS = ("none", "hsdp")
+SHARDINGS = ("none", "hsdp", "fsdp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=64, help="tokens of the synthetic language")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per training sequence")
     parser.add_argument("--shard", choices=SHARDINGS, default="none",
-                        help="'hsdp': FSDP2 sharded within a node, replicated across nodes; 'none': DDP")
+                        help="'hsdp': FSDP2 sharded within a node, replicated across nodes; 'fsdp': sharded "
+                             "over every worker, no replica (hot mode restores a resize from the checkpoint); "
+                             "'none': DDP")
     args = check_args(parser, parser.parse_args(argv))
     for name in ("layers", "heads", "vocab", "seq_len"):
         if getattr(args, name) < 1:
@@ -112,11 +117,21 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return nn.functional.cross_entropy(logits, targets.reshape(-1))
 
 
-def shard_hsdp(model: LanguageModel, group: elastic.Group) -> nn.Module:
-    """FSDP2 on this generation's HSDP mesh: each block its own unit, then the rest."""
+def fsdp_mesh(group: elastic.Group):
+    """One dimension over every worker of the generation: each shard has no replica."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(group.device.type, (group.world_size,))
+
+
+MESHES = {"hsdp": elastic.hsdp_mesh, "fsdp": fsdp_mesh}
+
+
+def shard_model(model: LanguageModel, group: elastic.Group, sharding: str) -> nn.Module:
+    """FSDP2 on this generation's mesh: each block its own unit, then the rest."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = elastic.hsdp_mesh(group)
+    mesh = MESHES[sharding](group)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -126,7 +141,8 @@ def lm_task(args: argparse.Namespace, device: torch.device) -> Task:
     model = LanguageModel(args.vocab, args.seq_len, args.hidden, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dataset = bigram_dataset(args.dataset_size, args.seq_len, args.vocab, args.seed)
-    options = {"wrap": shard_hsdp, "sharded": True} if args.shard == "hsdp" else {}
+    options = ({"wrap": functools.partial(shard_model, sharding=args.shard), "sharded": True}
+               if args.shard != "none" else {})
     return Task(model, optimizer, dataset, next_token_loss, options)
 
 

@@ -351,9 +351,10 @@ class Runtime:
                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if self._sharded is not None:
             # The shards move between the modules of this generation's mesh: wrapped first.
+            held = self.state.step if self.state.live else -1  # whether or not its shards still fit
             self._sharded.rewrap(self.state, group)
             group = dataclasses.replace(group, shard=self._sharded.position.index)
-            sent_from = self._sync_shards(rank, world_size, survivors)
+            sent_from = self._sync_shards(rank, world_size, survivors, held)
             model = self.state.model
         else:
             # DDP broadcasts rank 0's parameters when it wraps: the state is in sync before.
@@ -429,23 +430,25 @@ class Runtime:
                        nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
         return moved.senders
 
-    def _sync_shards(self, rank: int, world_size: int, survivors: list[bool]) -> tuple[int, ...]:
+    def _sync_shards(self, rank: int, world_size: int, survivors: list[bool], held: int) -> tuple[int, ...]:
         """A sharded state's :meth:`_sync_state`: per shard index, from the replicas that hold it at
         the newest step (:func:`elasticctl.train.sync.plan_shard_sync`), over the mesh's replicate
-        group; the checkpoint when a shard has none. The ranks that sent this worker's shard."""
+        group; the checkpoint when a shard has none. ``held``: the step this worker trained to
+        before the re-wrap, whether or not its shards still fit (-1: none). The ranks that sent
+        this worker's shard."""
         position = self._sharded.position
         flag_device = self._flag_device()
-        mine = torch.tensor([self.state.step if self.state.live else -1, position.index], dtype=torch.int64,
+        mine = torch.tensor([self.state.step if self.state.live else -1, position.index, held], dtype=torch.int64,
                             device=flag_device)
         reports = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(reports, mine)
-        steps, shards = zip(*(tuple(int(v) for v in report.tolist()) for report in reports), strict=True)
+        steps, shards, helds = zip(*(tuple(int(v) for v in report.tolist()) for report in reports), strict=True)
         plan = plan_shard_sync(steps, shards, survivors)
         for refused in plan.refused:
             log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
                         "its shard is not taken", self.worker, refused, steps[refused])
         if plan.from_checkpoint:
-            self._restore_lost_shards(plan.missing, max(steps))
+            self._restore_lost_shards(plan.missing, max(helds))
             return ()
         transfer = next((t for t in plan.transfers if t.shard == position.index), None)
         if transfer is None:
@@ -464,16 +467,19 @@ class Runtime:
                        senders=senders, nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
         return tuple(senders)
 
-    def _restore_lost_shards(self, missing: tuple[int, ...], newest: int) -> None:
-        """No replica holds some shard (or nobody holds state): every member restores the newest
-        sharded checkpoint, resharded to this generation, in process."""
-        if missing:
-            log.warning("[%s] shard(s) %s have no replica at the newest step (%d): restoring the newest "
-                        "checkpoint", self.worker, ", ".join(map(str, missing)), newest)
+    def _restore_lost_shards(self, missing: tuple[int, ...], trained: int) -> None:
+        """No replica holds some shard, or no shard fits this generation's mesh (FSDP without
+        replicas, resized), or nobody holds state (the job's start): every member restores the
+        newest sharded checkpoint, resharded to this generation, in process. ``trained``: the
+        newest step any member trained to (-1: none)."""
+        if trained >= 0:
+            log.warning("[%s] %s at step %d: restoring the newest checkpoint", self.worker,
+                        f"shard(s) {', '.join(map(str, missing))} have no replica" if missing
+                        else "no member's shards fit the new mesh", trained)
         restored = self._restore_from_checkpoint()
-        if restored is None and missing and newest >= 0:
-            raise StateError(f"Shard(s) {', '.join(map(str, missing))} of the model lost every replica and there "
-                             "is no checkpoint to restore them from: the training state is lost.")
+        if restored is None and trained >= 0:
+            raise StateError(f"The model's shards trained to step {trained} have no replica in this generation "
+                             "and there is no checkpoint to restore them from: the training state is lost.")
         if restored is not None and self.membership.recovers_in_process:
             self._emit("state_restored", step=restored.step, source="checkpoint", shard=self._sharded.position.index,
                        path=str(restored.path), missing=list(missing))

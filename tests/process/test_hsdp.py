@@ -117,3 +117,25 @@ def test_lm_restart_mode_resumes_a_sharded_checkpoint_at_a_smaller_world(job, tm
     after = [r for r in steps_of(records) if r["time"] > killed_at and r["world_size"] == 1]
     assert min(r["step"] for r in after) == resumed[0]["step"], "the run did not go on from the checkpoint"
     assert min(r["samples_seen"] for r in after) > 0
+
+
+def test_fsdp_without_replicas_survivor_restores_the_sharded_checkpoint_in_process(job, tmp_path):
+    """Issue 20.4: plain FSDP over every worker has no replica of a shard; after a node is lost the
+    survivor keeps its process and restores the newest sharded checkpoint, resharded to world 1."""
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    j = job(nnodes="1:2", extra=["--recovery", "hot", "--node-ttl", "3", "--checkpoint-dir", str(checkpoints)],
+            train=[LM, "--shard", "fsdp", "--steps", "100000", "--step-sleep", "0.05", "--log-every", "0",
+                   "--checkpoint-every", "10"])
+    started = j.start("a", "b")
+    wait_for(lambda: any(r.get("event") == "checkpoint" and r["world_size"] == 2 for r in j.records()), 120,
+             "a sharded checkpoint at world 2")
+    pid = next(r["pid"] for r in steps_of(j.records()) if r["node"] == "a")
+    killed_at = max(r["time"] for r in j.records())
+    started["b"].kill()
+    alone = j.wait_world(1, {"a"}, since=killed_at)
+    assert {r["pid"] for r in alone} == {pid}, "the survivor restarted"
+    restored = [r for r in j.records() if r.get("event") == "state_restored" and r["time"] > killed_at]
+    assert [r["source"] for r in restored] == ["checkpoint"], restored
+    assert restored[0]["path"].startswith(str(checkpoints)) and restored[0]["step"] % 10 == 0, restored
+    assert min(r["step"] for r in alone) == restored[0]["step"], "the survivor did not go on from the checkpoint"
