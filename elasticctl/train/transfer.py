@@ -27,6 +27,10 @@ others, never as one whole-state blob:
 4. A receiver loads the state dict rebuilt from the description and its own tensors, now filled
    (``load_state_dict`` of a tensor onto itself copies nothing).
 
+The members are those of the current process group, or of any group the caller names: a sharded
+state (:mod:`elasticctl.train.shards`) moves each shard index over the mesh's replicate group, as
+local shards (the state dict of :class:`elasticctl.train.shards.LocalShards`), all groups at once.
+
 Limits: a tensor that is not contiguous (state tensors are, in practice) is copied whole on the
 sender for each of its buckets, and received into a new tensor that ``load_state_dict`` copies
 in. Several senders are only ever members that trained together at one step (replicas, bit-identical),
