@@ -476,16 +476,14 @@ class Runtime:
             log.warning("[%s] %s at step %d: restoring the newest checkpoint", self.worker,
                         f"shard(s) {', '.join(map(str, missing))} have no replica" if missing
                         else "no member's shards fit the new mesh", trained)
-        restored = self._restore_from_checkpoint()
+        restored = self._restore_from_checkpoint(shard=self._sharded.position.index, missing=list(missing))
         if restored is None and trained >= 0:
             raise StateError(f"The model's shards trained to step {trained} have no replica in this generation "
                              "and there is no checkpoint to restore them from: the training state is lost.")
-        if restored is not None and self.membership.recovers_in_process:
-            self._emit("state_restored", step=restored.step, source="checkpoint", shard=self._sharded.position.index,
-                       path=str(restored.path), missing=list(missing))
 
-    def _restore_from_checkpoint(self) -> Any:
-        """The newest checkpoint into the state (its Restored; None: there is none)."""
+    def _restore_from_checkpoint(self, **event: Any) -> Any:
+        """The newest checkpoint into the state (its Restored; None: there is none). In hot mode the
+        script also hears ``state_restored`` (source checkpoint, with ``event``'s fields)."""
         restored = self._checkpointer.restore(**self.state.objects()) if self._checkpointer else None
         if restored is not None:
             self.state.step = restored.step
@@ -493,6 +491,9 @@ class Runtime:
             log.info("[%s] resumed from %s at step %d", self.worker, restored.path, restored.step)
             self._emit("resume", step=restored.step, epoch=self._epoch(), consumed=self._consumed(),
                        from_world_size=restored.world_size, path=str(restored.path))
+            if self.membership.recovers_in_process:
+                self._emit("state_restored", step=restored.step, source="checkpoint", path=str(restored.path),
+                           **event)
         self.state.live = True
         return restored
 
@@ -824,7 +825,10 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     :func:`elasticctl.train.shards.hsdp_mesh`); the runtime wraps a new module for each
     generation's mesh (``group.model``, also ``state.model``: use these, not the model object
     the script made), writes sharded checkpoints (DCP, resharded on load) and in hot mode moves
-    shards: :mod:`elasticctl.train.shards`. In hot mode ``"state_restored"`` on a rank whose state
-    was restored when its generation formed (step, source: "replica" with senders, the shard,
-    nbytes and seconds; or "checkpoint" with path and the shards that had no replica)."""
+    shards: :mod:`elasticctl.train.shards`.
+
+    In hot mode ``"state_restored"`` on a rank whose state was restored when its generation formed:
+    step, source ("replica": senders, nbytes, seconds; "checkpoint": path), and for a sharded
+    model the shard this worker holds (and, from a checkpoint, ``missing``: the shards that had no
+    replica)."""
     Runtime(state, **options).run(train)
