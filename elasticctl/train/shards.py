@@ -25,7 +25,11 @@ Limits: every parameter is a DTensor on one mesh with one placement (``fully_sha
 of its blocks, or both, on the mesh ``fn`` builds); that mesh is 1-D (``Shard(0)``: no replicas,
 a changed world restores the newest sharded checkpoint) or 2-D (``Replicate(), Shard(0)``);
 optimizer state tensors are shaped like their parameter or are scalars; the model's buffers are
-replicated (FSDP2 does not shard them).
+replicated (FSDP2 does not shard them); the script builds its full model once per process (the
+first generation shards it; a meta-device model is not supported yet). An HSDP generation must
+hold whole nodes (:func:`hsdp_layout`); one that does not fails to form and the next is tried
+(known issue: once, such a retry failed with "Could not resolve the process group registered
+under the name N" on the survivors, cause not yet found).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ over its 2 workers. A node SIGKILLed whole: the 4 survivors keep their processes
 holds its shard with a replica on the other node, and they go on at world 4 from their own
 shards, none sent; a node that joins gets each of its workers' shards from the replicas of that
 shard index, not from disk. Before every step, the replicas of each shard have identical digests.
-Restart mode: a sharded checkpoint written at world 2 resumes at world 1.
+Restart mode: a sharded checkpoint written at world 2 resumes at world 1. Plain FSDP over every
+worker (no replica): after a node is lost the survivor restores the sharded checkpoint in process.
 """
 
 from __future__ import annotations
