@@ -28,8 +28,9 @@ optimizer state tensors are shaped like their parameter or are scalars; the mode
 replicated (FSDP2 does not shard them); the script builds its full model once per process (the
 first generation shards it; a meta-device model is not supported yet). An HSDP generation must
 hold whole nodes (:func:`hsdp_layout`); one that does not fails to form and the next is tried
-(known issue: once, such a retry failed with "Could not resolve the process group registered
-under the name N" on the survivors, cause not yet found).
+(known issue: after such a failure the survivors' next meshes failed in ``get_local_rank`` with
+"Could not resolve the process group registered under the name N" in 3 of 6 test runs; cause
+not yet found).
 """
 
 from __future__ import annotations
