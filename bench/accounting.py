@@ -50,10 +50,12 @@ def lineage(steps: list[dict]) -> dict[int, dict]:
 def check_replicas(steps: list[dict], across_generations: bool = False) -> None:
     """Every worker of a generation had the same parameters before each step. With
     ``across_generations``, so did every generation that (re-)did a step: a step in flight
-    is either applied by all or re-done from the same state."""
+    is either applied by all or re-done from the same state. A sharded model's lines carry
+    ``shard`` and the digest of that shard: compared among the replicas of each shard."""
     digests = collections.defaultdict(set)
     for r in steps:
-        digests[r["step"] if across_generations else (r["generation"], r["step"])].add(r["params"])
+        at = r["step"] if across_generations else (r["generation"], r["step"])
+        digests[(at, r["shard"]) if "shard" in r else at].add(r["params"])
     diverged = sorted(k for k, v in digests.items() if len(v) > 1)
     if diverged:
         where = "step" if across_generations else "(generation, step)"

@@ -127,14 +127,15 @@ class Cluster:
     """
 
     def __init__(self, system: str, workdir: Path, trainer_args: list[str], etcd: EtcdClient,
-                 nnodes: str = "1:3", shared_store: bool = False, up_args: tuple[str, ...] = ()) -> None:
+                 nnodes: str = "1:3", shared_store: bool = False, up_args: tuple[str, ...] = (),
+                 script: str = MLP) -> None:
         if system not in SYSTEMS:
             raise ValueError(f"The system '{system}' is not one of {SYSTEMS}.")
         self.system, self.workdir, self.nnodes = system, workdir, nnodes
         self.job = "-".join(workdir.parts[-2:])  # the run's directory name in it: orphans are findable
         workdir.mkdir(parents=True, exist_ok=True)
         self.record = Record(workdir / "record.jsonl")
-        self.trainer = [MLP, *trainer_args, "--record", str(self.record.path)]
+        self.trainer = [script, *trainer_args, "--record", str(self.record.path)]
         self.etcd = etcd
         self.etcd_endpoint = etcd.settings.describe()
         self.store_port = free_port(LOOPBACK)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -35,6 +36,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -54,8 +56,9 @@ from elasticctl.train.script import LR_POLICIES, plan_batches, reduce_mean, rest
 EXIT_MODES = ("kill", "exception", "hang")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The flags of this trainer, which trainers/lm.py shares (it adds its own)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000, help="total optimizer steps to train, then exit 0")
     parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
     parser.add_argument("--dataset-size", type=int, default=4096, help="samples per epoch")
@@ -92,7 +95,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exit-ranks", default="0", help="... these global ranks (comma-separated) ...")
     parser.add_argument("--exit-mode", choices=EXIT_MODES, default="kill",
                         help="... SIGKILL themselves, raise an exception, or hang")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    return check_args(parser, parser.parse_args(argv))
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the shared flags checked (parser.error on a bad one) and decoded."""
     for name, minimum in (("steps", 0), ("batch_size", 1), ("dataset_size", 1), ("hidden", 1),
                           ("checkpoint_every", 0), ("keep", 1), ("log_every", 0)):
         value = getattr(args, name)
@@ -134,11 +146,31 @@ def synthetic_dataset(size: int, seed: int) -> TensorDataset:
 
 
 def params_digest(model: nn.Module) -> str:
-    """Short sha256 of the parameters: bit-identical replicas give the same digest."""
+    """Short sha256 of the parameters (of a sharded model: this worker's local shards): bit-identical
+    replicas give the same digest."""
     sha = hashlib.sha256()
     for tensor in model.parameters():
-        sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's own shard
+        sha.update(local.detach().cpu().contiguous().numpy().tobytes())
     return sha.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class Task:
+    """What a trainer trains: the model, its optimizer, the dataset of (index, input, target), the
+    loss of (output, target), and how the runtime wraps the model (default: DDP)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: TensorDataset
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    run_options: dict = dataclasses.field(default_factory=dict)  # wrap, sharded: elasticctl.train.run's
+
+
+def mlp_task(args: argparse.Namespace, device: torch.device) -> Task:
+    model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device)
+    return Task(model, torch.optim.SGD(model.parameters(), lr=args.lr), synthetic_dataset(args.dataset_size, args.seed),
+                nn.functional.mse_loss)
 
 
 def inject_failure(mode: str) -> None:
@@ -151,7 +183,7 @@ def inject_failure(mode: str) -> None:
         time.sleep(3600)
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, torch.device], Task] = mlp_task) -> None:
     record = open(args.record, "a", buffering=1) if args.record else None  # noqa: SIM115 - open for the run
     environment = WorkerEnvironment.from_env()  # elasticctl's part of this worker's environment, read once
     host, node = socket.gethostname(), environment.node
@@ -164,8 +196,8 @@ def train(args: argparse.Namespace) -> None:
         if record is not None:
             record.write(json.dumps({**entry, **where, "restart": restart, "time": time.time()}) + "\n")
 
-    def on_event(kind: str, **fields) -> None:  # the runtime's resume, checkpoint, final_checkpoint
-        entry = {"event": kind, **fields}
+    def on_event(kind: str, **fields) -> None:  # the runtime's resume, checkpoint, state_restored, ...
+        entry = {"event": kind, "node": node, "pid": os.getpid(), **fields}
         if kind == "resume":
             before_training.append(entry)
         else:
@@ -174,12 +206,12 @@ def train(args: argparse.Namespace) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    dataset = synthetic_dataset(args.dataset_size, args.seed)
+    task = make_task(args, device)
+    optimizer, dataset = task.optimizer, task.dataset
+    sharded = task.run_options.get("sharded", False)
     sampler = elastic.ResumableSampler(dataset, num_replicas=1, rank=0, seed=args.seed)
     # global_batch: chosen at the first start (or by the flag), then fixed across world sizes.
-    state = elastic.State(model, optimizer, sampler=sampler, samples_seen=0, global_batch=args.global_batch)
+    state = elastic.State(task.model, optimizer, sampler=sampler, samples_seen=0, global_batch=args.global_batch)
     started = False
     injected = False
 
@@ -209,15 +241,18 @@ def train(args: argparse.Namespace) -> None:
                 if (args.exit_at == step and group.rank in args.exit_ranks and restart == 0 and not injected):
                     injected = True  # hot mode re-enters this function in the same process: inject once
                     inject_failure(args.exit_mode)
-                # Before the step: a replica's digest here is the state every rank starts it from.
-                extra = {"generation": group.number, "params": params_digest(model)} if args.record_params else {}
+                # Before the step: a replica's digest here is the state every rank starts it from
+                # (sharded: every replica of this worker's shard).
+                extra = {"generation": group.number, "params": params_digest(group.model)} if args.record_params else {}
+                if sharded:
+                    extra["shard"] = group.shard
                 loss_sum, indices = 0.0, []
                 optimizer.zero_grad(set_to_none=True)  # a step a failure cut short left gradients behind
                 for i, (index, x, y) in enumerate(micro_batches):
                     # Gradients are all-reduced once, on the last micro-batch of the step.
                     last = i == len(micro_batches) - 1
                     with contextlib.nullcontext() if last else getattr(group.model, "no_sync", contextlib.nullcontext)():
-                        loss = nn.functional.mse_loss(group.model(x.to(device)), y.to(device)) / len(micro_batches)
+                        loss = task.loss(group.model(x.to(device)), y.to(device)) / len(micro_batches)
                         loss.backward()
                     loss_sum += loss.item()
                     indices += index.tolist()
@@ -245,7 +280,7 @@ def train(args: argparse.Namespace) -> None:
     try:
         elastic.run(state, generation, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     keep=args.keep, async_checkpoint=args.async_checkpoint, pg_timeout=args.pg_timeout,
-                    on_event=on_event)
+                    on_event=on_event, **task.run_options)
         if state.step >= args.steps:  # not a worker that was told to stop
             write({"event": "done", "step": state.step, "samples_seen": state.samples_seen})
     finally:

@@ -18,7 +18,8 @@ modules of this package that need no torch import none through this file.
 import importlib
 
 _EXPORTS = {"Group": "elasticctl.train.runtime", "run": "elasticctl.train.runtime",
-            "State": "elasticctl.train.state", "ResumableSampler": "elasticctl.train.sampler"}
+            "State": "elasticctl.train.state", "ResumableSampler": "elasticctl.train.sampler",
+            "hsdp_mesh": "elasticctl.train.shards"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -68,16 +68,18 @@ from torch.nn.parallel import DistributedDataParallel
 from elasticctl.train import script as worker_env
 from elasticctl.train import entry as worker_entry
 from elasticctl.train.checkpoint import CheckpointError, Checkpointer
-from elasticctl.errors import ElasticctlError
+from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.job import environment as environment_names
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
-from elasticctl.train.state import State
+from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
+from elasticctl.train.shards import LocalShards, ShardedModel, is_sharded
+from elasticctl.train.state import State, StateError
 from elasticctl.train.straggler_watch import StragglerWatch
-from elasticctl.train.sync import plan_state_sync
+from elasticctl.train.sync import plan_shard_sync, plan_state_sync
 from elasticctl.train.timeline import describe_timeline, recovery_timeline
 from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes, transfer_state
 
@@ -113,8 +115,10 @@ class Group:
     world_size: int
     local_rank: int
     device: torch.device
-    model: torch.nn.Module  # the state's model, wrapped in DDP over this generation's group
-    members: tuple[str, ...] = ()
+    model: torch.nn.Module  # the state's model, wrapped in DDP over this generation's group (or sharded)
+    members: tuple[str, ...] = ()  # hot mode: the workers <node>.<local rank> in rank order
+    local_world_size: int = 1  # workers per node (LOCAL_WORLD_SIZE): an HSDP mesh's shard count
+    shard: int | None = None  # run(..., sharded=True): the index of the shard this worker holds
 
 
 class Phase(enum.Enum):
@@ -146,7 +150,7 @@ class Runtime:
                  backend: str | None = None, wrap: Callable[[torch.nn.Module, Group], torch.nn.Module] | None = None,
                  pg_timeout: float | None = None, keep: int = 3, async_checkpoint: bool = True,
                  on_event: Callable[..., object] | None = None, no_step_warning: float | None = None,
-                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES, sharded: bool = False) -> None:
         self.state = state
         state.bind(self)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -170,6 +174,12 @@ class Runtime:
         self.async_checkpoint = async_checkpoint
         self._on_event = on_event
         self._wrap = wrap or self._ddp
+        self._wrap_given = wrap is not None
+        # A sharded model is wrapped anew for each generation's mesh (train/shards.py).
+        self._sharded = ShardedModel(wrap) if sharded else None
+        if sharded and (wrap is None or state.optimizer is None):
+            raise ConfigError("run(..., sharded=True) needs the wrap that shards the model (wrap=...) and an "
+                              "optimizer in the state.")
         self.node = self.environment.node or "local"
         self.worker = f"{self.node}.{self.local_rank}"
         # Everything below changes on the training thread (the SIGTERM handler runs there too,
@@ -343,13 +353,28 @@ class Runtime:
         self._checkpointer = self._checkpointer_for(rank)
         previous = self.membership.previous
         survivors = [previous is not None and member in previous.members for member in generation.members]
-        sent_from = self._sync_state(rank, world_size, survivors or [False] * world_size)
+        survivors = survivors or [False] * world_size
+        group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
+                      device=self.device, model=self.state.model, members=generation.members,
+                      local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if self._sharded is not None:
+            # The shards move between the modules of this generation's mesh: wrapped first.
+            held = self.state.step if self.state.live else -1  # whether or not its shards still fit
+            self._sharded.rewrap(self.state, group)
+            group = dataclasses.replace(group, shard=self._sharded.position.index)
+            sent_from = self._sync_shards(rank, world_size, survivors, held)
+            model = self.state.model
+        else:
+            # DDP broadcasts rank 0's parameters when it wraps: the state is in sync before.
+            sent_from = self._sync_state(rank, world_size, survivors)
+            model = self._wrap(self.state.model, group)
+            if self._wrap_given and is_sharded(model):
+                raise ConfigError("The wrap sharded the model (its parameters are DTensors): pass "
+                                  "run(..., sharded=True), so that checkpoints and hot recovery move shards.")
         self.mark_recovery("state_synced")
         if self.state.sampler is not None:  # the global position stays; the deal changes
             self.state.sampler.num_replicas, self.state.sampler.rank = world_size, rank
-        group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
-                      device=self.device, model=self.state.model, members=generation.members)
-        group = dataclasses.replace(group, model=self._wrap(self.state.model, group))
+        group = dataclasses.replace(group, model=model)
         self._group = group
         self.phase = Phase.TRAINING
         self._noticed_at = None
@@ -414,9 +439,65 @@ class Runtime:
                                bucket_bytes=self.transfer_bucket_bytes)
         log.info("[%s] state of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
                  self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, moved.senders)), moved.seconds)
+        if rank not in moved.senders:
+            self._emit("state_restored", step=self.state.step, source="replica", senders=list(moved.senders),
+                       nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
         return moved.senders
 
-    def _restore_from_checkpoint(self) -> None:
+    def _sync_shards(self, rank: int, world_size: int, survivors: list[bool], held: int) -> tuple[int, ...]:
+        """A sharded state's :meth:`_sync_state`: per shard index, from the replicas that hold it at
+        the newest step (:func:`elasticctl.train.sync.plan_shard_sync`), over the mesh's replicate
+        group; the checkpoint when a shard has none. ``held``: the step this worker trained to
+        before the re-wrap, whether or not its shards still fit (-1: none). The ranks that sent
+        this worker's shard."""
+        position = self._sharded.position
+        flag_device = self._flag_device()
+        mine = torch.tensor([self.state.step if self.state.live else -1, position.index, held], dtype=torch.int64,
+                            device=flag_device)
+        reports = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(reports, mine)
+        steps, shards, helds = zip(*(tuple(int(v) for v in report.tolist()) for report in reports), strict=True)
+        plan = plan_shard_sync(steps, shards, survivors)
+        for refused in plan.refused:
+            log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
+                        "its shard is not taken", self.worker, refused, steps[refused])
+        if plan.from_checkpoint:
+            self._restore_lost_shards(plan.missing, max(helds))
+            return ()
+        transfer = next((t for t in plan.transfers if t.shard == position.index), None)
+        if transfer is None:
+            return ()
+        replicas = self._sharded.replica_group()
+        moved = transfer_state(LocalShards(self.state), dist.get_group_rank(replicas, rank),
+                               [dist.get_group_rank(replicas, source) for source in transfer.sources],
+                               device=self.device, transport=flag_device, bucket_bytes=self.transfer_bucket_bytes,
+                               group=replicas)
+        senders = [dist.get_global_rank(replicas, sender) for sender in moved.senders]
+        log.info("[%s] shard %d of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
+                 position.index, self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, senders)),
+                 moved.seconds)
+        if rank not in senders:
+            self._emit("state_restored", step=self.state.step, source="replica", shard=position.index,
+                       senders=senders, nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
+        return tuple(senders)
+
+    def _restore_lost_shards(self, missing: tuple[int, ...], trained: int) -> None:
+        """No replica holds some shard, or no shard fits this generation's mesh (FSDP without
+        replicas, resized), or nobody holds state (the job's start): every member restores the
+        newest sharded checkpoint, resharded to this generation, in process. ``trained``: the
+        newest step any member trained to (-1: none)."""
+        if trained >= 0:
+            log.warning("[%s] %s at step %d: restoring the newest checkpoint", self.worker,
+                        f"shard(s) {', '.join(map(str, missing))} have no replica" if missing
+                        else "no member's shards fit the new mesh", trained)
+        restored = self._restore_from_checkpoint(shard=self._sharded.position.index, missing=list(missing))
+        if restored is None and trained >= 0:
+            raise StateError(f"The model's shards trained to step {trained} have no replica in this generation "
+                             "and there is no checkpoint to restore them from: the training state is lost.")
+
+    def _restore_from_checkpoint(self, **event: Any) -> Any:
+        """The newest checkpoint into the state (its Restored; None: there is none). In hot mode the
+        script also hears ``state_restored`` (source checkpoint, with ``event``'s fields)."""
         restored = self._checkpointer.restore(**self.state.objects()) if self._checkpointer else None
         if restored is not None:
             self.state.step = restored.step
@@ -424,14 +505,19 @@ class Runtime:
             log.info("[%s] resumed from %s at step %d", self.worker, restored.path, restored.step)
             self._emit("resume", step=restored.step, epoch=self._epoch(), consumed=self._consumed(),
                        from_world_size=restored.world_size, path=str(restored.path))
+            if self.membership.recovers_in_process:
+                self._emit("state_restored", step=restored.step, source="checkpoint", path=str(restored.path),
+                           **event)
         self.state.live = True
+        return restored
 
     def _checkpointer_for(self, rank: int) -> Checkpointer | None:
         if not self.checkpoint_dir:
             return None
         if self._checkpointer is None:
-            return Checkpointer(self.checkpoint_dir, keep=self.keep, async_save=self.async_checkpoint,
-                                device=self.device, environment=self.environment)
+            kind = ShardedStateCheckpointer if self._sharded is not None else Checkpointer
+            return kind(self.checkpoint_dir, keep=self.keep, async_save=self.async_checkpoint,
+                        device=self.device, environment=self.environment)
         self._checkpointer.follow_rank(rank)
         return self._checkpointer
 
@@ -758,5 +844,16 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
     (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`).
     ``transfer_bucket_bytes``: the largest message of a hot recovery's state transfer (default
-    64 MiB; :mod:`elasticctl.train.transfer`)."""
+    64 MiB; :mod:`elasticctl.train.transfer`).
+
+    ``sharded=True``: ``wrap`` shards the model (FSDP2 ``fully_shard``, typically on
+    :func:`elasticctl.train.shards.hsdp_mesh`); the runtime wraps a new module for each
+    generation's mesh (``group.model``, also ``state.model``: use these, not the model object
+    the script made), writes sharded checkpoints (DCP, resharded on load) and in hot mode moves
+    shards: :mod:`elasticctl.train.shards`.
+
+    In hot mode ``"state_restored"`` on a rank whose state was restored when its generation formed:
+    step, source ("replica": senders, nbytes, seconds; "checkpoint": path), and for a sharded
+    model the shard this worker holds (and, from a checkpoint, ``missing``: the shards that had no
+    replica)."""
     Runtime(state, **options).run(train)

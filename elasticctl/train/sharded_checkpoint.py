@@ -249,6 +249,7 @@ class ShardedCheckpointer:
         self.directory = check_directory(directory, writable=self.rank == 0)
         self.keep = keep
         self.last_step: int | None = None
+        self.last_path: Path | None = None  # the checkpoint the last restore loaded
         self._memo = _VerificationMemo(keep)
         self._history = _History()
 
@@ -330,6 +331,9 @@ class ShardedCheckpointer:
         if self.rank == 0:
             self._history.written(step, time.perf_counter() - began)
 
+    def close(self) -> None:
+        self._history.flush()
+
     def _commit(self, tmp: Path, final: Path, digests: dict[str, str]) -> None:
         manifest = json.dumps({"format": MANIFEST_FORMAT, "files": digests}, indent=1,
                               sort_keys=True)
@@ -392,4 +396,82 @@ class ShardedCheckpointer:
             raise CheckpointError(f"The state in the sharded checkpoint '{path}' does not fit this "
                                   f"run (other model or flags?): {_load_error(exc)}.") from exc
         self.last_step = int(extra["step"])
+        self.last_path = Path(path)
         return extra
+
+
+# What a sharded checkpoint's extra.json holds of the state besides step and epoch: the runtime's
+# fields and the small objects' state dicts (JSON: the sampler's position, a scheduler's counters).
+_STATE_EXTRAS = ("scheduler", "scaler", "sampler")
+
+
+class ShardedStateCheckpointer:
+    """The runtime's checkpointer of a sharded :class:`~elasticctl.train.state.State` (``run(...,
+    sharded=True)``), with :class:`~elasticctl.train.checkpoint.Checkpointer`'s interface over a
+    :class:`ShardedCheckpointer`: model and optimizer as DCP shards (every rank writes its own,
+    resharded on load), the step, epoch, world size, fields, scheduler, scaler and sampler in
+    ``extra.json``. Saves are collectives and block (no background write); every rank reports
+    the same failure. The random number generators' states are not saved."""
+
+    async_save = False
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, **_: Any) -> None:
+        self._inner = ShardedCheckpointer(directory, keep=keep)
+        self.directory = self._inner.directory
+        self.is_writer = self._inner.rank == 0
+        self.failure: CheckpointError | None = None
+        self.failures_in_a_row = 0
+
+    @property
+    def last_step(self) -> int | None:
+        return self._inner.last_step
+
+    def follow_rank(self, rank: int, writer_rank: int = 0) -> None:
+        if rank == writer_rank and not self.is_writer:
+            check_directory(self.directory, writable=True)
+        self._inner.rank, self.is_writer = rank, rank == writer_rank
+
+    def save(self, step: int, epoch: int = 0, *, extra: dict | None = None, blocking: bool | None = None,
+             model: torch.nn.Module, optimizer: torch.optim.Optimizer, **objects: Any) -> None:
+        extras = {"epoch": int(epoch), "world_size": dist.get_world_size(), **(extra or {}),
+                  **{name: obj.state_dict() for name, obj in objects.items() if name in _STATE_EXTRAS}}
+        try:
+            self._inner.save(step, model, optimizer, extra=extras)
+        except CheckpointError as exc:
+            self.failure, self.failures_in_a_row = exc, self.failures_in_a_row + 1
+            log.error("rank %d: %s (%d in a row)", self._inner.rank, str(exc).rstrip("."), self.failures_in_a_row)
+            raise
+        self.failure, self.failures_in_a_row = None, 0
+
+    def restore(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **objects: Any) -> Any:
+        """Load the newest verified checkpoint into the state's objects (resharded to this world);
+        a :class:`~elasticctl.train.checkpoint.Restored`, or None when there is none."""
+        from elasticctl.train.checkpoint import Restored
+
+        extra = self._inner.restore(model, optimizer)
+        if extra is None:
+            return None
+        path = self._inner.last_path
+        for name, obj in objects.items():
+            if name not in _STATE_EXTRAS or obj is None or not extra.get(name):
+                continue
+            try:
+                obj.load_state_dict(extra[name])
+            except _UNFIT_STATE_ERRORS as exc:
+                raise CheckpointError(f"The '{name}' state in the sharded checkpoint '{path}' does not fit "
+                                      f"this run (other model or flags?): {_load_error(exc)}.") from exc
+        fields = extra.get("fields")
+        return Restored(step=extra["step"], epoch=_whole(extra.get("epoch")), path=path,
+                        world_size=_whole(extra.get("world_size")),
+                        extra={"fields": fields if isinstance(fields, dict) else {}})
+
+    def wait(self) -> None:
+        """Nothing in the background: saves block."""
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _whole(value: Any) -> int:
+    """An integer of extra.json (verified JSON, but any member's): 0 if it is not one."""
+    return value if type(value) is int else 0

@@ -119,3 +119,52 @@ def bucket_owners(buckets: int, senders: Sequence[int]) -> list[int]:
     if not senders:
         raise ValueError("A transfer needs at least one sender.")
     return [senders[index % len(senders)] for index in range(buckets)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTransfer:
+    """One shard index's transfer: ``sources`` (ranks, the lead first) send it to the other ``members``."""
+
+    shard: int
+    members: tuple[int, ...]  # every rank holding this shard index, in rank order
+    sources: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSyncPlan:
+    """What the members of a new generation do before they train, when the state is sharded."""
+
+    transfers: tuple[ShardTransfer, ...] = ()  # the shard indexes that need one
+    from_checkpoint: bool = False  # everyone restores the newest checkpoint
+    missing: tuple[int, ...] = ()  # shard indexes with no holder at the newest step (why from_checkpoint)
+    refused: tuple[int, ...] = ()
+    step: int | None = None        # the step the replicas hold (None: no transfer)
+
+
+def plan_shard_sync(steps: Sequence[int], shards: Sequence[int], survivors: Sequence[bool],
+                    max_lead: int = MAX_STEP_LEAD) -> ShardSyncPlan:
+    """The plan for members reporting ``steps`` and holding shard index ``shards[rank]``; the trust
+    rules are :func:`plan_state_sync`'s. The newest step is the same for every shard index: the
+    holders of a shard at that step send it to its other members; a holder at an older step, or
+    one not trusted, receives; a shard index without a holder at that step sends nothing and
+    everyone restores the checkpoint instead (mixing steps would make the shards of no one state)."""
+    overall = plan_state_sync(steps, survivors, max_lead)
+    if overall.source is None:
+        return ShardSyncPlan(from_checkpoint=overall.from_checkpoint, refused=overall.refused)
+    best = steps[overall.source]
+    from_survivors = survivors[overall.source]
+    trusted = [rank for rank, step in enumerate(steps)
+               if step == best and rank not in overall.refused and (survivors[rank] or not from_survivors)]
+    transfers, missing = [], []
+    for shard in sorted(set(shards)):
+        members = tuple(rank for rank in range(len(steps)) if shards[rank] == shard)
+        holders = tuple(rank for rank in trusted if shards[rank] == shard)
+        if not holders:
+            missing.append(shard)
+            continue
+        sources = holders if from_survivors else holders[:1]
+        if set(sources) != set(members):
+            transfers.append(ShardTransfer(shard, members, sources))
+    if missing:
+        return ShardSyncPlan(from_checkpoint=True, missing=tuple(missing), refused=overall.refused)
+    return ShardSyncPlan(transfers=tuple(transfers), refused=overall.refused, step=best)

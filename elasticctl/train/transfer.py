@@ -27,6 +27,10 @@ others, never as one whole-state blob:
 4. A receiver loads the state dict rebuilt from the description and its own tensors, now filled
    (``load_state_dict`` of a tensor onto itself copies nothing).
 
+The members are those of the current process group, or of any group the caller names: a sharded
+state (:mod:`elasticctl.train.shards`) moves each shard index over the mesh's replicate group, as
+local shards (the state dict of :class:`elasticctl.train.shards.LocalShards`), all groups at once.
+
 Limits: a tensor that is not contiguous (state tensors are, in practice) is copied whole on the
 sender for each of its buckets, and received into a new tensor that ``load_state_dict`` copies
 in. Several senders are only ever members that trained together at one step (replicas, bit-identical),
@@ -311,28 +315,32 @@ def check_bucket_bytes(bucket_bytes: int) -> int:
 
 # -- the transfer (I/O over the generation's process group) ----------------------------------
 
-def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: torch.device,
-                   transport: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Transferred:
-    """Bring every member of the current process group to the state of ``sources`` (the lead first).
+def transfer_state(state: State | Any, rank: int, sources: Sequence[int], *, device: torch.device,
+                   transport: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   group: dist.ProcessGroup | None = None) -> Transferred:
+    """Bring every member of ``group`` (default: the current process group) to the state of
+    ``sources`` (the lead first); ``rank`` and ``sources`` are ranks in ``group``.
 
     Every member calls it with the same ``sources``; the lead's ``bucket_bytes`` is everyone's.
+    ``state``: a :class:`State`, or a view of one with its ``state_dict``, ``load_state_dict``,
+    ``objects`` and ``optimizer`` (a sharded state's local shards: elasticctl.train.shards).
     ``device``: where this member's new tensors go; ``transport``: where buckets travel from
     (CPU for gloo, the GPU for NCCL). Raises StateError on a member whose state the description
     does not fit (the others carry on without it)."""
     began = time.perf_counter()
     lead = sources[0]
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     if rank == lead:
         blob, specs, mine = describe(state.state_dict(), bucket_bytes)
     else:
         blob = b""
     size = torch.tensor([len(blob)], dtype=torch.int64, device=transport)
-    dist.broadcast(size, lead)
+    dist.broadcast(size, group=group, group_src=lead)
     if rank != lead and not 0 < int(size.item()) <= DESCRIPTION_MAX_BYTES:
         raise StateError(f"The state description received claims {int(size.item())} bytes: refused.")
     buffer = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(transport) if rank == lead
               else torch.empty(int(size.item()), dtype=torch.uint8, device=transport))
-    dist.broadcast(buffer, lead)
+    dist.broadcast(buffer, group=group, group_src=lead)
 
     refusal: StateError | None = None
     if rank == lead:
@@ -345,7 +353,7 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
             flag, refusal = REFUSED, exc
     del buffer
     flags = [torch.zeros(1, dtype=torch.int64, device=transport) for _ in range(world)]
-    dist.all_gather(flags, torch.tensor([flag], dtype=torch.int64, device=transport))
+    dist.all_gather(flags, torch.tensor([flag], dtype=torch.int64, device=transport), group=group)
     flags = [int(f.item()) for f in flags]
     senders = [lead] + [r for r in sources[1:] if flags[r] == SENDS]
     receivers = [r for r in range(world) if flags[r] == RECEIVES]
@@ -354,14 +362,14 @@ def transfer_state(state: State, rank: int, sources: Sequence[int], *, device: t
     buckets = plan_buckets([(s.dtype, s.numel, s.itemsize) for s in specs], bucket_bytes, PACK_BELOW_BYTES)
     owners = bucket_owners(len(buckets), senders)
     if receivers:
-        _move(buckets, owners, len(senders), mine, specs, rank, receivers, transport)
+        _move(buckets, owners, len(senders), mine, specs, rank, receivers, transport, group)
     if flag == RECEIVES:
         filled = {spec.path: tensor for spec, tensor in zip(specs, mine, strict=True)}
         state.load_state_dict(rebuild(skeleton, filled))
     return Transferred(tuple(senders), len(buckets), sum(s.nbytes for s in specs), time.perf_counter() - began)
 
 
-def _take(state: State, skeleton: dict[str, Any], specs: list[TensorSpec], device: torch.device,
+def _take(state: State | Any, skeleton: dict[str, Any], specs: list[TensorSpec], device: torch.device,
           sender: bool) -> tuple[int, list[torch.Tensor]]:
     """This member's tensor for each spec (its own, or allocated), and whether it sends or receives."""
     _, found = flatten(state.state_dict())
@@ -386,7 +394,8 @@ def _take(state: State, skeleton: dict[str, Any], specs: list[TensorSpec], devic
 
 
 def _move(buckets: list[Bucket], owners: list[int], senders: int, tensors: list[torch.Tensor],
-          specs: list[TensorSpec], rank: int, receivers: list[int], transport: torch.device) -> None:
+          specs: list[TensorSpec], rank: int, receivers: list[int], transport: torch.device,
+          group: dist.ProcessGroup | None = None) -> None:
     """The buckets, point to point from each one's owner to every receiver, up to WINDOW of them in
     flight on each member: a bucket that lives in its tensor costs no memory, so a joiner's
     receives need not wait for each other; a packed one takes a buffer, at most one on a sender
@@ -417,10 +426,10 @@ def _move(buckets: list[Bucket], owners: list[int], senders: int, tensors: list[
             complete_oldest()
         if rank == owner:
             payload = view if view is not None else _pack(bucket, tensors, transport)
-            works = [dist.isend(payload, receiver, tag=index) for receiver in receivers]
+            works = [dist.isend(payload, group=group, tag=index, group_dst=receiver) for receiver in receivers]
         else:
             payload = view if view is not None else torch.empty(bucket.nbytes, dtype=torch.uint8, device=transport)
-            works = [dist.irecv(payload, src=owner, tag=index)]
+            works = [dist.irecv(payload, group=group, tag=index, group_src=owner)]
         buffers += view is None
         in_flight.append((bucket, works, payload, view is None))
     while in_flight:

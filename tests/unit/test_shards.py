@@ -1,0 +1,87 @@
+"""A sharded model re-wrapped for a new generation (elasticctl.train.shards) in a world of one:
+the new module continues bit for bit where the old one was (parameters, optimizer state), and
+its local shards travel and load back as DTensors of the receiver's own mesh."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from elasticctl.train.shards import LocalShards, ShardedModel, hsdp_mesh, is_sharded
+from elasticctl.train.state import State
+
+
+def group():
+    return types.SimpleNamespace(members=(), world_size=1, local_world_size=1, device=torch.device("cpu"))
+
+
+def shard(model, group):
+    mesh = hsdp_mesh(group)
+    fully_shard(model[0], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def make_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    model.register_buffer("scale", torch.tensor([2.0]))
+    return State(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+
+
+def train(state, steps):
+    for step in range(steps):
+        torch.manual_seed(100 + state.step)
+        (state.model(torch.randn(3, 4)) * state.model.scale).sum().backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad()
+        state.step += 1
+
+
+def local(model):
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_rewrapped_model_trains_on_bit_for_bit_like_the_one_it_replaces():
+    reference, rewrapped = make_state(), make_state()
+    for state in (reference, rewrapped):
+        state.live = True
+        sharded = ShardedModel(shard)
+        assert sharded.rewrap(state, group()) and is_sharded(state.model)
+        train(state, 3)
+    original = rewrapped.model
+    assert sharded.rewrap(rewrapped, group()), "the same shard of as many: kept"
+    assert rewrapped.model is not original and rewrapped.live
+    assert {id(p) for g in rewrapped.optimizer.param_groups for p in g["params"]} == {
+        id(p) for p in rewrapped.model.parameters()}
+    train(reference, 2)
+    train(rewrapped, 2)
+    for mine, theirs in zip(local(rewrapped.model), local(reference.model), strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(rewrapped.model.scale, torch.tensor([2.0]))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_local_shards_load_back_as_dtensors_of_the_receivers_mesh():
+    sender, receiver = make_state(), make_state()
+    for state in (sender, receiver):
+        ShardedModel(shard).rewrap(state, group())
+    sender.live = True
+    train(sender, 2)
+    received = copy.deepcopy(LocalShards(sender).state_dict())  # a transfer's copy, not views of the sender's
+    assert not any(isinstance(v, DTensor) for v in received["model"].values())
+    assert isinstance(received["optimizer"]["state"][0]["exp_avg"], torch.Tensor)
+    LocalShards(receiver).load_state_dict(received)  # a joiner: no optimizer state of its own yet
+    assert receiver.step == 2 and receiver.live
+    assert all(torch.equal(a, b) for a, b in zip(local(receiver.model), local(sender.model), strict=True))
+    moment = receiver.optimizer.state[next(iter(receiver.model.parameters()))]["exp_avg"]
+    assert isinstance(moment, DTensor)
+    train(sender, 1)
+    train(receiver, 1)
+    assert all(torch.equal(a, b) for a, b in zip(local(receiver.model), local(sender.model), strict=True))
