@@ -451,7 +451,7 @@ class Runtime:
         before the re-wrap, whether or not its shards still fit (-1: none). The ranks that sent
         this worker's shard."""
         position = self._sharded.position
-        flag_device = self._flag_device()
+        flag_device = self._training_group_device()
         mine = torch.tensor([self.state.step if self.state.live else -1, position.index, held], dtype=torch.int64,
                             device=flag_device)
         reports = [torch.zeros_like(mine) for _ in range(world_size)]
