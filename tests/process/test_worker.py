@@ -208,6 +208,11 @@ full = {k: v.full_tensor() for k, v in model.state_dict().items()}
 if ctx.rank == 0:
     print(json.dumps({"saved": {k: v.sum().item() for k, v in full.items()}}), flush=True)
 shutdown()
+# Skip interpreter teardown: a joinable gloo thread destroyed at exit aborts the process now and
+# then ("terminate called without an active exception", pytorch#190489; 2 in about 8 full runs),
+# after everything this test checks is written and flushed.
+import os  # noqa: E402
+os._exit(0)
 """
 
 
