@@ -284,7 +284,8 @@ class RoundMember:
             self.node, my_round, current, self.view.reform, finished))
 
     def _publish_change(self) -> None:
-        """After each change the view's watches bring (on a watch thread): if this node follows
+        """After the changes the view's watches bring (on the view's writer thread, latest-wins,
+        so the write holds up no watch event; it reads the view as it is then): if this node follows
         the declarations of the running round for everyone (:func:`publishes_changes`), write
         what changed in it to ``ctl/reform`` when :func:`reform_due` says so. A compare-and-swap
         on the record's revision: of two followers that see the same change, one writes it, and
