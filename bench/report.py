@@ -18,6 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench import stragglers as straggler_bench
+
 REPO = Path(__file__).resolve().parents[1]
 RESTART, HOT, TORCHRUN = "elasticctl", "elasticctl-hot", "torchrun"
 SYSTEMS = (RESTART, HOT, TORCHRUN)
@@ -466,6 +468,7 @@ def markdown(results: dict, png: str | None) -> str:
         "",
         *([hot_targets(results), ""] if _ran_hot(results) else []),
         *recovery_phase_section(results),
+        *straggler_bench.section(results),
         ("Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
         "worst-case lost work per failure = the steps since the last checkpoint):"),
         "",
@@ -600,6 +603,7 @@ def text_table(results: dict) -> str:
              for row in rows(results)]
     if _ran_hot(results):
         lines.append(hot_targets(results))
+    lines += straggler_bench.text_lines(results)
     lines += ["checkpoint: " + row for row in checkpoint_rows(results)]
     names = ("etcd3", "writes/agent", "proposals/agent etcd3 / previous", "previous main", "c10d",
              "etcd3/previous", "etcd3/c10d")

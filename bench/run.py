@@ -30,6 +30,7 @@ import psutil
 
 from bench import checkpoint as checkpoint_bench
 from bench import plot, report, scenarios
+from bench import stragglers as straggler_bench
 from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
 from elasticctl.etcd.client import EtcdClient
@@ -68,7 +69,7 @@ PLANS = {
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
-ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous", "rendezvous_scale")
+ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous", "rendezvous_scale", "straggler")
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)
 RENDEZVOUS_BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
@@ -260,6 +261,9 @@ def main() -> None:
                 EtcdClient(etcd.client_settings()) as client:
             jobs = [name for name in JOB_SCENARIOS if name in args.only]
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
+            if "straggler" in args.only:  # issue 21.2, hot mode only: two jobs, once (bench/stragglers.py)
+                results["scenarios"]["straggler"] = straggler_bench.run(root, client, plan.caps)
+                log(f"straggler: {summary(results['scenarios']['straggler'])}")
             if "checkpoint" in args.only:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
             if "state_transfer" in args.only:

@@ -22,8 +22,10 @@ from elasticctl.job.records import (
     MemberState,
     NodeState,
     ProgressSample,
+    Round,
     typed_record,
 )
+from elasticctl.job.registry import spare_nodes, spares_expected
 from elasticctl.job.snapshot import JobSnapshot
 from elasticctl.job.spec import JobSpec, validate_name
 
@@ -51,6 +53,7 @@ class Reading:
     events: Sequence[bytes] = ()  # history/events/, in key (= time) order
     samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
     spec: JobSpec | None = None  # validated when read; None: none, or unreadable
+    generation: Round | None = None  # the workers' current generation (hot recovery)
 
     @classmethod
     def of(cls, snapshot: JobSnapshot, now: float) -> Reading:
@@ -66,6 +69,7 @@ class Reading:
             events=snapshot.events,
             samples=snapshot.samples,
             spec=snapshot.spec,
+            generation=snapshot.generation,
         )
 
 
@@ -140,16 +144,36 @@ def stragglers(events: Sequence[Event]) -> dict[str, float]:
     return named
 
 
-def nodes_table(reading: Reading) -> list[dict]:
-    """One row per live node (a genuine ``nodes/`` record, see :func:`genuine_node`), by id;
-    ``straggler``: its step time over the others' while it is named a straggler, else None."""
-    named = stragglers(_events(reading))
-    nodes = {
+def _live_nodes(reading: Reading) -> dict[str, dict]:
+    return {
         node: record
         for node, record in _valid_ids(reading.nodes, NODE_FIELDS).items()
         if genuine_node(node, record, reading.leased_nodes, reading.now)
     }
+
+
+def spares(reading: Reading) -> dict:
+    """The hot spares as ``status`` counts them (:func:`elasticctl.job.registry.spare_nodes`):
+    live nodes waiting warm beside a full world, how many the spec asks for (``--spares N``),
+    and how many are missing (``short``: more expected than wait)."""
+    waiting = (
+        spare_nodes(reading.spec.max_nodes, _live_nodes(reading),
+                    _valid_ids(reading.members, MEMBER_FIELDS), reading.generation)
+        if reading.spec is not None
+        else []
+    )
+    expected = spares_expected(reading.spec)
+    return {"waiting": waiting, "expected": expected, "short": max(0, expected - len(waiting))}
+
+
+def nodes_table(reading: Reading) -> list[dict]:
+    """One row per live node (a genuine ``nodes/`` record, see :func:`genuine_node`), by id;
+    ``state`` is ``spare`` for a node waiting warm beside a full world; ``straggler``: its step
+    time over the others' while it is named a straggler, else None."""
+    named = stragglers(_events(reading))
+    nodes = _live_nodes(reading)
     members = _valid_ids(reading.members, MEMBER_FIELDS)
+    waiting = set(spares(reading)["waiting"])
     rows = []
     for node, record in sorted(nodes.items()):
         member = members.get(node)
@@ -159,7 +183,7 @@ def nodes_table(reading: Reading) -> list[dict]:
                 "id": node,
                 "host": record.get("host"),
                 "addr": record.get("addr"),
-                "state": _state(record, member),
+                "state": "spare" if node in waiting else _state(record, member),
                 "rank": (member or {}).get("rank"),
                 "round": (member or {}).get("round"),
                 "gpus": record.get("gpus", 0),
@@ -290,6 +314,7 @@ def job_view(reading: Reading) -> dict:
         "world_size": _world_size(members, current),
         "live_nodes": len(nodes),
         "nodes": nodes,
+        "spares": spares(reading),
         "progress": progress or None,
         "progress_age": _age(reading.now, (progress or {}).get("time")),
         "checkpoint": newest_checkpoint(events, reading.now),
@@ -347,6 +372,8 @@ class JobMetrics:
     # Live nodes named stragglers now: their step time over the others' median
     straggler_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
     straggler_events: int = 0  # `straggler` events in the history (named or evicted)
+    spares: int = 0  # live nodes waiting warm beside a full world (hot spares)
+    spares_expected: int | None = None  # the spec's --spares N (None without a spec)
 
 
 def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
@@ -405,4 +432,6 @@ def job_metrics(reading: Reading) -> JobMetrics:
         finished_nodes=sum(1 for m in members.values() if m.get("state") == MemberState.DONE),
         straggler_ratios=straggler_ratios,
         straggler_events=sum(1 for e in events if e.kind is EventKind.STRAGGLER),
+        spares=by_state.get("spare", 0),
+        spares_expected=spares_expected(spec) if spec else None,
     )

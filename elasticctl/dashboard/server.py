@@ -145,6 +145,12 @@ class JobCollector(Collector):
                         "node", m.straggler_ratios)
         yield counter("elasticctl_straggler_events",
                       "Nodes named (or evicted as) stragglers: straggler events in the history.", m.straggler_events)
+        # Hot spares: the nodes waiting warm (also elasticctl_nodes{state="spare"}) against the
+        # spec's --spares N, so an alert can fire while fewer wait than expected.
+        yield from gauge("elasticctl_spares",
+                         "Hot spares: live nodes waiting warm beside a full world.", m.spares)
+        yield from gauge("elasticctl_spares_expected",
+                         "The hot spares the job's spec asks for (--spares N).", m.spares_expected)
         recoveries = HistogramMetricFamily(
             "elasticctl_recovery_seconds",
             "Seconds each recovery took (recovery_finished events).",

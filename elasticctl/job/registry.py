@@ -10,6 +10,7 @@ import logging
 import re
 import socket
 import time
+from collections.abc import Iterable, Mapping
 
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd.client import EtcdClient
@@ -34,6 +35,35 @@ log = logging.getLogger(__name__)
 
 def _untimed(request: str, call):
     return call()
+
+
+def spare_nodes(max_nodes: int, nodes: Iterable[str], members: Mapping[str, dict], generation: Round | None) -> list[str]:
+    """Live ``nodes`` waiting beside a full world (hot spares): their agent runs (restart mode)
+    or their workers too (hot mode, ``generation`` given), and none of them is in the current
+    round or generation. ``members``: the typed member records by node."""
+    if generation is not None:
+        in_world = {worker.rsplit(".", 1)[0] for worker in generation.members}
+    else:
+        rounds = [m.get("round") for m in members.values() if m.get("state") == MemberState.TRAINING]
+        current = max(rounds) if rounds else None
+        in_world = {n for n, m in members.items()
+                    if m.get("round") == current and m.get("state") == MemberState.TRAINING}
+    if len(in_world) < max_nodes:
+        return []  # a node outside a world with room is joining, not spare
+    waiting = (MemberState.JOINING.value, MemberState.TRAINING.value)
+    return sorted(n for n in nodes if n not in in_world
+                  and members.get(n, {}).get("state", MemberState.JOINING.value) in waiting)
+
+
+def spares_expected(spec: JobSpec | None) -> int:
+    """The spares a job's spec asks for (``--spares N``, rendezvous option ``spares``); 0 without
+    a spec or with options that do not parse (a spec read from etcd is shown, not trusted)."""
+    if spec is None:
+        return 0
+    try:
+        return parse_rdzv_options(dict(spec.rdzv_conf)).spares
+    except (ConfigError, TypeError, ValueError):
+        return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +111,13 @@ class JobView:
         return len([m for m in self.members.values() if m.get("round") == current and m.get("state") == MemberState.TRAINING])
 
     def spares(self) -> list[str]:
-        """Live nodes waiting beside a full world (hot spares): their agent runs (restart mode)
-        or their workers too (hot mode), and none of them is in the current round or generation."""
+        """Live nodes waiting beside a full world (hot spares): see :func:`spare_nodes`."""
         if self.spec is None:
             return []
-        if self.generation is not None:
-            in_world = set(self._generation_ranks())
-        else:
-            in_world = {n for n, m in self.members.items()
-                        if m.get("round") == self.round and m.get("state") == MemberState.TRAINING}
-        if len(in_world) < self.spec.max_nodes:
-            return []  # a node outside a world with room is joining, not spare
-        waiting = (MemberState.JOINING.value, MemberState.TRAINING.value)
-        return sorted(n for n in self.nodes if n not in in_world
-                      and self.members.get(n, {}).get("state", MemberState.JOINING.value) in waiting)
+        return spare_nodes(self.spec.max_nodes, self.nodes, self.members, self.generation)
 
     def spares_expected(self) -> int:
-        return 0 if self.spec is None else parse_rdzv_options(dict(self.spec.rdzv_conf)).spares
+        return spares_expected(self.spec)
 
     def to_dict(self) -> dict:
         ranks = self._generation_ranks()

@@ -24,7 +24,7 @@ class Part(enum.Flag):
     HEARTBEATS = enum.auto()  # the nodes' lease ages: one lease request per node
     HISTORY = enum.auto()     # the event history and the progress samples
     STATUS = SPEC | REQUESTS | GENERATION
-    DASHBOARD = HEARTBEATS | HISTORY
+    DASHBOARD = HEARTBEATS | HISTORY | GENERATION
 
 
 @dataclasses.dataclass(frozen=True)

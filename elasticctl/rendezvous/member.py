@@ -283,8 +283,27 @@ class RoundMember:
         return self.view.evaluate(lambda current, _declarations, _closed: change_from_reform(
             self.node, my_round, current, self.view.reform, finished))
 
+    def lost_now(self) -> tuple[int, tuple[str, ...]] | None:
+        """Members of this node's round seen lost now, with that round's number (None: in no
+        round). Read-only, any thread: from the declarations if this view follows them, else
+        from the followers' ``ctl/reform`` record (unlike :meth:`change`, it starts or stops
+        following nothing)."""
+        joined = self.round
+        if joined is None:
+            return None
+        followed = self.view.nodes_followed
+
+        def lost(current, declarations, _closed) -> tuple[str, ...]:
+            if followed:
+                return change_for(self.node, joined.number, current, declarations, self.settings.max_nodes,
+                                  self._finished).lost
+            return change_from_reform(self.node, joined.number, current, self.view.reform, self._finished).lost
+
+        return joined.number, self.view.evaluate(lost)
+
     def _publish_change(self) -> None:
-        """After each change the view's watches bring (on a watch thread): if this node follows
+        """After the changes the view's watches bring (on the view's writer thread, latest-wins,
+        so the write holds up no watch event; it reads the view as it is then): if this node follows
         the declarations of the running round for everyone (:func:`publishes_changes`), write
         what changed in it to ``ctl/reform`` when :func:`reform_due` says so. A compare-and-swap
         on the record's revision: of two followers that see the same change, one writes it, and

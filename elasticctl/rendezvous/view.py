@@ -33,6 +33,7 @@ from elasticctl.etcd.client import EtcdClient, KeyValue
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.rdzv_records import RoundRecords
 from elasticctl.job.records import Claim, Declaration, Reform, Round, preferred_round
+from elasticctl.rendezvous.writer import LatestWinsWriter
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class RoundView:
         self.round_in_etcd = True
         self._round_missing: list[Callable[[Round, int], None]] = []
         self._on_change: list[Callable[[], None]] = []
+        # The on_change callbacks (the member's ctl/reform publish: an etcd write) run on this
+        # writer, not on the watch thread that brought the change: see writer.py.
+        self._change_writer = LatestWinsWriter(self._run_on_change, "elasticctl-rdzv-reform")
         self._ctl = self.records.ctl_feed(self._load_ctl, self._apply_ctl)
         self._nodes_lock = threading.Lock()
         # Each following of nodes/ has its own feed; what an earlier one still delivers (a load
@@ -150,11 +154,17 @@ class RoundView:
             self._notify()
 
     def on_change(self, callback: Callable[[], None]) -> None:
-        """``callback()`` on a watch thread, outside the view's lock, after each change the watches
-        bring (either feed): a member that publishes changes decides there whether to."""
+        """``callback()`` on the view's writer thread, outside the view's lock, after the changes
+        the watches bring (either feed): a member that publishes changes decides there whether
+        to, from the view as it is then. Latest-wins: changes that come while it runs lead to
+        one more call after it, so a slow write never holds up the watch or piles up calls."""
         self._on_change.append(callback)
 
     def _changed_now(self) -> None:
+        if self._on_change:
+            self._change_writer.request()
+
+    def _run_on_change(self) -> None:
         for callback in list(self._on_change):
             callback()
 
@@ -164,7 +174,8 @@ class RoundView:
         return self._nodes_state == "on"
 
     def stop(self) -> None:
-        """Stop both watches and wait for their threads (and a background load) to end."""
+        """Stop both watches and the writer, and wait for their threads (and a background load)
+        to end."""
         self._ctl.stop()
         with self._nodes_lock:
             nodes = self._nodes
@@ -173,6 +184,7 @@ class RoundView:
         if loader is not None and loader is not threading.current_thread():
             loader.join(timeout=self.records.retry_timeout)
         nodes.stop()  # and joins the watch that load may have started
+        self._change_writer.stop(timeout=self.records.retry_timeout)  # after the watches: no request comes
 
     # -- reading ---------------------------------------------------------------------
 

@@ -73,6 +73,16 @@ class Generations:
         parts += ["superseded"] if change.superseded else []
         return "; ".join(parts) or "no change seen here"
 
+    def on_member_lost(self, callback) -> None:
+        """``callback(generation, lost)`` on the view's writer thread (never the training thread)
+        after each change the watches bring in which members of this worker's generation are
+        lost (their lease ended or ``ctl/reform`` names them): train/loss_abort.py."""
+        def changed() -> None:
+            seen = self._member.lost_now()
+            if seen is not None and seen[1]:
+                callback(*seen)
+        self.view.on_change(changed)
+
     def leave(self) -> None:
         """Withdraw: the others see this worker's key go at once, not after node_ttl."""
         self._member.leave()

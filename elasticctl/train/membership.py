@@ -24,6 +24,7 @@ from elasticctl.job.records import Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.train import script as worker_env
 from elasticctl.train.boundary import Mode
+from elasticctl.train.loss_abort import LossAbort
 from elasticctl.train.process_group import build_control_group, build_generation_group, reset_group_counter
 from elasticctl.train.state import StateError
 
@@ -122,6 +123,10 @@ class HotMembership(Membership):
 
     def form(self, runtime: Runtime) -> Group:
         self.generations = self._connect()
+        # A member lost while this worker may wait in a collective with it: abort the group
+        # where the backend can (train/loss_abort.py), not wait for the collective's timeout.
+        self.generations.on_member_lost(LossAbort(runtime.worker, runtime.backend,
+                                                  lambda: (runtime.phase, runtime.running_generation)).on_lost)
         return self.re_form(runtime, "", None)
 
     def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:

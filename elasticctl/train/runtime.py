@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import enum
 import logging
 import os
 import signal
@@ -75,6 +74,7 @@ from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
+from elasticctl.train.phase import Phase
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
 from elasticctl.train.shards import LocalShards, ShardedModel, is_sharded
 from elasticctl.train.state import State, StateError
@@ -119,17 +119,6 @@ class Group:
     members: tuple[str, ...] = ()  # hot mode: the workers <node>.<local rank> in rank order
     local_world_size: int = 1  # workers per node (LOCAL_WORLD_SIZE): an HSDP mesh's shard count
     shard: int | None = None  # run(..., sharded=True): the index of the shard this worker holds
-
-
-class Phase(enum.Enum):
-    """Where the worker is; changed on the training thread only (the SIGTERM handler and the
-    no-step watchdog read it)."""
-
-    FORMING = "forming"        # waiting for its first generation, or setting it up
-    TRAINING = "training"      # in a generation: the script's steps are boundaries
-    RE_FORMING = "re-forming"  # between generations: the group is down, the next one forms
-    LEAVING = "leaving"        # let go at a boundary: a final checkpoint if it is the last, then out
-    FINISHED = "finished"      # the training function returned, or the run ended
 
 
 class _Boundary(BaseException):
@@ -341,6 +330,12 @@ class Runtime:
         self.phase = Phase.RE_FORMING
         self._recovery_marks = {}
         return self.membership.re_form(self, why, noticed_at)
+
+    @property
+    def running_generation(self) -> int | None:
+        """The generation of the training group in use (None: none yet)."""
+        group = self._group
+        return None if group is None else group.number
 
     def mark_recovery(self, phase: str) -> None:
         """The wall time a phase of the recovery in progress ended (the membership marks its own;

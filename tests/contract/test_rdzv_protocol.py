@@ -283,3 +283,30 @@ def test_only_two_members_follow_declarations_and_a_frozen_rank_0_still_reaches_
     third = r.join_all(survivors)
     assert {res.number for res in third.values()} == {3}
     assert set(third[survivors[0].node].members) == {m.node for m in survivors}
+
+
+def test_a_slow_change_callback_holds_up_no_watch_event(run):
+    """Issue 21: the ctl/reform publish (an etcd write) runs on the view's writer, not on the
+    watch thread: while a change callback is held, the watches still bring every event (the
+    joins below wait on them), and the held callback runs once more afterwards, not once per event."""
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=0.5))
+    a, b = r.member("a"), r.member("b")
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def slow() -> None:
+        calls.append(time.monotonic())
+        entered.set()
+        release.wait(30)
+
+    a.view.on_change(slow)
+    b.view.on_change(slow)
+    started = time.monotonic()
+    sealed = r.join_all([a, b])
+    try:
+        assert sealed["a"] == sealed["b"] and sealed["a"].number == 1
+        assert entered.is_set() and not release.is_set()
+        assert time.monotonic() - started < 15, "the joins waited for the held callback"
+        assert len(calls) <= 2, "a held callback was run again before it returned"
+    finally:
+        release.set()

@@ -14,6 +14,7 @@ collectives, show that they travel there. With two GPUs the same job runs on NCC
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -113,3 +114,57 @@ def test_on_gpus_hot_mode_runs_its_boundaries_on_a_gloo_side_group_beside_nccl(
     check_replicas_and_samples(job.steps())
     assert workers["a"].log().count(side_group_line("nccl")) >= 2, workers["a"].log()
     assert side_group_line("nccl") in workers["c"].log(), workers["c"].log()
+
+
+# -- issue 21.3: a lost member aborts the pending collective where the backend can -----------------
+
+ABORTING = "lost while it may wait in a collective: aborting its training group"
+NO_ABORT = "has no abort: a pending collective ends by its timeout"
+
+
+@pytest.mark.parametrize("backend", ["gloo", RENAMED])
+def test_a_frozen_members_lost_lease_reaches_the_abort_path_of_the_survivors(
+        nodes, default_etcd, run_id, tmp_path, backend):
+    """c freezes in a collective; the survivors' collective timeout (60 s) is far longer than the
+    node TTL (2 s), so what they log comes from the lease: on the renamed gloo the runtime takes
+    the NCCL branch and aborts the group (on gloo that abort is a no-op: c's thaw lets the
+    collective finish); on gloo itself it says once that the collective waits for its timeout."""
+    job = HotJob(nodes, default_etcd, run_id, tmp_path,
+                 HotSettings(min_nodes=2, max_nodes=3, node_ttl=2, last_call=1.0, reform_last_call=0.5),
+                 ["--pg-timeout", "60", *(["--backend-named", backend] if backend != "gloo" else [])])
+    workers = {name: job.start(name) for name in ("a", "b", "c")}
+    job.wait_world({"a", "b", "c"})
+    workers["c"].signal_tree(signal.SIGSTOP)
+    expected = ABORTING if backend == RENAMED else NO_ABORT
+    try:
+        wait_for(lambda: all(expected in workers[n].log() for n in ("a", "b")) or None, 60,
+                 f"a and b saying: ...{expected}...")
+    finally:
+        workers["c"].signal_tree(signal.SIGCONT)
+    thawed_at = job.last_time()
+    job.wait_world({"a", "b", "c"}, since=thawed_at)
+    for name in ("a", "b"):
+        log = workers[name].log()
+        assert log.count(expected) == 1, log  # once per generation (gloo: once per worker)
+        assert "c.0 of generation" in log and (ABORTING if backend == "gloo" else NO_ABORT) not in log, log
+    check_replicas_and_samples(job.steps())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"NCCL needs a GPU per worker, 2; this machine has {torch.cuda.device_count()}")
+def test_on_gpus_a_frozen_members_lost_lease_aborts_the_survivors_nccl_collective(
+        nodes, default_etcd, run_id, tmp_path):
+    """With NCCL the abort works: a frozen b costs a the node TTL (3 s) and a re-formation, not
+    the collective timeout (120 s)."""
+    job = HotJob(nodes, default_etcd, run_id, tmp_path, HotSettings(min_nodes=1, max_nodes=2, node_ttl=3),
+                 ["--pg-timeout", "120"])
+    workers = {name: job.start(name, local_rank=i) for i, name in enumerate(("a", "b"))}
+    job.wait_world({"a", "b"})
+    frozen_at = job.last_time()
+    workers["b"].signal_tree(signal.SIGSTOP)
+    try:
+        alone = job.wait_world({"a"}, since=frozen_at, timeout=60)
+        assert min(r["time"] for r in alone) - frozen_at < 30, "a waited for the collective timeout"
+        assert ABORTING in workers["a"].log(), workers["a"].log()
+    finally:
+        workers["b"].kill()

@@ -90,7 +90,8 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
         default_etcd,
         run_id,
         tmp_path,
-        extra=["--checkpoint-dir", str(checkpoints)],
+        # --spares 1 with no node beyond the three: the page warns that the spare is missing
+        extra=["--checkpoint-dir", str(checkpoints), "--spares", "1"],
         train=[*TRAIN, "--checkpoint-every", "20"],
     )
     dashboard = None
@@ -144,6 +145,8 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
             "the nodes table down to a and b",
         )
         assert browser.find_element("id", "world-size").text == "2"
+        assert browser.find_element("id", "spares").text == "0 of 1"
+        assert browser.find_element("id", "spares-short").text == "1 SHORT"
         wait_for(
             lambda: int(browser.find_element("id", "recoveries").text or 0) >= 1,
             30,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support.dashboard import Dashboard
 from support.helpers import WORKERS, wait_for
 from support.jobs import Job, after, steps_at
 
@@ -29,6 +31,16 @@ def declared_pid(job: Job, worker: str) -> int | None:
     return None if kv is None else json.loads(kv.value)["pid"]
 
 
+def dashboard_spares(dashboard: Dashboard) -> tuple[dict, dict, dict]:
+    """What `elasticctl dashboard` shows of the spares: the page JSON's count, each node's state,
+    and the /metrics samples of the spare families (by name and state label)."""
+    view = json.loads(dashboard.get("api/job"))
+    metrics = {(s.name, s.labels.get("state")): s.value
+               for f in text_string_to_metric_families(dashboard.get("metrics").decode()) for s in f.samples
+               if s.name in ("elasticctl_spares", "elasticctl_spares_expected", "elasticctl_nodes")}
+    return view["spares"], {n["id"]: n["state"] for n in view["nodes"]}, metrics
+
+
 def test_a_spare_waits_warm_and_takes_a_lost_nodes_place_in_the_same_reformation(nodes, default_etcd, run_id,
                                                                                    tmp_path):
     job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:3",
@@ -42,6 +54,15 @@ def test_a_spare_waits_warm_and_takes_a_lost_nodes_place_in_the_same_reformation
     status = wait_for(lambda: (s := job.status())["spares"] == ["d"] and s, 60, "status naming d a spare")
     assert {n["id"]: n["rendezvous"] for n in status["nodes"]}["d"] == "spare", status
     assert status["spares_expected"] == 1 and status["world_size"] == 3, status
+    dashboard = Dashboard(default_etcd.endpoint, "--job", job.name)
+    try:  # the dashboard counts the same spare: its page and /metrics
+        spares, states, metrics = dashboard_spares(dashboard)
+        assert spares == {"waiting": ["d"], "expected": 1, "short": 0}, spares
+        assert states["d"] == "spare" and "spare" not in (states["a"], states["b"], states["c"]), states
+        assert metrics[("elasticctl_spares", None)] == 1 and metrics[("elasticctl_spares_expected", None)] == 1
+        assert metrics[("elasticctl_nodes", "spare")] == 1, metrics
+    finally:
+        assert dashboard.stop() == 0
     # Warm and idle: a spare forces no re-formation and trains no step while the world is full.
     since = max(r["time"] for r in job.records())
     wait_for(lambda: len(steps_at(after(job.records(), since), 3)) >= 30 or None, 120, "30 more steps at world 3")

@@ -142,3 +142,28 @@ def test_recovery_phases_are_reported_as_medians_of_each_phase_end():
     assert "| fault seen | 0.060 |" in lines and "| generation sealed | 0.570 |" in lines
     assert "| group built | – |" in lines  # a phase no run recorded
     assert report.recovery_phase_section({"scenarios": {"lifecycle": {report.HOT: [{"crash": {}}]}}}) == []
+
+
+def test_the_straggler_section_reports_its_rows_and_targets():
+    from bench import stragglers
+
+    settings = {"system": "elasticctl-hot", "slowed_node": "c", "slow_from_step": 80, "slow_s": 0.2,
+                "window": 20, "interval": 5, "evict": 3.0, "rate_steps": 30}
+    results = {"scenarios": {"straggler": {
+        "settings": settings,
+        "named": {"outcome": "named", "steps_to_named": 24, "ratio": 4.1, "healthy_steps_per_s": 15.2,
+                  "slowed_steps_per_s": 3.6},
+        "evicted": {"outcome": "evicted", "healthy_steps_per_s": 15.0, "after_eviction_steps_per_s": 14.4,
+                    "ratio_to_healthy": 0.96, "evicted_at_step": 105, "world2_after_s": 0.4}}}}
+    section = "\n".join(stragglers.section(results))
+    assert "| steps from the slow-down (step 80) to the `straggler` event naming node c (W = 20, K = 5) | 24 " in section
+    assert "| slowed steps/s, node c +0.2 s per step, no eviction | 3.6 |" in section
+    assert "14.4 (0.96×)" in section
+    assert stragglers.targets(results) == (
+        "Targets (issue 21.2), straggler: named within W steps (W = 20, exchanged every K = 5: ≤ 25): 24 (met); "
+        "with eviction on, steps/s ≥ 0.9 × healthy: 0.96 × (met).")
+    missed = {"scenarios": {"straggler": {"settings": settings, "named": {"outcome": "not named within 60 s"},
+                                          "evicted": {"ratio_to_healthy": 0.5}}}}
+    assert "not measured" in stragglers.targets(missed) and "0.50 × (missed)" in stragglers.targets(missed)
+    assert "not named within 60 s" in "\n".join(stragglers.section(missed))
+    assert stragglers.section({"scenarios": {}}) == [] and stragglers.text_lines({"scenarios": {}}) == []

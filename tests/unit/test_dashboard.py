@@ -467,3 +467,79 @@ def test_the_spec_gives_the_node_bounds_and_the_restart_budget_and_members_what_
     assert job_metrics(Reading("j", NOW, spec=overridden)).restart_budget == 2
     without = job_metrics(Reading("j", NOW))  # a plain torchrun job, or one that is down
     assert (without.nnodes_min, without.nnodes_max, without.restart_budget) == (None, None, None)
+
+
+# -- issue 21.1: hot spares on the page and in /metrics ---------------------------------------------
+
+
+def _node(node: str) -> bytes:
+    return NODE.replace(b'"a"', f'"{node}"'.encode())
+
+
+def _spares_reading(generation: tuple[str, ...] | None, spares: str = "1", states: dict | None = None,
+                    nodes: str = "abcd") -> Reading:
+    from elasticctl.job.records import Round
+    from elasticctl.job.spec import JobSpec
+
+    states = states or {}
+    return Reading(
+        "j", NOW,
+        nodes={n: _node(n) for n in nodes},
+        members={n: MEMBER.replace(b'"a"', f'"{n}"'.encode()).replace(b'"training"', f'"{states.get(n, "training")}"'.encode())
+                 for n in nodes},
+        spec=JobSpec("j", "train.py", min_nodes=1, max_nodes=3, rdzv_conf=(("spares", spares),)),
+        generation=None if generation is None else Round(number=4, members=generation),
+    )
+
+
+@pytest.mark.parametrize(
+    ("reading", "waiting", "expected", "short"),
+    [
+        # hot: a full generation of a, b, c; d's worker waits warm outside it
+        (_spares_reading(("a.0", "b.0", "c.0")), ["d"], 1, 0),
+        # two expected, one waits: one SHORT
+        (_spares_reading(("a.0", "b.0", "c.0"), spares="2"), ["d"], 2, 1),
+        # room in the generation: d is joining, not a spare, and the one expected is missing
+        (_spares_reading(("a.0", "b.0")), [], 1, 1),
+        # d left: no spare
+        (_spares_reading(("a.0", "b.0", "c.0"), states={"d": "left"}), [], 1, 1),
+        # none asked for, none waiting
+        (_spares_reading(("a.0", "b.0", "c.0"), spares="0", nodes="abc"), [], 0, 0),
+        # restart mode (no generation): the full round is a, b, c by their member records
+        (_spares_reading(None, states={"d": "joining"}), ["d"], 1, 0),
+    ],
+    ids=["hot-one-waits", "hot-one-short", "room-in-the-world", "spare-left", "none-expected", "restart-mode"],
+)
+def test_spares_on_the_page_and_in_the_metrics(reading, waiting, expected, short):
+    view = job_view(reading)
+    assert view["spares"] == {"waiting": waiting, "expected": expected, "short": short}
+    assert [n["id"] for n in view["nodes"] if n["state"] == "spare"] == waiting
+    m = job_metrics(reading)
+    assert (m.spares, m.spares_expected) == (len(waiting), expected)
+    assert m.nodes_by_state.get("spare", 0) == len(waiting)
+
+
+def test_the_metrics_render_the_spares_and_the_spare_state():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from elasticctl.dashboard.server import JobCollector
+    from elasticctl.job.keys import JobKeys
+
+    class Planted:  # a reader that hands the collector one planted reading (no etcd here)
+        keys = JobKeys("j")
+
+        @staticmethod
+        def read() -> Reading:
+            return _spares_reading(("a.0", "b.0", "c.0"), spares="2")
+
+    registry = CollectorRegistry()
+    registry.register(JobCollector(Planted()))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("elasticctl_spares", (("elastic_job", "j"),))] == 1
+    assert samples[("elasticctl_spares_expected", (("elastic_job", "j"),))] == 2
+    assert samples[("elasticctl_nodes", (("elastic_job", "j"), ("state", "spare")))] == 1
+    assert samples[("elasticctl_nodes", (("elastic_job", "j"), ("state", "training")))] == 3
+    # without a spec nothing is expected: the metric is left out, not reported as 0
+    assert job_metrics(Reading("j", NOW)).spares_expected is None

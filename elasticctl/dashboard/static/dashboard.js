@@ -105,6 +105,10 @@ function render(job) {
   $("round").textContent = fmt(job.round);
   $("world-size").textContent = fmt(job.world_size);
   $("live-nodes").textContent = fmt(job.live_nodes);
+  // Hot spares waiting warm, against the --spares N the job asks for; SHORT while fewer wait.
+  const sp = job.spares;
+  $("spares").textContent = sp.expected ? `${sp.waiting.length} of ${sp.expected}` : String(sp.waiting.length);
+  $("spares-short").textContent = sp.short > 0 ? `${sp.short} SHORT` : "";
   const p = job.progress || {};
   $("step").textContent = fmt(p.step);
   $("loss").textContent = fmt(p.loss);
@@ -116,7 +120,7 @@ function render(job) {
   $("restarts-spent").textContent = job.totals.restarts_spent;
 
   fillRows(document.querySelector("#nodes tbody"), job.nodes.map((n) => [
-    [n.id], [fmt(n.host)], [fmt(n.addr)], [n.state], [fmt(n.rank)], [fmt(n.gpus)], [fmt(n.restarts)],
+    [n.id], [fmt(n.host)], [fmt(n.addr)], [n.state, n.state === "spare" ? "spare" : ""], [fmt(n.rank)], [fmt(n.gpus)], [fmt(n.restarts)],
     [n.heartbeat_age === null ? "-" : `${n.heartbeat_age.toFixed(0)} s ago`],
     n.straggler === null || n.straggler === undefined ? ["-"]
       : [`${n.straggler.toFixed(2)}x slower`, "straggler"],

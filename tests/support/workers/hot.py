@@ -41,6 +41,8 @@ parser.add_argument("--backend-named", default=None, metavar="NAME",
                     help="train on torch's gloo registered as the backend NAME (torch's public Backend.register_"
                          "backend): to the runtime a training backend that is not gloo, as NCCL is not, so it "
                          "builds its gloo side group for the boundary collectives on a machine without GPUs")
+parser.add_argument("--pg-timeout", type=float, default=None,
+                    help="the training group's collective timeout in seconds (default: the node TTL)")
 args = parser.parse_args()
 if args.log_transfers:
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
@@ -93,6 +95,8 @@ def train(state: elastic.State, group: elastic.Group) -> None:
 
 
 options = {"transfer_bucket_bytes": args.transfer_bucket_bytes} if args.transfer_bucket_bytes else {}
+if args.pg_timeout:
+    options["pg_timeout"] = args.pg_timeout
 if args.backend_named:
     dist.Backend.register_backend(
         args.backend_named, lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
