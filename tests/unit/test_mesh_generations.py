@@ -2,7 +2,8 @@
 equality, which ignores the process groups, and used to hand a re-wrapped module the equal mesh of
 an earlier generation, whose group names no longer resolve ("Could not resolve the process group
 registered under the name N") or resolve to another group. The check, table-driven; then two real
-gloo workers that swap ranks between two generations of one mesh shape."""
+gloo workers that swap ranks between two generations of one mesh shape, with a refused layout
+between them."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def two_generations(*flags: str) -> list[dict]:
-    ports = [str(p) for p in free_ports(2)]
+def generations(*flags: str) -> list[dict]:
+    ports = [str(p) for p in free_ports(3)]
     workers = [subprocess.Popen([sys.executable, WORKER, str(w), *ports, *flags], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for w in (0, 1)]
     lines = []
@@ -72,15 +73,17 @@ def two_generations(*flags: str) -> list[dict]:
 
 
 def test_workers_that_swap_ranks_train_on_their_own_generations_mesh():
-    lines = two_generations()
+    """A refused layout fails its generation on every worker, and leaves nothing the next one meets."""
+    lines = generations()
     assert sorted((r["generation"], r["rank"], r.get("shard"), r.get("error")) for r in lines) == [
-        (1, 0, 0, None), (1, 1, 1, None), (2, 0, 0, None), (2, 1, 1, None)], lines
+        (1, 0, 0, None), (1, 1, 1, None), (2, 0, None, "LayoutError"), (2, 1, None, "LayoutError"),
+        (3, 0, 0, None), (3, 1, 1, None)], lines
 
 
 def test_a_stale_mesh_fails_its_generation_cleanly():
     """Without emptying torch's caches the re-wrapped module would get generation 1's mesh: the guard
     refuses it with a MeshError (a generation that fails to form is formed again), never a
     traceback from torch's group lookup or a step on another group."""
-    second = [r for r in two_generations("--keep-caches") if r["generation"] == 2]
-    assert [r.get("error") for r in second] == ["MeshError", "MeshError"], second
-    assert all("earlier generation" in r["message"] for r in second), second
+    third = [r for r in generations("--keep-caches") if r["generation"] == 3]
+    assert [r.get("error") for r in third] == ["MeshError", "MeshError"], third
+    assert all("earlier generation" in r["message"] for r in third), third

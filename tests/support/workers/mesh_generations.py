@@ -1,8 +1,9 @@
-"""Two generations of one HSDP mesh shape in which the two workers swap ranks (as after a lost
-node re-forms the survivors): each wraps its model with elasticctl's ShardedModel.rewrap, trains
-a step, and prints one JSON line per generation (its rank, shard index, or the error).
+"""Generations of one HSDP mesh shape in which the two workers swap ranks (as after a lost node
+re-forms the survivors), with a generation whose layout is refused between them (its workers
+named as two half nodes): each wraps its model with elasticctl's ShardedModel.rewrap, trains a
+step, and prints one JSON line per generation (its rank, shard index, or the error).
 
-    python mesh_generations.py WORKER PORT1 PORT2 [--keep-caches]
+    python mesh_generations.py WORKER PORT1 PORT2 PORT3 [--keep-caches]
 
 ``--keep-caches`` leaves torch's DTensor caches as the previous generation left them (what
 rewrap did before it emptied them): the guard must then refuse the stale mesh."""
@@ -27,10 +28,11 @@ def wrap(model, group):
     return fully_shard(model, mesh=hsdp_mesh(group))
 
 
-def generation(number: int, rank: int, port: int, sharded: ShardedModel, state: State) -> dict:
+def generation(number: int, rank: int, port: int, sharded: ShardedModel, state: State,
+               members: tuple[str, ...]) -> dict:
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"generation-{number}", store), rank=rank, world_size=2)
-    group = types.SimpleNamespace(members=("a.0", "a.1"), world_size=2, local_world_size=2,
+    group = types.SimpleNamespace(members=members, world_size=2, local_world_size=2,
                                   device=torch.device("cpu"))
     try:
         sharded.rewrap(state, group)
@@ -45,7 +47,7 @@ def generation(number: int, rank: int, port: int, sharded: ShardedModel, state: 
 
 
 def main() -> None:
-    worker, ports = int(sys.argv[1]), (int(sys.argv[2]), int(sys.argv[3]))
+    worker, ports = int(sys.argv[1]), [int(port) for port in sys.argv[2:5]]
     if "--keep-caches" in sys.argv:
         shards.forget_earlier_meshes = lambda: None
     torch.manual_seed(0)
@@ -53,8 +55,9 @@ def main() -> None:
     state = State(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     state.live = True
     sharded = ShardedModel(wrap)
-    for number, rank in ((1, worker), (2, 1 - worker)):
-        print(json.dumps(generation(number, rank, ports[number - 1], sharded, state)), flush=True)
+    whole, halves = ("a.0", "a.1"), ("a.0", "b.0")
+    for number, rank, members in ((1, worker, whole), (2, worker, halves), (3, 1 - worker, whole)):
+        print(json.dumps(generation(number, rank, ports[number - 1], sharded, state, members)), flush=True)
 
 
 if __name__ == "__main__":
