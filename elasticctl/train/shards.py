@@ -116,9 +116,11 @@ def hsdp_mesh(group: Group) -> DeviceMesh:
 
 def forget_earlier_meshes() -> None:
     """Empty torch's DTensor caches, which may hold an earlier generation's mesh (see the module
-    docstring). torch has no public call for this: the debug helper torch's own tests use, and the
-    redistribution planner's; a torch without them leaves the caches, and :func:`check_mesh` then
-    fails a generation whose mesh is stale instead of training on the wrong groups."""
+    docstring). torch has no public call for this: ``torch.distributed.tensor.debug``'s
+    ``_clear_sharding_prop_cache`` ("the recommended way to clear all sharding propagation caches",
+    its docstring says) and the redistribution planner's caches. A torch without them keeps its
+    caches, and :func:`check_mesh` then fails a generation whose mesh is stale (it is formed
+    again) instead of letting it train on another generation's groups."""
     try:
         from torch.distributed.tensor import _redistribute
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
