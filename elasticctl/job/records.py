@@ -98,10 +98,17 @@ class Declaration:
     # is refused proves the process gone, long before its lease ends (rendezvous/liveness.py).
     alive_port: int = 0
     revision: int = 0  # etcd's mod_revision of the key: the order of declarations
+    # A worker of a sharded job's generations (``<node>.<local rank>``): how many workers its node
+    # brings. A round admits such a node whole or not at all (rendezvous/rounds.py: whole_nodes),
+    # since an HSDP mesh needs every node's workers. 0: admitted on its own (agents, a DDP job).
+    node_workers: int = 0
 
     def to_json(self, key: str = "", secret: bytes | None = None) -> str:
-        return _signed({"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
-                        "port": self.port, "alive_port": self.alive_port}, key, secret)
+        fields = {"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
+                  "port": self.port, "alive_port": self.alive_port}
+        if self.node_workers:
+            fields["node_workers"] = self.node_workers
+        return _signed(fields, key, secret)
 
     @classmethod
     def from_json(cls, raw: bytes, revision: int, key: str = "", secret: bytes | None = None) -> Declaration | None:
@@ -111,10 +118,31 @@ class Declaration:
             declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
                               wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)),
                               port=_port(data.get("port", 0)), alive_port=_port(data.get("alive_port", 0)),
-                              revision=revision)
+                              revision=revision, node_workers=_node_workers(data.get("node_workers", 0)))
         except (KeyError, TypeError, ValueError):
             return None
+        if declaration.node_workers:
+            worker = worker_of(declaration.node)
+            if worker is None or worker[1] >= declaration.node_workers:
+                return None  # a node's worker must be named <node>.<local rank below node_workers>
         return declaration
+
+
+MAX_NODE_WORKERS = 1024  # workers per node a declaration may claim (torchrun's --nproc-per-node)
+
+
+def _node_workers(value: object) -> int:
+    if _whole(value) > MAX_NODE_WORKERS:
+        raise ValueError(value)
+    return value
+
+
+def worker_of(name: str) -> tuple[str, int] | None:
+    """The node and local rank in a worker's name ``<node>.<local rank>`` (None: not such a name)."""
+    node, _, local = name.rpartition(".")
+    if not node or not local.isdigit() or not local.isascii():
+        return None
+    return node, int(local)
 
 
 @dataclasses.dataclass(frozen=True)

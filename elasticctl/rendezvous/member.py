@@ -59,12 +59,13 @@ class RoundMember:
     """This node (``node`` at ``addr``) in the rounds of the run whose keys ``view`` watches."""
 
     def __init__(self, client: EtcdClient, view: RoundView, node: str, addr: str, settings: Settings,
-                 node_ttl: int, join_timeout: float, run_lease=None, pid: int = 0) -> None:
+                 node_ttl: int, join_timeout: float, run_lease=None, pid: int = 0, node_workers: int = 0) -> None:
         self._client = client
         self.view = view
         self.node = node
         self.addr = addr
         self.pid = pid
+        self.node_workers = node_workers  # see Declaration.node_workers (0: admitted alone)
         self.settings = settings
         self.node_ttl = node_ttl
         self.join_timeout = join_timeout
@@ -133,7 +134,7 @@ class RoundMember:
             if self._alive_port is None:
                 self._alive_port = AlivePort(self.addr)
             declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port(),
-                                      alive_port=self._alive_port.port)
+                                      alive_port=self._alive_port.port, node_workers=self.node_workers)
             self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
             log.info("[%s] wants round %d", self.node, target)
             self._lease_lost.clear()  # the declaration is on the lease in use now

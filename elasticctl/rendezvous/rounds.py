@@ -21,14 +21,20 @@ Protocol (keys under :attr:`JobKeys.rdzv <elasticctl.job.keys.JobKeys.rdzv>`, re
 A round is sealed when enough nodes want it and there is nobody left worth waiting
 for (:func:`seal_due`); its members are chosen by :func:`next_members`. Every
 function here is pure: the view and the clock come in as arguments.
+
+The same protocol runs the workers' generations in hot mode (members ``<node>.<local rank>``).
+In a sharded job each worker's declaration says how many workers its node brings
+(``node_workers``), and a generation admits a node whole or not at all (:func:`whole_nodes`):
+an HSDP mesh replicates across nodes and shards within one, so half a node cannot be laid out.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
-from elasticctl.job.records import Claim, Declaration, Reform, Round
+from elasticctl.job.records import Claim, Declaration, Reform, Round, worker_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +54,62 @@ def wanting(current: Round | None, live: Iterable[Declaration]) -> list[Declarat
     return sorted((d for d in live if d.wants == target), key=lambda d: d.revision)
 
 
+def admission_unit(declaration: Declaration) -> str:
+    """What a round admits together with ``declaration``: its node's workers when it declares as a
+    worker of a node (``node_workers``), else the declarer alone (an agent, a DDP job's worker)."""
+    if declaration.node_workers:
+        worker = worker_of(declaration.node)
+        return f"node {worker[0]}" if worker else f"worker {declaration.node}"
+    return f"worker {declaration.node}"
+
+
+def whole_nodes(declarations: Iterable[Declaration]) -> list[Declaration]:
+    """The declarations a round may admit, in their order: one made alone (``node_workers`` 0)
+    always; a worker of a node only together with every other worker of that node, all
+    ``node_workers`` of them (local ranks 0 to n-1, each saying n) among ``declarations``.
+
+    So a node whose workers have not all declared waits for a later round (it does not hold up the
+    others: it is not among the declarations a seal waits for either, see :func:`seal_due`), and a
+    node that lost a worker leaves as a whole. A node whose workers disagree on n is never whole."""
+    declarations = list(declarations)
+    locals_by_unit: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    for declaration in declarations:
+        if declaration.node_workers:
+            worker = worker_of(declaration.node)
+            local = worker[1] if worker else -1
+            locals_by_unit[admission_unit(declaration)].append((local, declaration.node_workers))
+    whole = {unit for unit, workers in locals_by_unit.items()
+             if sorted(workers) == [(local, workers[0][1]) for local in range(workers[0][1])]}
+    return [d for d in declarations if not d.node_workers or admission_unit(d) in whole]
+
+
+def fitting(names: Sequence[str], unit_of: Mapping[str, str], room: int) -> list[str]:
+    """``names`` less the units that do not fit in ``room`` places: units are taken whole, in the
+    order of their first name, each one if it still fits (one name per unit: the first ``room``)."""
+    sizes = collections.Counter(unit_of[name] for name in names)
+    taken: set[str] = set()
+    seen: set[str] = set()
+    for name in names:
+        unit = unit_of[name]
+        if unit in seen:
+            continue
+        seen.add(unit)
+        if sizes[unit] <= room:
+            taken.add(unit)
+            room -= sizes[unit]
+    return [name for name in names if unit_of[name] in taken]
+
+
 def next_members(current: Round | None, candidates: list[Declaration], max_nodes: int) -> tuple[str, ...]:
     """Who is in the next round, rank order: the current round's members keep their order
-    (rank 0 stays rank 0 when it can), then newcomers by arrival; at most ``max_nodes``."""
-    names = {d.node for d in candidates}
-    kept = [m for m in (current.members if current else ()) if m in names]
-    newcomers = [d.node for d in candidates if d.node not in kept]
-    return tuple((kept + newcomers)[:max_nodes])
+    (rank 0 stays rank 0 when it can), then newcomers by arrival; at most ``max_nodes``.
+    A sharded job's nodes are admitted whole or not at all (:func:`whole_nodes`)."""
+    admitted = whole_nodes(candidates)
+    unit_of = {d.node: admission_unit(d) for d in admitted}
+    kept = [m for m in (current.members if current else ()) if m in unit_of]
+    kept_names = set(kept)
+    newcomers = [d.node for d in admitted if d.node not in kept_names]
+    return tuple(fitting(kept + newcomers, unit_of, max_nodes))
 
 
 def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
@@ -78,16 +133,19 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     target = next_number(current)
     if any(d.wants > target for d in live) or (current is None and unreadable):
         return False
-    candidates = wanting(current, live)
-    if current is not None and not any(d.node in current.members for d in candidates):
+    wanted = wanting(current, live)
+    if current is not None and not any(d.node in current.members for d in wanted):
         live_names = {d.node for d in live}
         if any(member in live_names for member in current.members):
             return False
+    # Only what could be admitted counts (a sharded job's whole nodes): half a node neither makes
+    # a quorum nor is waited for.
+    candidates = whole_nodes(wanted)
     if len(candidates) < settings.min_nodes:
         return False
     if len(candidates) >= settings.max_nodes:
         return True
-    if current is not None and len(candidates) == len(live):
+    if current is not None and len(candidates) == len(whole_nodes(live)):
         return True
     return quorum_since is not None and now - quorum_since >= settings.last_call
 
@@ -173,8 +231,13 @@ def observed_change(current: Round, live: Mapping[str, Declaration], max_nodes: 
     lost = tuple(m for m in current.members if m not in live and m not in finished)
     moved_on = tuple(m for m in current.members if m in live and live[m].wants > my_round)
     room = max_nodes - current.world_size
-    waiting = tuple(d.node for d in sorted(live.values(), key=lambda d: d.revision)
-                    if d.node not in current.members and d.wants > my_round)[:max(0, room)]
+    members = set(current.members)
+    # Newcomers that could be admitted (a sharded job's whole nodes: half a node is no reason to
+    # re-form yet), as many as fit.
+    newcomers = whole_nodes(d for d in sorted(live.values(), key=lambda d: d.revision)
+                            if d.node not in members and d.wants > my_round)
+    waiting = tuple(fitting([d.node for d in newcomers], {d.node: admission_unit(d) for d in newcomers},
+                            max(0, room)))
     return Change(lost=lost, moved_on=moved_on, waiting=waiting)
 
 

@@ -30,7 +30,7 @@ class Generations:
     """The generations of the job whose keys are ``keys``, seen by worker ``worker``."""
 
     def __init__(self, client: EtcdClient, keys: JobKeys, worker: str, addr: str, settings: HotSettings,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, sharded: bool = False) -> None:
         self.worker = worker
         self._settings = settings
         self.view = RoundView(client, keys.generations(), secret).start()
@@ -42,8 +42,11 @@ class Generations:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         rounds = Settings(min_nodes=settings.min_nodes * per_node, max_nodes=settings.max_nodes * per_node,
                           last_call=settings.last_call)
+        # A sharded model's mesh holds whole nodes (train/shards.py: hsdp_layout): each worker declares
+        # how many its node brings, and a generation admits a node with all of them or none.
         self._member = RoundMember(client, self.view, worker, addr, rounds, settings.node_ttl,
-                                   settings.join_timeout, self._run_lease, pid=os.getpid())
+                                   settings.join_timeout, self._run_lease, pid=os.getpid(),
+                                   node_workers=per_node if sharded else 0)
 
     def join(self) -> Round:
         """Declare for the next generation; return it once it is sealed with this worker in it.

@@ -319,7 +319,8 @@ class Runtime:
                 os.environ.setdefault(name, value)
         addr = self.environment.node_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         return Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
-                           self.membership.settings, self.environment.secret_bytes())
+                           self.membership.settings, self.environment.secret_bytes(),
+                           sharded=self._sharded is not None)
 
     def _re_form(self, why: str) -> Group:
         """Leave the current generation and train in the next (the membership forms it)."""

@@ -27,10 +27,19 @@ a changed world restores the newest sharded checkpoint) or 2-D (``Replicate(), S
 optimizer state tensors are shaped like their parameter or are scalars; the model's buffers are
 replicated (FSDP2 does not shard them); the script builds its full model once per process (the
 first generation shards it; a meta-device model is not supported yet). An HSDP generation must
-hold whole nodes (:func:`hsdp_layout`); one that does not fails to form and the next is tried
-(known issue: after such a failure the survivors' next meshes failed in ``get_local_rank`` with
-"Could not resolve the process group registered under the name N" in 3 of 6 test runs; cause
-not yet found).
+hold whole nodes (:func:`hsdp_layout`): a sharded job's generations admit a node with all its
+workers or not at all (``rendezvous/rounds.py``: ``whole_nodes``), and a layout still refused
+fails that generation, which is formed again.
+
+Each generation's mesh is new, but torch's DTensor caches (sharding propagation, redistribution
+plans) key on ``DeviceMesh`` equality, which compares ranks, shape and dimension names and not
+the process groups: a DTensor made by an op (``nn.Parameter``'s detach, ``to_empty``) on a mesh
+equal to an earlier generation's gets that earlier mesh back, whose group names were that
+generation's. They resolve by luck when every worker kept its rank and the groups were created
+in the same order; otherwise to nothing ("Could not resolve the process group registered under
+the name N") or to another group of this generation. :meth:`ShardedModel.rewrap` therefore
+empties those caches first (:func:`forget_earlier_meshes`), and checks that the module's mesh
+resolves to this generation's groups (:func:`check_mesh`) before it uses it.
 """
 
 from __future__ import annotations
@@ -57,6 +66,10 @@ REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
 
 class LayoutError(ElasticctlError):
     """A generation whose workers cannot be laid out as nodes of equal size."""
+
+
+class MeshError(ElasticctlError):
+    """A sharded module's mesh that does not name this generation's process groups."""
 
 
 def hsdp_layout(members: Sequence[str], world_size: int, local_world_size: int) -> list[list[int]]:
@@ -99,6 +112,67 @@ def hsdp_mesh(group: Group) -> DeviceMesh:
     layout = hsdp_layout(group.members, group.world_size, group.local_world_size)
     return DeviceMesh(group.device.type, torch.tensor(layout, dtype=torch.int64),
                       mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+
+def forget_earlier_meshes() -> None:
+    """Empty torch's DTensor caches, which may hold an earlier generation's mesh (see the module
+    docstring). torch has no public call for this: ``torch.distributed.tensor.debug``'s
+    ``_clear_sharding_prop_cache`` ("the recommended way to clear all sharding propagation caches",
+    its docstring says) and the redistribution planner's caches. A torch without them keeps its
+    caches, and :func:`check_mesh` then fails a generation whose mesh is stale (it is formed
+    again) instead of letting it train on another generation's groups."""
+    try:
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
+    for clear in (getattr(_redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
+
+
+def ranks_along(mesh: torch.Tensor, rank: int) -> list[list[int]]:
+    """For each dimension of ``mesh`` (a tensor of global ranks), the ranks of the group along that
+    dimension through ``rank``, ascending; raises MeshError if ``rank`` is not in the mesh once."""
+    found = (mesh == rank).nonzero()
+    if len(found) != 1:
+        raise MeshError(f"Rank {rank} is {len(found)} times in the mesh {mesh.tolist()}, not once.")
+    coordinate = found[0].tolist()
+    along = []
+    for dim in range(mesh.dim()):
+        index = list(coordinate)
+        index[dim] = slice(None)
+        along.append(sorted(mesh[tuple(index)].flatten().tolist()))
+    return along
+
+
+def stale_dims(expected: list[list[int]], resolved: list[list[int] | None]) -> list[int]:
+    """The dimensions whose group, as the mesh resolves it (None: it does not), is not the group of
+    ranks ``expected`` along that dimension."""
+    return [dim for dim, (want, got) in enumerate(zip(expected, resolved, strict=True)) if got != want]
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    """Raise MeshError unless every dimension of ``mesh`` resolves to a process group of this
+    generation holding exactly this worker's ranks along it."""
+    import torch.distributed as dist
+
+    resolved: list[list[int] | None] = []
+    for dim in range(mesh.ndim):
+        try:
+            resolved.append(sorted(dist.get_process_group_ranks(mesh.get_group(dim))))
+        except (RuntimeError, ValueError):  # "Could not resolve the process group registered under ..."
+            resolved.append(None)
+    expected = ranks_along(mesh.mesh, dist.get_rank())
+    stale = stale_dims(expected, resolved)
+    if stale:
+        names = mesh.mesh_dim_names or tuple(map(str, range(mesh.ndim)))
+        raise MeshError("The sharded model's mesh does not name this generation's process groups ("
+                        + "; ".join(f"dimension {names[d]}: ranks {expected[d]}, resolved "
+                                    f"{'nothing' if resolved[d] is None else resolved[d]}" for d in stale)
+                        + "): it is an earlier generation's; this generation is formed again.")
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -157,9 +231,11 @@ class ShardedModel:
         first = self._template is None
         if first:
             self._template = meta_copy(previous)
+        forget_earlier_meshes()  # before any DTensor op of this generation
         fresh = self._wrap(copy.deepcopy(self._template), group)
         fresh.to_empty(device=group.device)
         mesh, placements, replicate_dim, shard_dim = _sharding(fresh)
+        check_mesh(mesh)
         position = ShardPosition(mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
         kept = first or (state.live and position == self.position)
         old_parameters = self._parameters or dict(previous.named_parameters())

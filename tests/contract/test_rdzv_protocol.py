@@ -14,7 +14,7 @@ from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import Declaration
-from elasticctl.rendezvous.member import RoundMember
+from elasticctl.rendezvous.member import JoinCancelled, RoundMember
 from elasticctl.rendezvous.rounds import Settings
 from elasticctl.rendezvous.view import RoundView
 
@@ -310,3 +310,63 @@ def test_a_slow_change_callback_holds_up_no_watch_event(run):
         assert len(calls) <= 2, "a held callback was run again before it returned"
     finally:
         release.set()
+
+
+def test_a_sharded_jobs_generations_admit_a_joining_node_whole(run):
+    """Issue 20: workers of 2-worker nodes (a sharded job's generations). A joining node with one
+    worker declared is no reason to re-form, is not sealed into the survivors' next generation and
+    does not hold it up; with both declared it is admitted whole; a node that loses a worker leaves
+    as a whole, its other worker waiting."""
+    r = run(Settings(min_nodes=2, max_nodes=6, last_call=5))
+    survivors = [r.member(name, node_workers=2) for name in ("a.0", "a.1", "b.0", "b.1")]
+    first = r.join_all(survivors)
+    ranks = first["a.0"].members  # in the order they declared
+    assert {g.members for g in first.values()} == {ranks} and sorted(ranks) == ["a.0", "a.1", "b.0", "b.1"], first
+    rank0 = next(m for m in survivors if m.node == ranks[0])
+    assert rank0.change().count == 0  # rank 0 follows the declarations from here on
+
+    joined: dict[str, object] = {}
+
+    def join(member: RoundMember) -> threading.Thread:
+        def target() -> None:
+            try:
+                joined[member.node] = member.join()
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                joined[member.node] = exc
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    c0 = r.member("c.0", node_workers=2)
+    c0_joining = join(c0)
+    assert rank0.view.wait_for(lambda: "c.0" in rank0.view.declarations, 10), "c.0 never declared"
+    assert rank0.change().count == 0, "half a node made the generation re-form"
+
+    # The survivors re-form for another reason while c.1 is still starting: sealed at once, without c.0.
+    started = time.monotonic()
+    second = r.join_all(survivors)
+    assert time.monotonic() - started < 4.5, "the survivors waited out the 5 s last call for half a node"
+    assert {g.members for g in second.values()} == {ranks}, second
+    assert c0_joining.is_alive() and "c.0" not in joined, joined
+
+    c1 = r.member("c.1", node_workers=2)
+    c1_joining = join(c1)
+    assert rank0.view.wait_for(lambda: set(rank0.change().waiting) == {"c.0", "c.1"}, 10), rank0.change()
+    third = r.join_all(survivors)
+    for thread in (c0_joining, c1_joining):
+        thread.join(10)
+    members = {g.members for g in (*third.values(), joined["c.0"], joined["c.1"])}
+    assert len(members) == 1 and set(members.pop()) == {"a.0", "a.1", "b.0", "b.1", "c.0", "c.1"}, (third, joined)
+    assert third["a.0"].members[:4] == ranks  # the survivors keep their ranks
+
+    # c.1 is lost: the whole of node c leaves the next generation, c.0 waits.
+    c1.leave()
+    assert rank0.view.wait_for(lambda: rank0.change().lost == ("c.1",), 10), rank0.change()
+    joined.clear()
+    c0_waiting = join(c0)
+    fourth = r.join_all(survivors)
+    assert {g.members for g in fourth.values()} == {ranks}, fourth
+    assert c0_waiting.is_alive() and "c.0" not in joined, joined
+    c0.cancel()
+    c0_waiting.join(10)
+    assert isinstance(joined["c.0"], JoinCancelled), joined

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 
-import pytest
 
 from support.helpers import REPO, wait_for
 
@@ -83,10 +82,6 @@ def test_hsdp_survivors_keep_their_shards_through_a_node_lost(job):
     check_shard_replicas(steps, 4)
 
 
-@pytest.mark.skip(reason="known issue (issue 20, open): under load a joining node's two workers can be sealed "
-                         "into a generation half a node at a time; the layout refuses it, and the generation "
-                         "after a refused one fails in torch's DeviceMesh ('Could not resolve the process group "
-                         "registered under the name ...'). Next: seal sharded generations in whole nodes.")
 def test_hsdp_a_joining_node_gets_its_shards_from_replicas(job):
     j = job(nnodes="1:3", extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2"], train=HSDP)
     started = {"a": j.up("a")}

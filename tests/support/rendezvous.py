@@ -32,11 +32,14 @@ class Run:
         self.members: list[RoundMember] = []
         self.clients: list[EtcdClient] = []
 
-    def member(self, node: str) -> RoundMember:
+    def member(self, node: str, node_workers: int = 0) -> RoundMember:
+        """A member named ``node``; ``node_workers``: as a worker of a sharded job's node that brings
+        that many (named ``<node>.<local rank>``), admitted only with all of them."""
         client = EtcdClient(self.etcd.client_settings())
         self.clients.append(client)
         view = RoundView(client, self.keys).start()
-        member = RoundMember(client, view, node, f"addr-{node}", self.settings, self.node_ttl, self.join_timeout)
+        member = RoundMember(client, view, node, f"addr-{node}", self.settings, self.node_ttl, self.join_timeout,
+                             node_workers=node_workers)
         self.members.append(member)
         return member
 
