@@ -75,6 +75,7 @@ from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
+from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
 from elasticctl.train.shards import ShardedModel, is_sharded
 from elasticctl.train.state import State
@@ -214,10 +215,17 @@ class Runtime:
                                           control_group=lambda: self.control_group, record=self._record,
                                           request_leave=self._request_leave)
         self._registry: Any = None
+        if state.peer_copies and not sharded:
+            raise ConfigError("State(peer_copies=...) is for a sharded model (run(..., sharded=True)); a replicated "
+                              "model's replicas already are its copies.")
+        # In-memory copies of the shards, on a buddy (train/peer_copies.py); None: not asked for.
+        self._peer_copies = (PeerCopies(state.peer_copies, worker=self.worker, timeout=self.pg_timeout,
+                                        bucket_bytes=self.transfer_bucket_bytes) if state.peer_copies else None)
         self._state_sync = GenerationStateSync(state, device=self.device, transport=self._training_group_device(),
                                                bucket_bytes=self.transfer_bucket_bytes,
                                                restore_from_checkpoint=self._restore_from_checkpoint,
-                                               emit=self._emit, worker=self.worker, sharded=self._sharded)
+                                               emit=self._emit, worker=self.worker, sharded=self._sharded,
+                                               peer_copies=self._peer_copies)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -403,6 +411,8 @@ class Runtime:
         """Take the process groups down, bounded: one that will not come down ends the worker."""
         self._flags_sent = None
         self._group = None
+        if self._peer_copies is not None:
+            self._peer_copies.freeze()  # a copy round still out commits nothing now
         # destroy_process_group() below takes the side group down with the training group; the
         # last reference goes here, so that its gloo threads and sockets go with it (a gloo
         # collective still waiting on a lost peer ends by its timeout, the node TTL: gloo has no abort).
@@ -463,6 +473,8 @@ class Runtime:
         self._stragglers.at_boundary(group, self.state.step)
         if self._checkpointer and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
             self._save()
+        if self._peer_copies is not None:
+            self._peer_copies.at_boundary(self.state, self._sharded, group)
         self._publish_progress(group, samples, loss)
         self._act_on(self._send_flags(group))
         self._stragglers.next_step()

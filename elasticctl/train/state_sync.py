@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticctl.train.peer_copies import HELD_FIELDS, MAX_HELD_REPORTED, PeerCopies, decode_held, encode_held
 from elasticctl.train.shards import LocalShards, ShardedModel
 from elasticctl.train.state import State, StateError
 from elasticctl.train.sync import plan_shard_sync, plan_state_sync
@@ -40,7 +41,7 @@ class GenerationStateSync:
 
     def __init__(self, state: State, *, device: torch.device, transport: torch.device, bucket_bytes: int,
                  restore_from_checkpoint: Callable[..., Any], emit: Callable[..., None], worker: str,
-                 sharded: ShardedModel | None = None) -> None:
+                 sharded: ShardedModel | None = None, peer_copies: PeerCopies | None = None) -> None:
         self.state = state
         self.device = device
         self.transport = transport
@@ -49,6 +50,7 @@ class GenerationStateSync:
         self.emit = emit
         self.worker = worker
         self.sharded = sharded
+        self.peer_copies = peer_copies  # the shards held in memory (State(peer_copies=K)), or None
 
     def sync_state(self, rank: int, world_size: int, survivors: Sequence[bool]) -> tuple[int, ...]:
         """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);
@@ -80,19 +82,26 @@ class GenerationStateSync:
     def sync_shards(self, rank: int, world_size: int, survivors: Sequence[bool], held: int) -> tuple[int, ...]:
         """A sharded state's :meth:`sync_state`: per shard index, from the replicas that hold it at
         the newest step (:func:`elasticctl.train.sync.plan_shard_sync`), over the mesh's replicate
-        group; the checkpoint when a shard has none. ``held``: the step this worker trained to
-        before the re-wrap, whether or not its shards still fit (-1: none). The ranks that sent
-        this worker's shard."""
+        group; else the shards held in memory (peer copies), every member going back to their step;
+        else the checkpoint. ``held``: the step this worker trained to before the re-wrap, whether
+        or not its shards still fit (-1: none). The ranks that sent this worker's shard."""
         position = self.sharded.position
-        mine = torch.tensor([self.state.step if self.state.live else -1, position.index, held], dtype=torch.int64,
-                            device=self.transport)
+        report = [self.state.step if self.state.live else -1, position.index, held]
+        if self.peer_copies is not None:  # every member has them or none: the same script
+            report += encode_held(self.peer_copies.held())
+        mine = torch.tensor(report, dtype=torch.int64, device=self.transport)
         reports = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(reports, mine)
-        steps, shards, helds = zip(*(tuple(int(v) for v in report.tolist()) for report in reports), strict=True)
-        plan = plan_shard_sync(steps, shards, survivors)
+        rows = [[int(v) for v in report.tolist()] for report in reports]
+        steps, shards, helds = (tuple(row[field] for row in rows) for field in range(3))
+        in_memory = [decode_held(row[3:3 + HELD_FIELDS * MAX_HELD_REPORTED]) for row in rows]
+        plan = plan_shard_sync(steps, shards, survivors, held=in_memory if self.peer_copies is not None else ())
         for refused in plan.refused:
             log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
                         "its shard is not taken", self.worker, refused, steps[refused])
+        if plan.peer_copies is not None:
+            self._restore_peer_copies(plan.peer_copies, rank, shards, max(helds))
+            return ()
         if plan.from_checkpoint:
             self._restore_lost_shards(plan.missing, max(helds))
             return ()
@@ -112,6 +121,19 @@ class GenerationStateSync:
             self.emit("state_restored", step=self.state.step, source="replica", shard=position.index,
                       senders=senders, nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
         return tuple(senders)
+
+    def _restore_peer_copies(self, plan: Any, rank: int, shards: Sequence[int], trained: int) -> None:
+        """Every member back to the step of the newest whole set of shards held in memory, resharded
+        to this generation's mesh (:meth:`elasticctl.train.peer_copies.PeerCopies.restore`)."""
+        log.warning("[%s] no member's shards fit the new mesh at step %d: going back to step %d from the "
+                    "shards held in memory (shard(s) %s from a buddy's copy)", self.worker, trained, plan.step,
+                    ", ".join(map(str, plan.from_copies)) or "none")
+        moved = self.peer_copies.restore(self.state, self.sharded, plan, rank, shards, device=self.device,
+                                         transport=self.transport)
+        log.info("[%s] shard %d of step %d from peer copies: %d bytes sent in %.3f s", self.worker,
+                 self.sharded.position.index, self.state.step, moved["nbytes"], moved["seconds"])
+        self.emit("state_restored", step=self.state.step, source="peer_copy", shard=self.sharded.position.index,
+                  trained=trained, redone=max(0, trained - self.state.step), **moved)
 
     def _restore_lost_shards(self, missing: tuple[int, ...], trained: int) -> None:
         """No replica holds some shard, or no shard fits this generation's mesh (FSDP without

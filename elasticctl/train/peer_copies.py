@@ -1,0 +1,471 @@
+"""Peer copies: a fully sharded state (FSDP2, no replica) survives a lost node from memory.
+
+Opt-in, ``State(..., peer_copies=K)``, in hot mode, for a mesh without replicas (an HSDP mesh's
+replicas already are the copies). Every K steps (and at the first step boundary of each
+generation) each worker:
+
+1. takes a **snapshot** of its own shards at that boundary, on the training thread: the state's
+   local shards (model and optimizer, :class:`elasticctl.train.shards.LocalShards`) copied into
+   host memory, with the rest of the state (step, fields, sampler, optimizer hyperparameters,
+   the optimizer's step counters). This copy is the only cost on the training's path (a memcpy
+   of the worker's shards);
+2. sends its sharded tensors to its **buddy**, a worker on another node
+   (:func:`choose_buddies`), and receives the shards of the workers whose buddy it is, on a
+   background thread, over a gloo group of the generation's own (built at that generation's
+   first copy), tensor by tensor (a tensor larger than the bucket size in bucket-sized pieces),
+   straight out of the snapshot and into the copy: no whole-state blob;
+3. agrees with every worker that the round is complete (an all-reduce on that group). Only then
+   does anyone drop the snapshot and copies of the round before: a copy is either whole at its
+   step or not used, and whatever round a failure cuts short, the one before stays whole
+   everywhere.
+
+With one node there is no buddy on another node: no copy is taken, and the log says so once.
+
+After a loss, where the live shards cannot make one state (every shard of a mesh without
+replicas changes when the world does), the survivors report the shards they hold
+(:class:`elasticctl.train.sync.HeldShard`); :func:`elasticctl.train.sync.plan_shard_sync` picks
+the newest step at which every shard of the old mesh is held (its owner's snapshot, else a
+buddy's copy), and every member goes back to that step (at most K steps re-done, plus the step
+in flight): :meth:`PeerCopies.restore` reshards the old mesh's shards to the new mesh in memory,
+each worker receiving the rows of its new shard from the holders of the old shards that overlap
+them, point to point on the training group, in pieces of at most the bucket size.
+
+Memory, honestly: a worker holds, besides its live state, one snapshot of its own shards and
+one copy of its buddy's shards (each the size of that worker's model and optimizer shards, in
+host memory); while a round is in flight, the previous round's snapshot and copy are kept too
+(twice that). A worker that is the buddy of several (nodes with unequal worker counts) holds a
+copy of each.
+
+Limits: hot mode only; a 1-D mesh (``fully_shard`` over every worker: ``Shard(0)`` of every
+parameter, torch's even chunks); every member of the new generation must have been in the old
+one (a joiner in the same generation as a loss: the checkpoint instead); a round still in
+flight when the next is due holds the training thread until it ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticctl.train.shards import LocalShards, ShardedModel
+from elasticctl.train.state import State, StateError
+from elasticctl.train.sync import HeldShard, PeerCopyRestore
+from elasticctl.train.transfer import WINDOW, flatten, rebuild
+
+log = logging.getLogger(__name__)
+
+MAX_HELD_REPORTED = 8   # shards a member reports holding (own snapshots and copies)
+HELD_FIELDS = 6         # per reported shard: generation, count, shard, step, layout, own
+HEADER_FIELDS = 5       # a copy's header: generation, count, shard, step, layout
+
+
+# -- the decisions (pure) --------------------------------------------------------------------
+
+def choose_buddies(members: Sequence[str]) -> list[int | None]:
+    """Each rank's buddy (the rank it sends its shards to) among ``members`` (``<node>.<local rank>``,
+    in rank order), always on another node; None: it has none (the generation has one node).
+
+    Nodes take their order of first appearance; the worker at place ``p`` among its node's workers
+    (in rank order) sends to the worker at place ``p`` (modulo its size) of the next node, the last
+    node to the first: one node lost loses no shard with its copy."""
+    nodes: dict[str, list[int]] = {}
+    for rank, member in enumerate(members):
+        nodes.setdefault(member.rpartition(".")[0] or member, []).append(rank)
+    if len(nodes) < 2:
+        return [None] * len(members)
+    rows = list(nodes.values())
+    buddies: list[int | None] = [None] * len(members)
+    for number, ranks in enumerate(rows):
+        following = rows[(number + 1) % len(rows)]
+        for place, rank in enumerate(ranks):
+            buddies[rank] = following[place % len(following)]
+    return buddies
+
+
+def senders_to(buddies: Sequence[int | None], rank: int) -> list[int]:
+    """The ranks whose buddy ``rank`` is, in rank order."""
+    return [sender for sender, buddy in enumerate(buddies) if buddy == rank]
+
+
+def chunk_rows(size: int, count: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dimension 0 (``size`` rows) that shard ``index`` of ``count`` holds
+    under ``Shard(0)``: torch's chunks, ``ceil(size / count)`` rows each, the last ones shorter or empty."""
+    per = -(-size // count) if count else 0
+    start = min(index * per, size)
+    return start, min(start + per, size)
+
+
+def reshard_pieces(size: int, old_count: int, new_count: int) -> list[tuple[int, int, int, int]]:
+    """``(old shard, new shard, start, stop)`` for every non-empty overlap of an old shard's rows with a
+    new shard's, new shard by new shard: what moves when ``size`` rows go from ``old_count`` shards
+    to ``new_count``."""
+    pieces = []
+    for new in range(new_count):
+        new_start, new_stop = chunk_rows(size, new_count, new)
+        for old in range(old_count):
+            old_start, old_stop = chunk_rows(size, old_count, old)
+            start, stop = max(new_start, old_start), min(new_stop, old_stop)
+            if start < stop:
+                pieces.append((old, new, start, stop))
+    return pieces
+
+
+def row_splits(start: int, stop: int, row_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut into runs of rows of at most ``bucket_bytes`` (at least one row each)."""
+    per = max(1, bucket_bytes // max(1, row_bytes))
+    return [(first, min(first + per, stop)) for first in range(start, stop, per)]
+
+
+def flat_splits(numel: int, itemsize: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """A tensor of ``numel`` elements as messages of at most ``bucket_bytes``."""
+    return row_splits(0, numel, itemsize, bucket_bytes)
+
+
+def encode_held(held: Sequence[HeldShard]) -> list[int]:
+    """``held`` as the fixed-size row of integers a member reports (the first MAX_HELD_REPORTED)."""
+    row = []
+    for entry in list(held)[:MAX_HELD_REPORTED]:
+        row += [entry.generation, entry.count, entry.shard, entry.step, entry.layout, int(entry.own)]
+    return row + [-1] * (HELD_FIELDS * MAX_HELD_REPORTED - len(row))
+
+
+def decode_held(row: Sequence[int]) -> list[HeldShard]:
+    """A peer's report back (entries with a negative field are empty or not believed)."""
+    held = []
+    for first in range(0, min(len(row), HELD_FIELDS * MAX_HELD_REPORTED), HELD_FIELDS):
+        generation, count, shard, step, layout, own = row[first:first + HELD_FIELDS]
+        if min(generation, count, shard, step, layout) < 0 or own not in (0, 1):
+            continue
+        held.append(HeldShard(generation, count, shard, step, layout, bool(own)))
+    return held
+
+
+# -- snapshots and copies --------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Snapshot:
+    """One worker's own shards at one step of one generation's mesh, in host memory."""
+
+    generation: int
+    count: int
+    shard: int
+    step: int
+    layout: int
+    skeleton: Any                                # the state dict, tensors replaced by None
+    sharded: dict[tuple, torch.Tensor]           # path -> this shard's rows (model and optimizer)
+    global_shapes: dict[tuple, tuple[int, ...]]  # path -> the sharded tensor's global shape
+    replicated: dict[tuple, tuple[torch.Tensor, torch.device]]  # path -> (copy, where it lived)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sharded.values())
+
+    def held(self) -> HeldShard:
+        return HeldShard(self.generation, self.count, self.shard, self.step, self.layout, True)
+
+
+@dataclasses.dataclass
+class Copy:
+    """A buddy's shards at one step, received whole."""
+
+    generation: int
+    count: int
+    shard: int
+    step: int
+    layout: int
+    sharded: dict[tuple, torch.Tensor]
+
+    def held(self) -> HeldShard:
+        return HeldShard(self.generation, self.count, self.shard, self.step, self.layout, False)
+
+
+def take_snapshot(state: State, generation: int, shard: int, count: int) -> Snapshot:
+    """The state's own shards and the rest of it, copied to host memory. StateError if a sharded
+    tensor is not torch's even ``Shard(0)`` chunk of a 1-D mesh (peer copies cannot reshard it)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    skeleton, found = flatten(state.state_dict())
+    sharded, shapes, replicated, signature = {}, {}, {}, []
+    for path, tensor in found:
+        if isinstance(tensor, DTensor):
+            if tuple(tensor.placements) != (Shard(0),):
+                raise StateError(f"The state's tensor '{'.'.join(map(str, path))}' is placed {tensor.placements}, "
+                                 "not Shard(0) on one mesh dimension: peer copies cannot reshard it.")
+            local = tensor.to_local()
+            start, stop = chunk_rows(tensor.shape[0], count, shard)
+            if tuple(local.shape) != (stop - start, *tensor.shape[1:]):
+                raise StateError(f"The state's tensor '{'.'.join(map(str, path))}' holds {list(local.shape)} on "
+                                 f"shard {shard} of {count}, not torch's even chunk: peer copies cannot reshard it.")
+            sharded[path] = _host_copy(local)
+            shapes[path] = tuple(tensor.shape)
+            signature.append((path, str(tensor.dtype), tuple(tensor.shape)))
+        else:
+            replicated[path] = (_host_copy(tensor.detach()), tensor.device)
+            signature.append((path, str(tensor.dtype), tuple(tensor.shape), "replicated"))
+    fingerprint = int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=8).digest(), "big") >> 1
+    return Snapshot(generation, count, shard, state.step, fingerprint, copy.deepcopy(skeleton), sharded, shapes,
+                    replicated)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="cpu").copy_(tensor)
+
+
+def copy_shapes(own: Snapshot, shard: int) -> dict[tuple, tuple[int, ...]]:
+    """The shapes of shard ``shard``'s tensors in ``own``'s mesh, from this worker's own global shapes
+    (never from the peer)."""
+    shapes = {}
+    for path, shape in own.global_shapes.items():
+        start, stop = chunk_rows(shape[0], own.count, shard)
+        shapes[path] = (stop - start, *shape[1:])
+    return shapes
+
+
+def check_header(header: Sequence[int], own: Snapshot, expected_shard: int | None = None) -> None:
+    """A buddy's copy header against this worker's own snapshot of the same round; StateError if it
+    is not the round's (another generation, mesh, layout or step) or names an impossible shard."""
+    generation, count, shard, step, layout = (int(v) for v in header)
+    if (generation, count, step, layout) != (own.generation, own.count, own.step, own.layout):
+        raise StateError(f"A peer copy announced generation {generation}, {count} shards, step {step}; this "
+                         f"round is generation {own.generation}, {own.count} shards, step {own.step} (or the "
+                         "state's tensors differ).")
+    if not 0 <= shard < count or shard == own.shard or (expected_shard is not None and shard != expected_shard):
+        raise StateError(f"A peer copy announced shard {shard}, which its sender does not hold.")
+
+
+# -- the worker's side -----------------------------------------------------------------------
+
+class PeerCopies:
+    """One worker's snapshots and copies across generations (see the module docstring). The
+    runtime calls :meth:`at_boundary` at each step boundary, :meth:`freeze` when a generation
+    ends, :meth:`held` and :meth:`restore` while the next one forms."""
+
+    def __init__(self, every: int, *, worker: str, timeout: Any, bucket_bytes: int) -> None:
+        self.every = every
+        self.worker = worker
+        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes
+        self._lock = threading.Lock()
+        self._own: list[Snapshot] = []   # newest last; guarded by _lock (a round's thread commits)
+        self._copies: list[Copy] = []
+        self._token = 0                  # a round commits only under the token it started with
+        self._generation: int | None = None
+        self._group: Any = None
+        self._buddies: list[int | None] = []
+        self._round_done = threading.Event()
+        self._round_done.set()
+        self._said: set[str] = set()
+
+    # -- training thread -------------------------------------------------------------
+
+    def at_boundary(self, state: State, sharded: ShardedModel | None, group: Any) -> None:
+        """A step boundary of ``group`` (the runtime's Group): a copy round if one is due."""
+        if self.every <= 0 or sharded is None or sharded.position is None:
+            return
+        if sharded.replicate_dim is not None:
+            self._say_once("replicas", "the mesh has replicas (HSDP): they are the copies; no peer copy is taken")
+            return
+        if not group.members:
+            self._say_once("restart", "peer copies are kept in hot mode only (--recovery hot)")
+            return
+        first = self._generation != group.number
+        if first:
+            self._generation = group.number
+            self._buddies = choose_buddies(group.members)
+            self._group = None
+            if all(buddy is None for buddy in self._buddies):
+                self._say_once("one node", "the generation has one node: no buddy on another node, no peer copy")
+                return
+            # A collective on every rank (all compute the same buddies), at the same boundary.
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout, group_desc="elasticctl peer copies")
+        if self._group is None or not (first or state.step % self.every == 0):
+            return
+        self._round_done.wait()  # the previous round of this generation (a round still out holds us here)
+        snapshot = take_snapshot(state, group.number, sharded.position.index, sharded.position.count)
+        with self._lock:
+            self._own.append(snapshot)
+            token = self._token
+        self._round_done.clear()
+        threading.Thread(target=self._round, args=(token, snapshot, group.rank, self._group, self._buddies),
+                         name="elasticctl-peer-copies", daemon=True).start()
+
+    def freeze(self) -> None:
+        """The generation ends: a round still out commits nothing; what is held stays as it is."""
+        with self._lock:
+            self._token += 1
+        self._generation, self._group = None, None
+        self._round_done = threading.Event()
+        self._round_done.set()
+
+    def held(self) -> list[HeldShard]:
+        with self._lock:
+            return [s.held() for s in reversed(self._own)] + [c.held() for c in reversed(self._copies)]
+
+    def holds_any(self) -> bool:
+        with self._lock:
+            return bool(self._own)
+
+    # -- a round (its own thread) ----------------------------------------------------
+
+    def _round(self, token: int, snapshot: Snapshot, rank: int, group: Any, buddies: list[int | None]) -> None:
+        done = self._round_done
+        began = time.perf_counter()
+        received: list[Copy] = []
+        ok = True
+        try:
+            works = []
+            buddy = buddies[rank]
+            if buddy is not None:
+                header = torch.tensor([snapshot.generation, snapshot.count, snapshot.shard, snapshot.step,
+                                       snapshot.layout], dtype=torch.int64)
+                works.append(dist.isend(header, group=group, group_dst=buddy, tag=0))
+                for tag, view in enumerate(_message_views(snapshot.sharded.values(), self.bucket_bytes), start=1):
+                    works.append(dist.isend(view, group=group, group_dst=buddy, tag=tag))
+            for sender in senders_to(buddies, rank):
+                received.append(self._receive(snapshot, sender, group))
+            for work in works:
+                work.wait()
+        except Exception as exc:  # noqa: BLE001 - a peer lost mid-round, a copy that does not fit
+            ok = False
+            log.warning("[%s] the peer copy round of step %d failed: %s", self.worker, snapshot.step,
+                        " ".join(str(exc).split())[:300])
+        try:
+            flag = torch.tensor([int(ok)], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            agreed: bool | None = bool(flag.item())
+        except Exception:  # noqa: BLE001 - the generation is ending: nothing agreed
+            agreed = None
+        with self._lock:
+            if token == self._token:
+                if agreed:  # whole everywhere: the round before is no longer needed by anyone
+                    self._own = [snapshot]
+                    self._copies = received
+                elif agreed is False:  # incomplete somewhere, known everywhere: keep the round before
+                    self._own = [s for s in self._own if s is not snapshot]
+                else:  # unknown: keep both rounds (the next generation's plan picks what is whole)
+                    self._copies = [*self._copies, *received]
+        if agreed:
+            log.debug("[%s] peer copy of step %d: %d bytes sent, %d copies received in %.3f s", self.worker,
+                      snapshot.step, snapshot.nbytes, len(received), time.perf_counter() - began)
+        done.set()
+
+    def _receive(self, own: Snapshot, sender: int, group: Any) -> Copy:
+        header = torch.empty(HEADER_FIELDS, dtype=torch.int64)
+        dist.irecv(header, group=group, group_src=sender, tag=0).wait()
+        check_header(header.tolist(), own)
+        shard = int(header[2])
+        tensors = {path: torch.empty(shape, dtype=own.sharded[path].dtype)
+                   for path, shape in copy_shapes(own, shard).items()}
+        works = [dist.irecv(view, group=group, group_src=sender, tag=tag)
+                 for tag, view in enumerate(_message_views(tensors.values(), self.bucket_bytes), start=1)]
+        for work in works:
+            work.wait()
+        return Copy(own.generation, own.count, shard, own.step, own.layout, tensors)
+
+    # -- restoring (training thread, while the next generation forms) ----------------
+
+    def restore(self, state: State, sharded: ShardedModel, plan: PeerCopyRestore, rank: int,
+                shards: Sequence[int], *, device: torch.device, transport: torch.device) -> dict:
+        """Every member's part in going back to ``plan.step``: the old mesh's shards, resharded to
+        this generation's (``shards[rank]``: each member's new shard index), point to point on the
+        training group; then this worker's state loaded from them. Returns what moved (for the event)."""
+        began = time.perf_counter()
+        key = (plan.generation, plan.count, plan.layout, plan.step)
+        with self._lock:
+            own = next((s for s in self._own if (s.generation, s.count, s.layout, s.step) == key), None)
+            copies = {c.shard: c for c in self._copies if (c.generation, c.count, c.layout, c.step) == key}
+        if own is None:
+            raise StateError(f"This worker holds no snapshot of step {plan.step} (generation {plan.generation}).")
+
+        def rows_of(old: int) -> dict[tuple, torch.Tensor]:
+            held = own if own.shard == old else copies.get(old)
+            if held is None:
+                raise StateError(f"This worker was to send shard {old} of step {plan.step}, which it does not hold.")
+            return held.sharded
+
+        world = len(shards)
+        new_count, new_index = sharded.position.count, sharded.position.index
+        _, live = flatten(LocalShards(state).state_dict())
+        live = dict(live)
+        targets = {}
+        for path, shape in own.global_shapes.items():
+            start, stop = chunk_rows(shape[0], new_count, new_index)
+            wanted = (stop - start, *shape[1:])
+            mine = live.get(path)
+            targets[path] = (mine if mine is not None and tuple(mine.shape) == wanted and mine.is_contiguous()
+                             and mine.dtype == own.sharded[path].dtype
+                             else torch.empty(wanted, dtype=own.sharded[path].dtype, device=device))
+        rank_of_new = {index: member for member, index in enumerate(shards)}
+        moved, in_flight, tag = 0, [], 0
+        for path, shape in own.global_shapes.items():
+            row_bytes = own.sharded[path].element_size() * _numel(shape[1:])
+            for old, new, start, stop in reshard_pieces(shape[0], plan.count, new_count):
+                source, target = plan.sources[old], rank_of_new.get(new)
+                if target is None or not 0 <= source < world:
+                    raise StateError(f"The peer copy plan names no member for shard {new} (or {old}).")
+                old_start = chunk_rows(shape[0], plan.count, old)[0]
+                new_start = chunk_rows(shape[0], new_count, new)[0]
+                for first, last in row_splits(start, stop, row_bytes, self.bucket_bytes):
+                    tag += 1
+                    if rank not in (source, target):
+                        continue
+                    if source == target:
+                        targets[path][first - new_start:last - new_start].copy_(
+                            rows_of(old)[path][first - old_start:last - old_start])
+                        continue
+                    while len(in_flight) >= WINDOW:
+                        _complete(in_flight.pop(0))
+                    if rank == source:
+                        payload = rows_of(old)[path][first - old_start:last - old_start].to(transport)
+                        in_flight.append((dist.isend(payload, dst=target, tag=tag), None, None))
+                        moved += payload.numel() * payload.element_size()
+                    else:
+                        into = targets[path][first - new_start:last - new_start]
+                        buffer = into if into.device == transport else torch.empty_like(into, device=transport)
+                        in_flight.append((dist.irecv(buffer, src=source, tag=tag), buffer, into))
+        while in_flight:
+            _complete(in_flight.pop(0))
+        tensors = {path: tensor for path, tensor in targets.items()}
+        # clones: the optimizer may step its counters in place, and the snapshot must stay as it was
+        tensors.update({path: value.to(where, copy=True) for path, (value, where) in own.replicated.items()})
+        LocalShards(state).load_state_dict(rebuild(copy.deepcopy(own.skeleton), tensors))
+        return {"nbytes": moved, "seconds": round(time.perf_counter() - began, 4),
+                "copies_of": list(plan.from_copies),
+                "copy_holders": sorted({plan.sources[old] for old in plan.from_copies})}
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.warning("[%s] %s", self.worker, message)
+
+
+def _message_views(tensors: Any, bucket_bytes: int) -> list[torch.Tensor]:
+    """Every tensor as flat views of at most ``bucket_bytes`` (contiguous: snapshots and copies are)."""
+    views = []
+    for tensor in tensors:
+        flat = tensor.view(-1)
+        views += [flat[first:last] for first, last in flat_splits(flat.numel(), tensor.element_size(), bucket_bytes)]
+    return views
+
+
+def _complete(entry: tuple) -> None:
+    work, buffer, into = entry
+    work.wait()
+    if buffer is not None and buffer is not into:
+        into.copy_(buffer)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
