@@ -249,8 +249,10 @@ class PeerCopies:
     runtime calls :meth:`at_boundary` at each step boundary, :meth:`freeze` when a generation
     ends, :meth:`held` and :meth:`restore` while the next one forms."""
 
-    def __init__(self, every: int, *, worker: str, timeout: Any, bucket_bytes: int) -> None:
+    def __init__(self, every: int, *, worker: str, timeout: Any, bucket_bytes: int,
+                 emit: Any = None) -> None:
         self.every = every
+        self.emit = emit  # the script's on_event: "peer_copy" for each round agreed whole, on the training thread
         self.worker = worker
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes
@@ -264,11 +266,13 @@ class PeerCopies:
         self._round_done = threading.Event()
         self._round_done.set()
         self._said: set[str] = set()
+        self._agreed: list[dict] = []  # rounds agreed whole since the last boundary (guarded by _lock)
 
     # -- training thread -------------------------------------------------------------
 
     def at_boundary(self, state: State, sharded: ShardedModel | None, group: Any) -> None:
         """A step boundary of ``group`` (the runtime's Group): a copy round if one is due."""
+        self._report_agreed()
         if self.every <= 0 or sharded is None or sharded.position is None:
             return
         if sharded.replicate_dim is not None:
@@ -349,6 +353,9 @@ class PeerCopies:
                 if agreed:  # whole everywhere: the round before is no longer needed by anyone
                     self._own = [snapshot]
                     self._copies = received
+                    self._agreed.append({"step": snapshot.step, "shard": snapshot.shard, "nbytes": snapshot.nbytes,
+                                         "copies_of": [c.shard for c in received],
+                                         "seconds": round(time.perf_counter() - began, 4)})
                 elif agreed is False:  # incomplete somewhere, known everywhere: keep the round before
                     self._own = [s for s in self._own if s is not snapshot]
                 else:  # unknown: keep both rounds (the next generation's plan picks what is whole)
@@ -441,6 +448,13 @@ class PeerCopies:
         return {"nbytes": moved, "seconds": round(time.perf_counter() - began, 4),
                 "copies_of": list(plan.from_copies),
                 "copy_holders": sorted({plan.sources[old] for old in plan.from_copies})}
+
+    def _report_agreed(self) -> None:
+        with self._lock:
+            agreed, self._agreed = self._agreed, []
+        for fields in agreed:
+            if self.emit is not None:
+                self.emit("peer_copy", **fields)
 
     def _say_once(self, what: str, message: str) -> None:
         if what not in self._said:

@@ -220,7 +220,8 @@ class Runtime:
                               "model's replicas already are its copies.")
         # In-memory copies of the shards, on a buddy (train/peer_copies.py); None: not asked for.
         self._peer_copies = (PeerCopies(state.peer_copies, worker=self.worker, timeout=self.pg_timeout,
-                                        bucket_bytes=self.transfer_bucket_bytes) if state.peer_copies else None)
+                                        bucket_bytes=self.transfer_bucket_bytes, emit=self._emit)
+                             if state.peer_copies else None)
         self._state_sync = GenerationStateSync(state, device=self.device, transport=self._training_group_device(),
                                                bucket_bytes=self.transfer_bucket_bytes,
                                                restore_from_checkpoint=self._restore_from_checkpoint,
@@ -790,7 +791,10 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     shards: :mod:`elasticctl.train.shards`.
 
     In hot mode ``"state_restored"`` on a rank whose state was restored when its generation formed:
-    step, source ("replica": senders, nbytes, seconds; "checkpoint": path), and for a sharded
-    model the shard this worker holds (and, from a checkpoint, ``missing``: the shards that had no
-    replica)."""
+    step, source ("replica": senders, nbytes, seconds; "checkpoint": path; "peer_copy": the shards
+    held in memory, ``State(peer_copies=K)``: trained, redone, copies_of, copy_holders, nbytes,
+    seconds), and for a sharded model the shard this worker holds (and, from a checkpoint,
+    ``missing``: the shards that had no replica). With peer copies, ``"peer_copy"`` at the first
+    step boundary after each copy round every worker agreed was whole (step, shard, nbytes sent,
+    copies_of: the shards received, seconds)."""
     Runtime(state, **options).run(train)
