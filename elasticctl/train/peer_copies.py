@@ -230,7 +230,7 @@ def copy_shapes(own: Snapshot, shard: int) -> dict[tuple, tuple[int, ...]]:
     return shapes
 
 
-def check_header(header: Sequence[int], own: Snapshot, expected_shard: int | None = None) -> None:
+def check_header(header: Sequence[int], own: Snapshot) -> None:
     """A buddy's copy header against this worker's own snapshot of the same round; StateError if it
     is not the round's (another generation, mesh, layout or step) or names an impossible shard."""
     generation, count, shard, step, layout = (int(v) for v in header)
@@ -238,7 +238,7 @@ def check_header(header: Sequence[int], own: Snapshot, expected_shard: int | Non
         raise StateError(f"A peer copy announced generation {generation}, {count} shards, step {step}; this "
                          f"round is generation {own.generation}, {own.count} shards, step {own.step} (or the "
                          "state's tensors differ).")
-    if not 0 <= shard < count or shard == own.shard or (expected_shard is not None and shard != expected_shard):
+    if not 0 <= shard < count or shard == own.shard:
         raise StateError(f"A peer copy announced shard {shard}, which its sender does not hold.")
 
 
@@ -313,10 +313,6 @@ class PeerCopies:
     def held(self) -> list[HeldShard]:
         with self._lock:
             return [s.held() for s in reversed(self._own)] + [c.held() for c in reversed(self._copies)]
-
-    def holds_any(self) -> bool:
-        with self._lock:
-            return bool(self._own)
 
     # -- a round (its own thread) ----------------------------------------------------
 

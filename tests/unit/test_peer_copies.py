@@ -163,3 +163,78 @@ def test_state_peer_copies_is_an_option_not_a_field():
     for bad in (-1, 2.5, "10"):
         with pytest.raises(ConfigError, match="peer_copies"):
             State(torch.nn.Linear(2, 2), peer_copies=bad)
+
+
+def _one_worker_fsdp_state():
+    """An FSDP2 model on a 1-D mesh of the one worker (the process_group fixture's world of one)."""
+    import types
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from elasticctl.train.shards import ShardedModel
+
+    def wrap(model, group):
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    state = State(model, torch.optim.AdamW(model.parameters(), lr=0.01), peer_copies=2, seen=0)
+    sharded = ShardedModel(wrap)
+    sharded.rewrap(state, types.SimpleNamespace(members=(), world_size=1, local_world_size=1,
+                                                device=torch.device("cpu")))
+    state.live = True
+    return state, sharded
+
+
+def _train(state, steps):
+    import torch
+
+    for _ in range(steps):
+        torch.manual_seed(100 + state.step)
+        state.model(torch.randn(3, 4)).sum().backward()
+        state.seen += 3
+        state.commit()
+
+
+def _full(state):
+    values = [p.to_local().detach().clone() for p in state.model.parameters()]
+    for per_parameter in state.optimizer.state.values():
+        values += [v.to_local().detach().clone() if hasattr(v, "to_local") else v.detach().clone()
+                   for _, v in sorted(per_parameter.items())]
+    return values
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_snapshot_stays_as_it_was_and_restores_the_step_it_took():
+    import datetime
+
+    import torch
+
+    from elasticctl.train.peer_copies import PeerCopies, take_snapshot
+
+    state, sharded = _one_worker_fsdp_state()
+    reference, _ = _one_worker_fsdp_state()
+    _train(state, 3)
+    _train(reference, 3)
+    at_3 = _full(state)
+    snapshot = take_snapshot(state, generation=1, shard=0, count=1)
+    assert set(snapshot.global_shapes) == {p for p in snapshot.sharded}
+    assert {path[0] for path in snapshot.sharded} == {"model", "optimizer"}  # moments are shards too
+    assert {path[-1] for path in snapshot.replicated} == {"step"}            # the optimizer's counters are not
+    _train(state, 2)
+    assert take_snapshot(state, 1, 0, 1).layout == snapshot.layout  # the same tensors: the same fingerprint
+    copies = PeerCopies(2, worker="w", timeout=datetime.timedelta(seconds=5), bucket_bytes=256)
+    copies._own = [snapshot]
+    moved = copies.restore(state, sharded, PeerCopyRestore(1, 1, 3, snapshot.layout, (0,), ()), rank=0, shards=[0],
+                           device=torch.device("cpu"), transport=torch.device("cpu"))
+    assert moved["nbytes"] == 0 and moved["copies_of"] == []  # one worker: every piece a local copy
+    assert state.step == 3 and state.seen == 9 and state.live
+    assert all(torch.equal(a, b) for a, b in zip(_full(state), at_3, strict=True))
+    _train(state, 2)  # and trains on exactly as the reference from step 3 (the snapshot was not touched)
+    _train(reference, 2)
+    assert all(torch.equal(a, b) for a, b in zip(_full(state), _full(reference), strict=True))
