@@ -75,8 +75,8 @@ FSDP_PEER_COPY_TRAINING = ("--shard", "fsdp", "--peer-copies", str(PEER_COPIES_E
 def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
     """FSDP2 with peer copies every 10 steps (issue 20's target: first step <= 3 s, <= 10 steps re-done,
     no restart, no disk read): 3 nodes x 1 worker of trainers/lm.py ``--shard fsdp --peer-copies 10``
-    in hot mode, no checkpoint directory at all; SIGKILL node c once a copy round of all 3 workers
-    at world 3 was agreed whole, then the first step at world 2. The result has ``fsdp_round``'s keys
+    in hot mode, no checkpoint directory at all; SIGKILL node c once a periodic copy round of all 3
+    workers at world 3 was agreed whole, then the first step at world 2. The result has ``fsdp_round``'s keys
     (seconds, cap_s, outcome, redone_steps, survivors_restarted, restored_sources,
     resumed_from_checkpoint) and the copies' own: the step the survivors went back to
     (``copy_step``), the newest step trained before (``trained_step``) and the shards' reshard
@@ -93,10 +93,12 @@ def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
             return {"seconds": None, "cap_s": cap, "outcome": f"the job did not reach world 3 within {cap:g} s"}
 
         def copied() -> bool:
-            workers = {(r["node"], r["step"]) for r in cluster.record.read()
-                       if r.get("event") == "peer_copy" and r.get("world_size") == 3}
-            steps = {step for _, step in workers}
-            return any(sum(1 for _, s in workers if s == step) == 3 for step in steps)
+            """A periodic round (not a generation's first) of all 3 workers at world 3, agreed whole."""
+            rounds = [(r["node"], r["step"]) for r in cluster.record.read()
+                      if r.get("event") == "peer_copy" and r.get("world_size") == 3]
+            first = min((step for _, step in rounds), default=None)
+            return any(step != first and step % PEER_COPIES_EVERY == 0
+                       and sum(1 for _, s in rounds if s == step) == 3 for _, step in rounds)
 
         if not wait_for(copied, cap):
             return {"seconds": None, "cap_s": cap, "outcome": f"no peer copy round at world 3 within {cap:g} s"}

@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import io
 import logging
 import threading
 import time
@@ -59,7 +60,7 @@ import torch.distributed as dist
 from elasticctl.train.shards import LocalShards, ShardedModel
 from elasticctl.train.state import State, StateError
 from elasticctl.train.sync import HeldShard, PeerCopyRestore
-from elasticctl.train.transfer import WINDOW, flatten, rebuild
+from elasticctl.train.transfer import DTYPE_NAMES, DTYPES, WINDOW, flatten, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class Snapshot:
     sharded: dict[tuple, torch.Tensor]           # path -> this shard's rows (model and optimizer)
     global_shapes: dict[tuple, tuple[int, ...]]  # path -> the sharded tensor's global shape
     replicated: dict[tuple, tuple[torch.Tensor, torch.device]]  # path -> (copy, where it lived)
+    dtypes: dict[tuple, torch.dtype] = dataclasses.field(default_factory=dict)  # of the sharded tensors
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +215,7 @@ def take_snapshot(state: State, generation: int, shard: int, count: int) -> Snap
             signature.append((path, str(tensor.dtype), tuple(tensor.shape), "replicated"))
     fingerprint = int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=8).digest(), "big") >> 1
     return Snapshot(generation, count, shard, state.step, fingerprint, copy.deepcopy(skeleton), sharded, shapes,
-                    replicated)
+                    replicated, {path: tensor.dtype for path, tensor in sharded.items()})
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -267,6 +269,7 @@ class PeerCopies:
         self._round_done.set()
         self._said: set[str] = set()
         self._agreed: list[dict] = []  # rounds agreed whole since the last boundary (guarded by _lock)
+        self._mesh_generation: int | None = None  # the generation whose mesh the live shards are on
 
     # -- training thread -------------------------------------------------------------
 
@@ -301,6 +304,30 @@ class PeerCopies:
         self._round_done.clear()
         threading.Thread(target=self._round, args=(token, snapshot, group.rank, self._group, self._buddies),
                          name="elasticctl-peer-copies", daemon=True).start()
+
+    def before_rewrap(self, state: State, sharded: ShardedModel | None) -> None:
+        """A new generation forms: a snapshot of the live shards at the step they trained to, before
+        the re-wrap drops them (every shard of a mesh without replicas moves when the world changes).
+        With every survivor's, it makes a node's joining, or a change without a loss, cost no step
+        re-done; the next round agreed whole drops it."""
+        if (self.every <= 0 or sharded is None or sharded.position is None or sharded.replicate_dim is not None
+                or not state.live or self._mesh_generation is None):
+            return
+        position = sharded.position
+        with self._lock:
+            if any((s.generation, s.step) == (self._mesh_generation, state.step) for s in self._own):
+                return  # a round took it at this very step, or an earlier attempt to form did
+        try:
+            snapshot = take_snapshot(state, self._mesh_generation, position.index, position.count)
+        except StateError as exc:
+            self._say_once("snapshot", f"no snapshot of its shards: {exc}")
+            return
+        with self._lock:
+            self._own.append(snapshot)
+
+    def wrapped(self, generation: int) -> None:
+        """The live shards are now on ``generation``'s mesh."""
+        self._mesh_generation = generation
 
     def freeze(self) -> None:
         """The generation ends: a round still out commits nothing; what is held stays as it is."""
@@ -366,7 +393,7 @@ class PeerCopies:
         dist.irecv(header, group=group, group_src=sender, tag=0).wait()
         check_header(header.tolist(), own)
         shard = int(header[2])
-        tensors = {path: torch.empty(shape, dtype=own.sharded[path].dtype)
+        tensors = {path: torch.empty(shape, dtype=own.dtypes[path])
                    for path, shape in copy_shapes(own, shard).items()}
         works = [dist.irecv(view, group=group, group_src=sender, tag=tag)
                  for tag, view in enumerate(_message_views(tensors.values(), self.bucket_bytes), start=1)]
@@ -386,6 +413,8 @@ class PeerCopies:
         with self._lock:
             own = next((s for s in self._own if (s.generation, s.count, s.layout, s.step) == key), None)
             copies = {c.shard: c for c in self._copies if (c.generation, c.count, c.layout, c.step) == key}
+        if plan.newcomers:  # they hold nothing of that mesh: the lead describes the rest of the state
+            own = _describe_to_newcomers(own, plan, rank, state, transport)
         if own is None:
             raise StateError(f"This worker holds no snapshot of step {plan.step} (generation {plan.generation}).")
 
@@ -405,12 +434,12 @@ class PeerCopies:
             wanted = (stop - start, *shape[1:])
             mine = live.get(path)
             targets[path] = (mine if mine is not None and tuple(mine.shape) == wanted and mine.is_contiguous()
-                             and mine.dtype == own.sharded[path].dtype
-                             else torch.empty(wanted, dtype=own.sharded[path].dtype, device=device))
+                             and mine.dtype == own.dtypes[path]
+                             else torch.empty(wanted, dtype=own.dtypes[path], device=device))
         rank_of_new = {index: member for member, index in enumerate(shards)}
         moved, in_flight, tag = 0, [], 0
         for path, shape in own.global_shapes.items():
-            row_bytes = own.sharded[path].element_size() * _numel(shape[1:])
+            row_bytes = own.dtypes[path].itemsize * _numel(shape[1:])
             for old, new, start, stop in reshard_pieces(shape[0], plan.count, new_count):
                 source, target = plan.sources[old], rank_of_new.get(new)
                 if target is None or not 0 <= source < world:
@@ -456,6 +485,85 @@ class PeerCopies:
         if what not in self._said:
             self._said.add(what)
             log.warning("[%s] %s", self.worker, message)
+
+
+DESCRIPTION_FORMAT = 1
+DESCRIPTION_MAX_BYTES = 64 * 2**20
+REPLICATED_MAX_BYTES = 64 * 2**20  # the non-sharded tensors a newcomer takes (the optimizer's counters...)
+
+
+def _describe_to_newcomers(own: Snapshot | None, plan: PeerCopyRestore, rank: int, state: State,
+                           transport: torch.device) -> Snapshot | None:
+    """The lead's snapshot minus its shards, broadcast to every member (a collective: all call it);
+    a newcomer gets a Snapshot of its own from it (no shards: it receives its rows), checked
+    against its own model and optimizer, read with ``weights_only=True`` (numbers, never code)."""
+    if rank == plan.lead:
+        buffer = io.BytesIO()
+        torch.save({"format": DESCRIPTION_FORMAT, "skeleton": own.skeleton,
+                    "sharded": [[list(path), DTYPE_NAMES[own.dtypes[path]], list(shape)]
+                                for path, shape in own.global_shapes.items()],
+                    "replicated": [[list(path), value, where.type == "cpu"]
+                                   for path, (value, where) in own.replicated.items()]}, buffer)
+        blob = buffer.getvalue()
+    else:
+        blob = b""
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=transport)
+    dist.broadcast(size, src=plan.lead)
+    if not 0 < int(size.item()) <= DESCRIPTION_MAX_BYTES:
+        raise StateError(f"The peer copies' description claims {int(size.item())} bytes: refused.")
+    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(transport) if rank == plan.lead
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=transport))
+    dist.broadcast(data, src=plan.lead)
+    if rank not in plan.newcomers:
+        return own
+    return newcomer_snapshot(data.cpu().numpy().tobytes(), plan, state)
+
+
+def newcomer_snapshot(blob: bytes, plan: PeerCopyRestore, state: State) -> Snapshot:
+    """A newcomer's Snapshot from the lead's description: the rest of the state as the lead holds it,
+    and the sharded tensors' global shapes checked against this worker's own parameters (an
+    optimizer's per-parameter tensor against its parameter's). StateError if anything does not fit."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        description = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as exc:  # whatever a malformed blob makes torch raise
+        raise StateError(f"The peer copies' description cannot be read: {exc}") from exc
+    if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
+        raise StateError("The peer copies' description is not one this worker reads.")
+    skeleton, sharded, replicated = (description.get(k) for k in ("skeleton", "sharded", "replicated"))
+    if not isinstance(skeleton, dict) or not isinstance(sharded, list) or not isinstance(replicated, list):
+        raise StateError("The peer copies' description holds no training state.")
+    own_tensors = dict(flatten(state.state_dict())[1])
+    parameters = [p for group in (state.optimizer.param_groups if state.optimizer else ()) for p in group["params"]]
+    shapes, dtypes = {}, {}
+    for entry in sharded:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list) and entry[0]
+                and all(type(k) in (str, int) for k in entry[0]) and entry[1] in DTYPES
+                and isinstance(entry[2], list) and all(type(n) is int and n >= 0 for n in entry[2])):
+            raise StateError("A sharded tensor of the peer copies' description is malformed.")
+        path, shape = tuple(entry[0]), tuple(entry[2])
+        mine = own_tensors.get(path)
+        if path[0] == "optimizer" and len(path) == 4 and path[1] == "state" and type(path[2]) is int \
+                and 0 <= path[2] < len(parameters):
+            mine = parameters[path[2]]
+        if not isinstance(mine, DTensor) or tuple(mine.shape) != shape or not shape:
+            raise StateError(f"The peer copies' tensor '{'.'.join(map(str, path))}' {list(shape)} does not fit "
+                             "this worker's model.")
+        shapes[path], dtypes[path] = shape, DTYPES[entry[1]]
+    taken, total = {}, 0
+    for entry in replicated:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list) and entry[0]
+                and isinstance(entry[1], torch.Tensor) and entry[1].dtype in DTYPE_NAMES and type(entry[2]) is bool):
+            raise StateError("A tensor of the peer copies' description is malformed.")
+        total += entry[1].numel() * entry[1].element_size()
+        if total > REPLICATED_MAX_BYTES:
+            raise StateError("The peer copies' description carries more unsharded tensors than allowed: refused.")
+        taken[tuple(entry[0])] = (entry[1], torch.device("cpu"))
+    for path in own_tensors:
+        if path[0] == "model" and path not in shapes and path not in taken:
+            raise StateError(f"The peer copies' description lacks the model's tensor '{'.'.join(map(str, path))}'.")
+    return Snapshot(plan.generation, plan.count, -1, plan.step, plan.layout, skeleton, {}, shapes, taken, dtypes)
 
 
 def _message_views(tensors: Any, bucket_bytes: int) -> list[torch.Tensor]:

@@ -373,7 +373,7 @@ class Runtime:
         if self._sharded is not None:
             # The shards move between the modules of this generation's mesh: wrapped first.
             held = self.state.step if self.state.live else -1  # whether or not its shards still fit
-            self._sharded.rewrap(self.state, group)
+            self._state_sync.rewrap(group)
             group = dataclasses.replace(group, shard=self._sharded.position.index)
             sent_from = self._state_sync.sync_shards(rank, world_size, survivors, held)
             model = self.state.model

@@ -79,6 +79,15 @@ class GenerationStateSync:
                       nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
         return moved.senders
 
+    def rewrap(self, group: Any) -> None:
+        """Shard the state over ``group``'s mesh as a new module (:class:`ShardedModel`); with peer copies,
+        a snapshot of the live shards first (the re-wrap drops them where they no longer fit)."""
+        if self.peer_copies is not None:
+            self.peer_copies.before_rewrap(self.state, self.sharded)
+        self.sharded.rewrap(self.state, group)
+        if self.peer_copies is not None:
+            self.peer_copies.wrapped(group.number)
+
     def sync_shards(self, rank: int, world_size: int, survivors: Sequence[bool], held: int) -> tuple[int, ...]:
         """A sharded state's :meth:`sync_state`: per shard index, from the replicas that hold it at
         the newest step (:func:`elasticctl.train.sync.plan_shard_sync`), over the mesh's replicate
@@ -125,8 +134,8 @@ class GenerationStateSync:
     def _restore_peer_copies(self, plan: Any, rank: int, shards: Sequence[int], trained: int) -> None:
         """Every member back to the step of the newest whole set of shards held in memory, resharded
         to this generation's mesh (:meth:`elasticctl.train.peer_copies.PeerCopies.restore`)."""
-        log.warning("[%s] no member's shards fit the new mesh at step %d: going back to step %d from the "
-                    "shards held in memory (shard(s) %s from a buddy's copy)", self.worker, trained, plan.step,
+        log.warning("[%s] the shards of the previous mesh (trained to step %d) go to the new one from memory, "
+                    "at step %d (shard(s) %s from a buddy's copy)", self.worker, trained, plan.step,
                     ", ".join(map(str, plan.from_copies)) or "none")
         moved = self.peer_copies.restore(self.state, self.sharded, plan, rank, shards, device=self.device,
                                          transport=self.transport)

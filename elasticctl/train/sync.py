@@ -155,7 +155,8 @@ class PeerCopyRestore:
     layout: int
     sources: tuple[int, ...]      # by old shard index, the rank that holds it (its owner first)
     from_copies: tuple[int, ...]  # the old shard indexes only a buddy's copy had (their owner is gone)
-
+    newcomers: tuple[int, ...] = ()  # members that were not in that mesh: the lead describes the state to them
+    lead: int = 0                 # the lowest rank holding its own snapshot of that step
 
 @dataclasses.dataclass(frozen=True)
 class ShardSyncPlan:
@@ -195,15 +196,19 @@ def plan_peer_copy_restore(held: Sequence[Sequence[HeldShard]], survivors: Seque
     on, from the shards the members hold in memory (``held[rank]``); None: they cannot make one
     whole state (the newest checkpoint then).
 
-    A candidate is one mesh at one step (generation, shard count, layout, step): usable when every
-    member was in the previous generation and holds its own snapshot of it (each member's own
-    shard index different: the non-sharded part of the state, and the member's proof it trained
-    there), and every shard index of that mesh is held by someone, its owner or a buddy. The
-    newest usable step wins (then the newest generation). Reports out of range are ignored."""
-    if not held or len(held) != len(survivors) or not all(survivors):
+    Only the previous generation's members (``survivors``) are believed. A candidate is one mesh at
+    one step (generation, shard count, layout, step): usable when every such member holds its own
+    snapshot of it (each a different shard index: the proof it trained there, and the rest of the
+    state besides the shards) and every shard index of that mesh is held by someone, its owner or
+    a buddy. The newest usable step wins (then the newest generation). The others (newcomers) hold
+    nothing and receive their shards, and the rest of the state from the lead. Reports out of range
+    are ignored."""
+    if not held or len(held) != len(survivors) or not any(survivors):
         return None
     candidates: dict[tuple[int, int, int, int], list[tuple[int, HeldShard]]] = {}
     for rank, shards_held in enumerate(held):
+        if not survivors[rank]:
+            continue
         for entry in shards_held:
             if not (0 < entry.count <= MAX_SHARDS and 0 <= entry.shard < entry.count and entry.step >= 0
                     and entry.generation >= 0):
@@ -211,9 +216,10 @@ def plan_peer_copy_restore(held: Sequence[Sequence[HeldShard]], survivors: Seque
             key = (entry.generation, entry.count, entry.layout, entry.step)
             candidates.setdefault(key, []).append((rank, entry))
     best: PeerCopyRestore | None = None
+    survivor_count = sum(1 for survivor in survivors if survivor)
     for (generation, count, layout, step), entries in candidates.items():
         owners = {rank: entry.shard for rank, entry in entries if entry.own}
-        if len(owners) != len(held) or len(set(owners.values())) != len(owners):
+        if len(owners) != survivor_count or len(set(owners.values())) != len(owners):
             continue
         sources, from_copies = [], []
         for shard in range(count):
@@ -225,7 +231,9 @@ def plan_peer_copy_restore(held: Sequence[Sequence[HeldShard]], survivors: Seque
             if not own:
                 from_copies.append(shard)
         else:
-            candidate = PeerCopyRestore(generation, count, step, layout, tuple(sources), tuple(from_copies))
+            newcomers = tuple(rank for rank, survivor in enumerate(survivors) if not survivor)
+            candidate = PeerCopyRestore(generation, count, step, layout, tuple(sources), tuple(from_copies),
+                                        newcomers, min(owners))
             if best is None or (step, generation) > (best.step, best.generation):
                 best = candidate
     return best

@@ -128,9 +128,17 @@ LOST = [-1, -1]  # FSDP without replicas after a node is lost: no survivor's sha
      ShardSyncPlan(from_checkpoint=True)),
     # copies of another layout (or mesh) do not mix
     (LOST, [0, 1], [T, T], [[own(0, 20), buddy(2, 20, layout=7)], [own(1, 20)]], ShardSyncPlan(from_checkpoint=True)),
-    # a newcomer in the generation: it holds nothing to go back with; the checkpoint
+    # a newcomer in the generation as a node is lost: it receives its shards (and the rest from the lead)
     ([-1, -1, -1], [0, 1, 2], [T, T, F], [[own(0, 20), buddy(2, 20)], [own(1, 20)], []],
+     ShardSyncPlan(step=20, peer_copies=PeerCopyRestore(3, 3, 20, 99, (0, 1, 0), (2,), (2,), 0))),
+    # a node joins (2 shards -> 3): the survivors' own shards at the step they trained to, nothing re-done
+    ([-1, -1, -1], [0, 1, 2], [T, T, F], [[own(1, 30, count=2)], [own(0, 30, count=2)], []],
+     ShardSyncPlan(step=30, peer_copies=PeerCopyRestore(3, 2, 30, 99, (1, 0), (), (2,), 0))),
+    # what a newcomer claims to hold is not believed
+    ([-1, -1, -1], [0, 1, 2], [T, T, F], [[own(0, 20)], [own(1, 20)], [buddy(2, 20), own(2, 20)]],
      ShardSyncPlan(from_checkpoint=True)),
+    # nobody in the generation was in the previous one: nothing held is believed
+    ([-1, -1], [0, 1], [F, F], [[own(0, 20, count=2)], [own(1, 20, count=2)]], ShardSyncPlan(from_checkpoint=True)),
     # two members claiming to own one shard: not believed
     (LOST, [0, 1], [T, T], [[own(0, 20), buddy(2, 20)], [own(0, 20), buddy(1, 20)]],
      ShardSyncPlan(from_checkpoint=True)),
