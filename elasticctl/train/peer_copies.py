@@ -21,25 +21,31 @@ generation) each worker:
 
 With one node there is no buddy on another node: no copy is taken, and the log says so once.
 
-After a loss, where the live shards cannot make one state (every shard of a mesh without
-replicas changes when the world does), the survivors report the shards they hold
-(:class:`elasticctl.train.sync.HeldShard`); :func:`elasticctl.train.sync.plan_shard_sync` picks
-the newest step at which every shard of the old mesh is held (its owner's snapshot, else a
-buddy's copy), and every member goes back to that step (at most K steps re-done, plus the step
-in flight): :meth:`PeerCopies.restore` reshards the old mesh's shards to the new mesh in memory,
-each worker receiving the rows of its new shard from the holders of the old shards that overlap
-them, point to point on the training group, in pieces of at most the bucket size.
+When a generation forms, every shard of a mesh without replicas changes with the world, so the
+re-wrap drops the live shards: each survivor first takes one more snapshot of them, at the step
+it trained to (:meth:`PeerCopies.before_rewrap`). The members then report the shards they hold
+(:class:`elasticctl.train.sync.HeldShard`), and :func:`elasticctl.train.sync.plan_shard_sync`
+picks the newest step at which every shard of the old mesh is held (its owner's snapshot, else a
+buddy's copy): after a join, or any change without a loss, the step trained to (nothing
+re-done); after a lost node, the last round agreed whole (at most K steps re-done, plus the step
+in flight), every member going back to it. :meth:`PeerCopies.restore` reshards the old mesh's
+shards to the new mesh in memory, each worker receiving the rows of its new shard from the
+holders of the old shards that overlap them, point to point on the training group, in pieces of
+at most the bucket size; a newcomer takes the rest of the state (step, fields, sampler,
+optimizer hyperparameters and counters) from a description the lead broadcasts, read with
+``weights_only=True`` and checked against its own parameters.
 
 Memory, honestly: a worker holds, besides its live state, one snapshot of its own shards and
 one copy of its buddy's shards (each the size of that worker's model and optimizer shards, in
 host memory); while a round is in flight, the previous round's snapshot and copy are kept too
-(twice that). A worker that is the buddy of several (nodes with unequal worker counts) holds a
-copy of each.
+(twice that), and a re-formation adds the snapshot before the re-wrap until the next round. A
+worker that is the buddy of several (nodes with unequal worker counts) holds a copy of each.
 
 Limits: hot mode only; a 1-D mesh (``fully_shard`` over every worker: ``Shard(0)`` of every
-parameter, torch's even chunks); every member of the new generation must have been in the old
-one (a joiner in the same generation as a loss: the checkpoint instead); a round still in
-flight when the next is due holds the training thread until it ends.
+parameter, torch's even chunks); a newcomer's copies of the optimizer's counters go to the CPU
+(where torch keeps them unless ``capturable``); a round still in flight when the next is due
+holds the training thread until it ends; a lost node whose buddy was lost with it (two nodes at
+once) leaves its shards to the checkpoint.
 """
 
 from __future__ import annotations
