@@ -75,8 +75,9 @@ FSDP_PEER_COPY_TRAINING = ("--shard", "fsdp", "--peer-copies", str(PEER_COPIES_E
 def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
     """FSDP2 with peer copies every 10 steps (issue 20's target: first step <= 3 s, <= 10 steps re-done,
     no restart, no disk read): 3 nodes x 1 worker of trainers/lm.py ``--shard fsdp --peer-copies 10``
-    in hot mode, no checkpoint directory at all; SIGKILL node c once a periodic copy round of all 3
-    workers at world 3 was agreed whole, then the first step at world 2. The result has ``fsdp_round``'s keys
+    in hot mode, no checkpoint directory at all; SIGKILL node c half-way between two copy rounds
+    (once a periodic round of all 3 workers at world 3 was agreed whole and 5 more steps began),
+    then the first step at world 2. The result has ``fsdp_round``'s keys
     (seconds, cap_s, outcome, redone_steps, survivors_restarted, restored_sources,
     resumed_from_checkpoint) and the copies' own: the step the survivors went back to
     (``copy_step``), the newest step trained before (``trained_step``) and the shards' reshard
@@ -92,15 +93,19 @@ def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
         if cluster.wait_world(3, set(NODES), started, cap) is None:
             return {"seconds": None, "cap_s": cap, "outcome": f"the job did not reach world 3 within {cap:g} s"}
 
-        def copied() -> bool:
-            """A periodic round (not a generation's first) of all 3 workers at world 3, agreed whole."""
-            rounds = [(r["node"], r["step"]) for r in cluster.record.read()
-                      if r.get("event") == "peer_copy" and r.get("world_size") == 3]
+        def half_way() -> bool:
+            """Half-way to the next round after a periodic round (not a generation's first) of all 3
+            workers at world 3 agreed whole: a kill then re-does about half the interval, the typical
+            case (right after a round it would re-do one step; right before the next, all of them)."""
+            lines = cluster.record.read()
+            rounds = [(r["node"], r["step"]) for r in lines if r.get("event") == "peer_copy" and r.get("world_size") == 3]
             first = min((step for _, step in rounds), default=None)
-            return any(step != first and step % PEER_COPIES_EVERY == 0
-                       and sum(1 for _, s in rounds if s == step) == 3 for _, step in rounds)
+            whole = [step for _, step in rounds if step != first and step % PEER_COPIES_EVERY == 0
+                     and sum(1 for _, s in rounds if s == step) == 3]
+            newest = max((r["step"] for r in lines if "event" not in r and r.get("world_size") == 3), default=-1)
+            return bool(whole) and newest >= min(whole) + PEER_COPIES_EVERY // 2
 
-        if not wait_for(copied, cap):
+        if not wait_for(half_way, cap):
             return {"seconds": None, "cap_s": cap, "outcome": f"no peer copy round at world 3 within {cap:g} s"}
         survivors = {"a", "b"}
         before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
