@@ -42,8 +42,9 @@ methods are the transitions between its phases and share its fields (the phase, 
 group and its store, the checkpointer, the flags in flight, the last boundary), written
 on the training thread and read by the SIGTERM handler and the watchdog. What can stand
 alone already does: the decisions (``boundary.py``, ``sync.py``), the two modes
-(``membership.py``), the state (``state.py``), a new generation's state sync (``state_sync.py``),
-checkpoints (``checkpoint.py``) and the process-group set-up (``process_group.py``); splitting the class would spread one set of
+(``membership.py``), the state (``state.py``), a new generation's state sync (``state_sync.py``)
+and the peers' copies of shards (``peer_copies.py``), checkpoints (``checkpoint.py``) and the
+process-group set-up (``process_group.py``); splitting the class would spread one set of
 fields and their threading rules over files without separating anything.
 """
 
