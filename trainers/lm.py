@@ -10,7 +10,9 @@ model) on :func:`elasticctl.train.hsdp_mesh`: replicated across nodes, sharded w
 Checkpoints are then sharded (DCP, resharded on load at another world size) and, with
 ``--recovery hot``, a lost node's shards are restored from their replicas on the other nodes,
 in process. ``--shard fsdp`` shards over every worker instead (no replica: in hot mode a
-changed world restores the newest sharded checkpoint, resharded, in process). The default,
+changed world restores the newest sharded checkpoint, resharded, in process; with
+``--peer-copies K`` each worker sends its shards to a buddy on another node every K steps, and a
+lost node is restored from those copies in memory, re-doing at most K steps). The default,
 ``--shard none``, is plain DDP.
 
 Everything else (the record, checkpoints, the LR policy, fault injection, the straggler knob)
@@ -53,7 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'hsdp': FSDP2 sharded within a node, replicated across nodes; 'fsdp': sharded "
                              "over every worker, no replica (hot mode restores a resize from the checkpoint); "
                              "'none': DDP")
+    parser.add_argument("--peer-copies", type=int, default=0, metavar="K",
+                        help="with --shard fsdp under --recovery hot: every K steps each worker sends its shards to "
+                             "a buddy on another node, restored from memory when a node is lost (0: no copies)")
     args = check_args(parser, parser.parse_args(argv))
+    if args.peer_copies < 0:
+        parser.error(f"--peer-copies ({args.peer_copies}) must be 0 (no copies) or more steps.")
+    if args.peer_copies and args.shard != "fsdp":
+        parser.error(f"--peer-copies needs --shard fsdp (with --shard {args.shard} the replicas are the copies).")
     for name in ("layers", "heads", "vocab", "seq_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1.")
@@ -143,7 +152,8 @@ def lm_task(args: argparse.Namespace, device: torch.device) -> Task:
     dataset = bigram_dataset(args.dataset_size, args.seq_len, args.vocab, args.seed)
     options = ({"wrap": functools.partial(shard_model, sharding=args.shard), "sharded": True}
                if args.shard != "none" else {})
-    return Task(model, optimizer, dataset, next_token_loss, options)
+    return Task(model, optimizer, dataset, next_token_loss, options,
+                {"peer_copies": args.peer_copies} if args.peer_copies else {})
 
 
 def main() -> None:

@@ -165,6 +165,7 @@ class Task:
     dataset: TensorDataset
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     run_options: dict = dataclasses.field(default_factory=dict)  # wrap, sharded: elasticctl.train.run's
+    state_options: dict = dataclasses.field(default_factory=dict)  # peer_copies: elasticctl.train.State's
 
 
 def mlp_task(args: argparse.Namespace, device: torch.device) -> Task:
@@ -211,7 +212,8 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
     sharded = task.run_options.get("sharded", False)
     sampler = elastic.ResumableSampler(dataset, num_replicas=1, rank=0, seed=args.seed)
     # global_batch: chosen at the first start (or by the flag), then fixed across world sizes.
-    state = elastic.State(task.model, optimizer, sampler=sampler, samples_seen=0, global_batch=args.global_batch)
+    state = elastic.State(task.model, optimizer, sampler=sampler, samples_seen=0, global_batch=args.global_batch,
+                          **task.state_options)
     started = False
     injected = False
 

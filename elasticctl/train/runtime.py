@@ -42,7 +42,8 @@ methods are the transitions between its phases and share its fields (the phase, 
 group and its store, the checkpointer, the flags in flight, the last boundary), written
 on the training thread and read by the SIGTERM handler and the watchdog. What can stand
 alone already does: the decisions (``boundary.py``, ``sync.py``), the two modes
-(``membership.py``), the state (``state.py``), checkpoints (``checkpoint.py``) and the
+(``membership.py``), the state (``state.py``), a new generation's state sync (``state_sync.py``)
+and the peers' copies of shards (``peer_copies.py``), checkpoints (``checkpoint.py``) and the
 process-group set-up (``process_group.py``); splitting the class would spread one set of
 fields and their threading rules over files without separating anything.
 """
@@ -74,14 +75,15 @@ from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
+from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
-from elasticctl.train.shards import LocalShards, ShardedModel, is_sharded
-from elasticctl.train.state import State, StateError
+from elasticctl.train.shards import ShardedModel, is_sharded
+from elasticctl.train.state import State
+from elasticctl.train.state_sync import GenerationStateSync
 from elasticctl.train.straggler_watch import StragglerWatch
-from elasticctl.train.sync import plan_shard_sync, plan_state_sync
 from elasticctl.train.timeline import describe_timeline, recovery_timeline
-from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes, transfer_state
+from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,18 @@ class Runtime:
                                           control_group=lambda: self.control_group, record=self._record,
                                           request_leave=self._request_leave)
         self._registry: Any = None
+        if state.peer_copies and not sharded:
+            raise ConfigError("State(peer_copies=...) is for a sharded model (run(..., sharded=True)); a replicated "
+                              "model's replicas already are its copies.")
+        # In-memory copies of the shards, on a buddy (train/peer_copies.py); None: not asked for.
+        self._peer_copies = (PeerCopies(state.peer_copies, worker=self.worker, timeout=self.pg_timeout,
+                                        bucket_bytes=self.transfer_bucket_bytes, emit=self._emit)
+                             if state.peer_copies else None)
+        self._state_sync = GenerationStateSync(state, device=self.device, transport=self._training_group_device(),
+                                               bucket_bytes=self.transfer_bucket_bytes,
+                                               restore_from_checkpoint=self._restore_from_checkpoint,
+                                               emit=self._emit, worker=self.worker, sharded=self._sharded,
+                                               peer_copies=self._peer_copies)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -356,13 +370,13 @@ class Runtime:
         if self._sharded is not None:
             # The shards move between the modules of this generation's mesh: wrapped first.
             held = self.state.step if self.state.live else -1  # whether or not its shards still fit
-            self._sharded.rewrap(self.state, group)
+            self._state_sync.rewrap(group)
             group = dataclasses.replace(group, shard=self._sharded.position.index)
-            sent_from = self._sync_shards(rank, world_size, survivors, held)
+            sent_from = self._state_sync.sync_shards(rank, world_size, survivors, held)
             model = self.state.model
         else:
             # DDP broadcasts rank 0's parameters when it wraps: the state is in sync before.
-            sent_from = self._sync_state(rank, world_size, survivors)
+            sent_from = self._state_sync.sync_state(rank, world_size, survivors)
             model = self._wrap(self.state.model, group)
             if self._wrap_given and is_sharded(model):
                 raise ConfigError("The wrap sharded the model (its parameters are DTensors): pass "
@@ -395,6 +409,8 @@ class Runtime:
         """Take the process groups down, bounded: one that will not come down ends the worker."""
         self._flags_sent = None
         self._group = None
+        if self._peer_copies is not None:
+            self._peer_copies.freeze()  # a copy round still out commits nothing now
         # destroy_process_group() below takes the side group down with the training group; the
         # last reference goes here, so that its gloo threads and sockets go with it (a gloo
         # collective still waiting on a lost peer ends by its timeout, the node TTL: gloo has no abort).
@@ -411,85 +427,6 @@ class Runtime:
         finally:
             stuck.cancel()
         self.store = None
-
-    def _sync_state(self, rank: int, world_size: int, survivors: list[bool]) -> tuple[int, ...]:
-        """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);
-        the ranks that sent it (none: nothing was sent)."""
-        if world_size == 1 and self.state.live:
-            return ()
-        transport = self._training_group_device()
-        mine = torch.tensor([self.state.step if self.state.live else -1], dtype=torch.int64, device=transport)
-        steps = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(steps, mine)
-        steps = [int(t.item()) for t in steps]
-        plan = plan_state_sync(steps, survivors)
-        for refused in plan.refused:
-            log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
-                        "its state is not taken", self.worker, refused, steps[refused])
-        if plan.from_checkpoint:  # nobody holds state: the job's start, or every worker was lost
-            self._restore_from_checkpoint()
-            return ()
-        if plan.source is None:
-            return ()
-        moved = transfer_state(self.state, rank, plan.sources, device=self.device, transport=transport,
-                               bucket_bytes=self.transfer_bucket_bytes)
-        log.info("[%s] state of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
-                 self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, moved.senders)), moved.seconds)
-        if rank not in moved.senders:
-            self._emit("state_restored", step=self.state.step, source="replica", senders=list(moved.senders),
-                       nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
-        return moved.senders
-
-    def _sync_shards(self, rank: int, world_size: int, survivors: list[bool], held: int) -> tuple[int, ...]:
-        """A sharded state's :meth:`_sync_state`: per shard index, from the replicas that hold it at
-        the newest step (:func:`elasticctl.train.sync.plan_shard_sync`), over the mesh's replicate
-        group; the checkpoint when a shard has none. ``held``: the step this worker trained to
-        before the re-wrap, whether or not its shards still fit (-1: none). The ranks that sent
-        this worker's shard."""
-        position = self._sharded.position
-        flag_device = self._training_group_device()
-        mine = torch.tensor([self.state.step if self.state.live else -1, position.index, held], dtype=torch.int64,
-                            device=flag_device)
-        reports = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(reports, mine)
-        steps, shards, helds = zip(*(tuple(int(v) for v in report.tolist()) for report in reports), strict=True)
-        plan = plan_shard_sync(steps, shards, survivors)
-        for refused in plan.refused:
-            log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
-                        "its shard is not taken", self.worker, refused, steps[refused])
-        if plan.from_checkpoint:
-            self._restore_lost_shards(plan.missing, max(helds))
-            return ()
-        transfer = next((t for t in plan.transfers if t.shard == position.index), None)
-        if transfer is None:
-            return ()
-        replicas = self._sharded.replica_group()
-        moved = transfer_state(LocalShards(self.state), dist.get_group_rank(replicas, rank),
-                               [dist.get_group_rank(replicas, source) for source in transfer.sources],
-                               device=self.device, transport=flag_device, bucket_bytes=self.transfer_bucket_bytes,
-                               group=replicas)
-        senders = [dist.get_global_rank(replicas, sender) for sender in moved.senders]
-        log.info("[%s] shard %d of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
-                 position.index, self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, senders)),
-                 moved.seconds)
-        if rank not in senders:
-            self._emit("state_restored", step=self.state.step, source="replica", shard=position.index,
-                       senders=senders, nbytes=moved.nbytes, seconds=round(moved.seconds, 4))
-        return tuple(senders)
-
-    def _restore_lost_shards(self, missing: tuple[int, ...], trained: int) -> None:
-        """No replica holds some shard, or no shard fits this generation's mesh (FSDP without
-        replicas, resized), or nobody holds state (the job's start): every member restores the
-        newest sharded checkpoint, resharded to this generation, in process. ``trained``: the
-        newest step any member trained to (-1: none)."""
-        if trained >= 0:
-            log.warning("[%s] %s at step %d: restoring the newest checkpoint", self.worker,
-                        f"shard(s) {', '.join(map(str, missing))} have no replica" if missing
-                        else "no member's shards fit the new mesh", trained)
-        restored = self._restore_from_checkpoint(shard=self._sharded.position.index, missing=list(missing))
-        if restored is None and trained >= 0:
-            raise StateError(f"The model's shards trained to step {trained} have no replica in this generation "
-                             "and there is no checkpoint to restore them from: the training state is lost.")
 
     def _restore_from_checkpoint(self, **event: Any) -> Any:
         """The newest checkpoint into the state (its Restored; None: there is none). In hot mode the
@@ -534,6 +471,8 @@ class Runtime:
         self._stragglers.at_boundary(group, self.state.step)
         if self._checkpointer and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
             self._save()
+        if self._peer_copies is not None:
+            self._peer_copies.at_boundary(self.state, self._sharded, group)
         self._publish_progress(group, samples, loss)
         self._act_on(self._send_flags(group))
         self._stragglers.next_step()
@@ -849,7 +788,10 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     shards: :mod:`elasticctl.train.shards`.
 
     In hot mode ``"state_restored"`` on a rank whose state was restored when its generation formed:
-    step, source ("replica": senders, nbytes, seconds; "checkpoint": path), and for a sharded
-    model the shard this worker holds (and, from a checkpoint, ``missing``: the shards that had no
-    replica)."""
+    step, source ("replica": senders, nbytes, seconds; "checkpoint": path; "peer_copy": the shards
+    held in memory, ``State(peer_copies=K)``: trained, redone, copies_of, copy_holders, nbytes,
+    seconds), and for a sharded model the shard this worker holds (and, from a checkpoint,
+    ``missing``: the shards that had no replica). With peer copies, ``"peer_copy"`` at the first
+    step boundary after each copy round every worker agreed was whole (step, shard, nbytes sent,
+    copies_of: the shards received, seconds)."""
     Runtime(state, **options).run(train)

@@ -23,7 +23,8 @@ own local shards, then the tensors in place).
 
 Limits: every parameter is a DTensor on one mesh with one placement (``fully_shard`` of the model,
 of its blocks, or both, on the mesh ``fn`` builds); that mesh is 1-D (``Shard(0)``: no replicas,
-a changed world restores the newest sharded checkpoint) or 2-D (``Replicate(), Shard(0)``);
+a changed world restores the peers' in-memory copies, :mod:`elasticctl.train.peer_copies`, or
+else the newest sharded checkpoint) or 2-D (``Replicate(), Shard(0)``);
 optimizer state tensors are shaped like their parameter or are scalars; the model's buffers are
 replicated (FSDP2 does not shard them); the script builds its full model once per process (the
 first generation shards it; a meta-device model is not supported yet). An HSDP generation must

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from elasticctl.errors import ElasticctlError
+from elasticctl.errors import ConfigError, ElasticctlError
 
 
 class StateError(ElasticctlError):
@@ -28,14 +28,22 @@ class State:
     ``fields`` are plain values (numbers, strings, tensors, lists and dicts of them) the
     script wants carried along, such as samples seen; read and write them as attributes
     (``state.samples_seen += n``). ``step`` counts committed steps.
+
+    ``peer_copies=K`` (hot mode, a model sharded without replicas): every K steps each worker
+    sends a copy of its shards to a buddy on another node, so that a lost node is restored from
+    memory, re-doing at most K steps (:mod:`elasticctl.train.peer_copies`; 0: no copies).
     """
 
     _OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  scheduler: Any = None, scaler: torch.amp.GradScaler | None = None, sampler: Any = None,
-                 **fields: Any) -> None:
+                 peer_copies: int = 0, **fields: Any) -> None:
+        if type(peer_copies) is not int or peer_copies < 0:
+            raise ConfigError(f"State(peer_copies={peer_copies!r}): the copy interval must be a whole number of "
+                              "steps, 0 (no copies) or more.")
         object.__setattr__(self, "_fields", dict(fields))
+        object.__setattr__(self, "peer_copies", peer_copies)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler  # stepped by every commit: a per-step schedule

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 MAX_STEP_LEAD = 1  # steps a member of the previous generation may be ahead of its peers' median
+MAX_SHARDS = 2**20  # a reported shard count above this is not believed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,23 +132,116 @@ class ShardTransfer:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeldShard:
+    """A whole shard a member holds in memory besides its live state, as it reports it (peer copies,
+    :mod:`elasticctl.train.peer_copies`): its own snapshot, or the copy its buddy sent it."""
+
+    generation: int  # the generation whose mesh the shard belongs to
+    count: int       # the shard count of that mesh
+    shard: int       # the shard's index in it
+    step: int        # the step it is of
+    layout: int      # the fingerprint of the state's tensors (paths, dtypes, global shapes)
+    own: bool        # the member's own shard (a snapshot), not a buddy's copy
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCopyRestore:
+    """Every member goes back to ``step`` from the shards of ``generation``'s mesh held in memory,
+    resharded to the new mesh: old shard ``i`` is sent by rank ``sources[i]``."""
+
+    generation: int
+    count: int
+    step: int
+    layout: int
+    sources: tuple[int, ...]      # by old shard index, the rank that holds it (its owner first)
+    from_copies: tuple[int, ...]  # the old shard indexes only a buddy's copy had (their owner is gone)
+    newcomers: tuple[int, ...] = ()  # members that were not in that mesh: the lead describes the state to them
+    lead: int = 0                 # the lowest rank holding its own snapshot of that step
+
+@dataclasses.dataclass(frozen=True)
 class ShardSyncPlan:
     """What the members of a new generation do before they train, when the state is sharded."""
 
     transfers: tuple[ShardTransfer, ...] = ()  # the shard indexes that need one
     from_checkpoint: bool = False  # everyone restores the newest checkpoint
-    missing: tuple[int, ...] = ()  # shard indexes with no holder at the newest step (why from_checkpoint)
+    missing: tuple[int, ...] = ()  # shard indexes with no holder at the newest step (why no replica sync)
     refused: tuple[int, ...] = ()
-    step: int | None = None        # the step the replicas hold (None: no transfer)
+    step: int | None = None        # the step the replicas (or the peer copies) hold (None: no transfer)
+    peer_copies: PeerCopyRestore | None = None  # everyone restores from the shards held in memory
 
 
 def plan_shard_sync(steps: Sequence[int], shards: Sequence[int], survivors: Sequence[bool],
-                    max_lead: int = MAX_STEP_LEAD) -> ShardSyncPlan:
+                    max_lead: int = MAX_STEP_LEAD, held: Sequence[Sequence[HeldShard]] = ()) -> ShardSyncPlan:
     """The plan for members reporting ``steps`` and holding shard index ``shards[rank]``; the trust
     rules are :func:`plan_state_sync`'s. The newest step is the same for every shard index: the
     holders of a shard at that step send it to its other members; a holder at an older step, or
-    one not trusted, receives; a shard index without a holder at that step sends nothing and
-    everyone restores the checkpoint instead (mixing steps would make the shards of no one state)."""
+    one not trusted, receives; a shard index without a holder at that step sends nothing (mixing
+    steps would make the shards of no one state).
+
+    Where the live shards cannot make one state, the cheapest other source, for every member at
+    once: the shards held in memory (``held[rank]``, peer copies: :func:`plan_peer_copy_restore`),
+    every member going back to their step; else the newest checkpoint. So, per shard, a live
+    replica beats a buddy's copy, which beats the checkpoint."""
+    plan = _plan_live_shards(steps, shards, survivors, max_lead)
+    if not plan.from_checkpoint or not held:
+        return plan
+    copies = plan_peer_copy_restore(held, survivors)
+    if copies is None:
+        return plan
+    return dataclasses.replace(plan, from_checkpoint=False, step=copies.step, peer_copies=copies)
+
+
+def plan_peer_copy_restore(held: Sequence[Sequence[HeldShard]], survivors: Sequence[bool]) -> PeerCopyRestore | None:
+    """Which step every member goes back to, and who sends each shard of the mesh it was trained
+    on, from the shards the members hold in memory (``held[rank]``); None: they cannot make one
+    whole state (the newest checkpoint then).
+
+    Only the previous generation's members (``survivors``) are believed. A candidate is one mesh at
+    one step (generation, shard count, layout, step): usable when every such member holds its own
+    snapshot of it (each a different shard index: the proof it trained there, and the rest of the
+    state besides the shards) and every shard index of that mesh is held by someone, its owner or
+    a buddy. The newest usable step wins (then the newest generation). The others (newcomers) hold
+    nothing and receive their shards, and the rest of the state from the lead. Reports out of range
+    are ignored."""
+    if not held or len(held) != len(survivors) or not any(survivors):
+        return None
+    candidates: dict[tuple[int, int, int, int], list[tuple[int, HeldShard]]] = {}
+    for rank, shards_held in enumerate(held):
+        if not survivors[rank]:
+            continue
+        for entry in shards_held:
+            if not (0 < entry.count <= MAX_SHARDS and 0 <= entry.shard < entry.count and entry.step >= 0
+                    and entry.generation >= 0):
+                continue
+            key = (entry.generation, entry.count, entry.layout, entry.step)
+            candidates.setdefault(key, []).append((rank, entry))
+    best: PeerCopyRestore | None = None
+    survivor_count = sum(1 for survivor in survivors if survivor)
+    for (generation, count, layout, step), entries in candidates.items():
+        owners = {rank: entry.shard for rank, entry in entries if entry.own}
+        if len(owners) != survivor_count or len(set(owners.values())) != len(owners):
+            continue
+        sources, from_copies = [], []
+        for shard in range(count):
+            own = sorted(rank for rank, index in owners.items() if index == shard)
+            copy = sorted(rank for rank, entry in entries if not entry.own and entry.shard == shard)
+            if not own and not copy:
+                break
+            sources.append((own or copy)[0])
+            if not own:
+                from_copies.append(shard)
+        else:
+            newcomers = tuple(rank for rank, survivor in enumerate(survivors) if not survivor)
+            candidate = PeerCopyRestore(generation, count, step, layout, tuple(sources), tuple(from_copies),
+                                        newcomers, min(owners))
+            if best is None or (step, generation) > (best.step, best.generation):
+                best = candidate
+    return best
+
+
+def _plan_live_shards(steps: Sequence[int], shards: Sequence[int], survivors: Sequence[bool],
+                      max_lead: int) -> ShardSyncPlan:
+    """:func:`plan_shard_sync` from the members' live shards alone."""
     overall = plan_state_sync(steps, survivors, max_lead)
     if overall.source is None:
         return ShardSyncPlan(from_checkpoint=overall.from_checkpoint, refused=overall.refused)
