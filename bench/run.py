@@ -50,25 +50,36 @@ class Plan:
     checkpoint_hidden: tuple[int, ...]
     checkpoint_steps: int
     checkpoint_repeats: int
-    state_transfer_mb: tuple[int, ...] = (64,)  # bench/state_transfer.py: 2 holders -> 1 joiner, once from 2 GB
+    state_transfer_mb: tuple[int, ...] = (64, 512, 2048)  # bench/state_transfer.py: 2 holders -> 1 joiner
+    state_transfer_repeats: int = 2  # below STATE_TRANSFER_ONCE_FROM_MB; once from there on
     light_agents: tuple[int, ...] = (1000, 10000)  # bench/rendezvous.py etcd3-light: one round each
     hot_workers: tuple[int, ...] = (1000,)  # bench/rendezvous.py --hot: both policies each
+    hsdp_rounds: int = 1  # bench/hsdp_recovery.py: SIGKILL a node of 3 x 2 HSDP workers, then a node joins
+    fsdp_repeats: int = 1  # FSDP2 without copies, hot and restart mode each
+    chaos_events: int = 20  # bench/chaos.py --trainer lm-hsdp
 
 
 PLANS = {
     "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "spare": 1, "steady": 5}, caps=Caps(recover=60, freeze=60, steady_window=10),
                   rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
                   rendezvous_repeats=2,
-                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2, state_transfer_mb=(64,)),
+                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2,
+                  state_transfer_mb=(64, 512, 2048), state_transfer_repeats=2, hsdp_rounds=1, fsdp_repeats=1,
+                  chaos_events=8),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "spare": 3, "steady": 5}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
-                 state_transfer_mb=(64, 512, 2048)),
+                 state_transfer_mb=(64, 512, 2048), state_transfer_repeats=3, hsdp_rounds=3, fsdp_repeats=2,
+                 chaos_events=20),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
-ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous", "rendezvous_scale")
+# Issue 20's sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
+SHARDED_SCENARIOS = ("hsdp", "fsdp", "fsdp_peer_copies")
+ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
+       "rendezvous_scale")
+STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)
 RENDEZVOUS_BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
@@ -192,7 +203,8 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
     for size in plan.state_transfer_mb:
         output = root / f"state-transfer-{size}.json"
         command = [sys.executable, "-m", "bench.state_transfer", "--sizes-mb", str(size), "--procs", "3",
-                   "--repeats", str(plan.checkpoint_repeats), "--output", str(output)]
+                   "--repeats", str(plan.state_transfer_repeats), "--once-from-mb", str(STATE_TRANSFER_ONCE_FROM_MB),
+                   "--output", str(output)]
         try:
             subprocess.run(command, check=True, capture_output=True, timeout=1800, cwd=REPO)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
@@ -204,6 +216,60 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
         rows += [{**summary, "samples": run["samples"]} for summary, run in zip(result["summaries"], result["runs"])]
         log(f"state transfer {size} MB: {json.dumps(result['summaries'])}")
     return rows
+
+
+def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
+    """Issue 20's sharded scenarios (bench/hsdp_recovery.py), each under its own name:
+    ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers; ``fsdp``: FSDP2 without copies,
+    hot and restart mode interleaved; ``fsdp_peer_copies``: bench.hsdp_recovery's
+    ``fsdp_peer_copy_round(workdir, etcd, cap) -> dict`` (fsdp_round's keys) when it has one,
+    else {"outcome": "not available"}."""
+    from bench import hsdp_recovery
+
+    cap = plan.caps.recover
+    out: dict = {}
+    if "hsdp" in names:
+        out["hsdp"] = hsdp_recovery.hsdp_rounds(root / "hsdp", etcd, plan.hsdp_rounds, cap, report=log)
+    if "fsdp" in names:
+        out["fsdp"] = {system: [] for system in ("elasticctl-hot", "elasticctl")}
+        for repeat in range(plan.fsdp_repeats):
+            order = list(out["fsdp"]) if repeat % 2 == 0 else list(out["fsdp"])[::-1]
+            for system in order:
+                sample = hsdp_recovery.fsdp_round(system, root / f"fsdp-{system}-{repeat}", etcd, cap)
+                out["fsdp"][system].append(sample)
+                log(f"fsdp {system} #{repeat + 1}: {summary(sample)}")
+    if "fsdp_peer_copies" in names:
+        peer_copy_round = getattr(hsdp_recovery, "fsdp_peer_copy_round", None)
+        if peer_copy_round is None:
+            out["fsdp_peer_copies"] = {"outcome": "not available",
+                                       "reason": "bench.hsdp_recovery has no fsdp_peer_copy_round"}
+        else:
+            out["fsdp_peer_copies"] = {"samples": [peer_copy_round(root / f"fsdp-peer-{repeat}", etcd, cap)
+                                                   for repeat in range(plan.fsdp_repeats)]}
+        log(f"fsdp_peer_copies: {json.dumps(out['fsdp_peer_copies'], default=str)[:300]}")
+    return out
+
+
+def run_chaos_hsdp(plan: Plan, root: Path, quick: bool) -> dict:
+    """bench/chaos.py on trainers/lm.py --shard hsdp, 3 nodes x 2 workers, hot mode, in a process
+    of its own (it starts its own etcd): its summary, or {"outcome": "failed: reason"}."""
+    output = root / "chaos-hsdp.json"
+    command = [sys.executable, "-m", "bench.chaos", "--trainer", "lm-hsdp", "--events", str(plan.chaos_events),
+               "--seed", "1", "--summary", str(output)]
+    started = time.monotonic()
+    try:
+        result = subprocess.run(command, check=False, capture_output=True, text=True, cwd=REPO,
+                                timeout=120 * max(plan.chaos_events, 1) + 300)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "failed: the soak did not end within its time limit", "events_planned": plan.chaos_events}
+    lines = result.stdout.strip().splitlines()
+    summary_ = json.loads(output.read_text()) if output.exists() else {}
+    verdict = next((line for line in lines if line.startswith("chaos:")), "chaos: no verdict printed")
+    summary_.update({"outcome": "passed" if result.returncode == 0 else "failed: " + verdict.split("FAILED: ", 1)[-1],
+                     "events_planned": plan.chaos_events, "quick": quick,
+                     "wall_s": round(time.monotonic() - started, 1)})
+    log(f"chaos hsdp: {verdict}")
+    return summary_
 
 
 def leftover_processes(token: str) -> list[str]:
@@ -239,7 +305,8 @@ def main() -> None:
     if args.repeats:
         plan = dataclasses.replace(plan, repeats=dict.fromkeys(plan.repeats, args.repeats),
                                    checkpoint_repeats=args.repeats,
-                                   rendezvous_repeats=args.repeats)
+                                   rendezvous_repeats=args.repeats, state_transfer_repeats=args.repeats,
+                                   hsdp_rounds=args.repeats, fsdp_repeats=args.repeats)
 
     started, now = time.monotonic(), datetime.datetime.now()
     root = Path(tempfile.mkdtemp(prefix=f"ecbench-{now:%H%M%S}-"))
@@ -264,6 +331,11 @@ def main() -> None:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
             if "state_transfer" in args.only:
                 results["scenarios"]["state_transfer"] = run_state_transfer(plan, root, results["errors"])
+            sharded = [name for name in SHARDED_SCENARIOS if name in args.only]
+            if sharded:
+                results["scenarios"].update(run_sharded(sharded, plan, root, client))
+            if "chaos_hsdp" in args.only:
+                results["scenarios"]["chaos_hsdp"] = run_chaos_hsdp(plan, root, args.mode == "quick")
             # Last: the heaviest on the machine (up to 1,000 agents); each round starts its own etcd.
             if "rendezvous" in args.only:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan)
