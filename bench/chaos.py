@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -317,6 +318,12 @@ def first_together(lines: list[dict], names: set[str], after_generation: int, pe
         if set(workers) == names and all(count == per_node for count in workers.values()):
             return min(r["time"] for r in members)
     return None
+
+
+def failed_kind(failure: str) -> str | None:
+    """The kind of the event a failure message names ("event 7: join n5 -> 3 nodes: ..."), if any."""
+    match = re.match(r"event \d+: (\S+) ", failure)
+    return match.group(1) if match and match.group(1) in KINDS else None
 
 
 def _wait_clean_exit(node, who: str, after: str) -> None:
