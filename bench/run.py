@@ -9,6 +9,12 @@ job scenario in the same invocation, their order rotated per repeat: elasticctl
 elasticctl-hot (`up --recovery hot`: survivors re-form in process, a joiner gets the
 state from them; the same trainer and node TTL) and plain torchrun. Writes bench/results/<date>-<mode>.json
 (every raw sample and the machine), bench/results/recovery.png and BENCHMARKS.md.
+
+Issue 20's sections, each selectable with ``--only``: ``state_transfer`` (64 MB, 512 MB, 2 GB;
+bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
+trainers/lm.py --shard hsdp; FSDP2 without copies in hot and restart mode), ``fsdp_peer_copies``
+(bench.hsdp_recovery.fsdp_peer_copy_round when it exists, else "not available") and
+``chaos_hsdp`` (bench/chaos.py --trainer lm-hsdp: 20 events in --full, 8 in --quick).
 """
 
 from __future__ import annotations
