@@ -236,7 +236,8 @@ def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> d
     cap = plan.caps.recover
     out: dict = {}
     if "hsdp" in names:
-        out["hsdp"] = hsdp_recovery.hsdp_rounds(root / "hsdp", etcd, plan.hsdp_rounds, cap, report=log)
+        # workdirs root/hsdp-N: the job names hold the run's directory name (the leftover check)
+        out["hsdp"] = hsdp_recovery.hsdp_rounds(root, etcd, plan.hsdp_rounds, cap, report=log)
     if "fsdp" in names:
         out["fsdp"] = {system: [] for system in ("elasticctl-hot", "elasticctl")}
         for repeat in range(plan.fsdp_repeats):
