@@ -145,8 +145,12 @@ def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
     joiner_pids = {r["pid"] for r in grown if r["node"] == joiner}
     restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["pid"] in joiner_pids]
     transfer = max((r.get("seconds") or 0.0 for r in restored), default=None)
+    first0 = min((r["time"] for r in grown if r["rank"] == 0), default=None)
+    intervals = [b - a for a, b in zip(rank0[-11:], rank0[-10:])]  # rank 0's last 10 steps at world 4
     return {"seconds": round(first - joined, 3), "cap_s": cap, "outcome": "joined",
-            "pause_s": round(min(r["time"] for r in grown if r["rank"] == 0) - max(rank0), 3) if rank0 else None,
+            # the gap in rank 0's steps across the change (one ordinary step included: step_interval_s)
+            "pause_s": round(first0 - max(rank0), 3) if rank0 and first0 else None,
+            "step_interval_s": round(statistics.median(intervals), 3) if intervals else None,
             "transfer_s": transfer, "transfer_bytes": sum(r.get("nbytes") or 0 for r in restored),
             "sources": sorted((r.get("shard"), r["source"]) for r in restored),
             "running_restarted": len({(r["node"], r["pid"]) for r in grown if r["node"] != joiner} - running),
