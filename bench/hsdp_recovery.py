@@ -141,7 +141,8 @@ def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
         return {"seconds": None, "cap_s": cap, "outcome": f"failed: {why}" + (f" ({error})" if error else "")}
     first = min(r["time"] for r in grown)
     steps = cluster.record.steps()
-    rank0 = sorted(r["time"] for r in steps if r["rank"] == 0 and r["world_size"] == 4 and joined - 60 < r["time"] < first)
+    rank0 = sorted(r["time"] for r in steps
+                   if r["rank"] == 0 and r["world_size"] == 4 and joined - 60 < r["time"] < first)
     joiner_pids = {r["pid"] for r in grown if r["node"] == joiner}
     restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["pid"] in joiner_pids]
     transfer = max((r.get("seconds") or 0.0 for r in restored), default=None)
