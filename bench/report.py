@@ -604,7 +604,8 @@ def sharded_targets(results: dict) -> str:
         runs = peer["samples"]
         value = _median(_samples(runs, "seconds"))
         redone = [v for v in _samples(runs, "redone_steps") if v is not None]
-        disk = any("checkpoint" in s for run in runs for s in run.get("restored_sources", []))
+        disk = any("checkpoint" in s for run in runs for s in run.get("restored_sources", [])) or any(
+            run.get("resumed_from_checkpoint") for run in runs)
         restarted = sum(run.get("survivors_restarted") or 0 for run in runs)
         ok = (value is not None and value <= seconds and redone and max(redone) <= most and not disk
               and not restarted)

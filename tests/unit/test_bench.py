@@ -220,3 +220,14 @@ def test_bench_run_reports_peer_copies_as_not_available_without_their_scenario(m
                                         "reason": "bench.hsdp_recovery has no fsdp_peer_copy_round"}}
     assert {"hsdp", "fsdp", "fsdp_peer_copies", "chaos_hsdp", "state_transfer"} <= set(run.ALL)
     assert run.PLANS["quick"].state_transfer_mb == run.PLANS["full"].state_transfer_mb == (64, 512, 2048)
+
+
+def test_peer_copies_meet_their_target_only_without_a_disk_read_or_a_restart():
+    results = _sharded_results({"seconds": None, "cap_s": 60, "outcome": "failed: x"})
+    sample = {"seconds": 1.2, "cap_s": 60, "redone_steps": 7, "survivors_restarted": 0,
+              "restored_sources": ["peer_copy"], "resumed_from_checkpoint": False}
+    results["scenarios"]["fsdp_peer_copies"] = {"samples": [sample]}
+    assert "FSDP2 with peer copies ≤ 3 s and ≤ 10 steps re-done: 1.20 s, at most 7 re-done (met)" in (
+        report.sharded_targets(results))
+    results["scenarios"]["fsdp_peer_copies"] = {"samples": [{**sample, "resumed_from_checkpoint": True}]}
+    assert "1.20 s, at most 7 re-done, from disk (missed)" in report.sharded_targets(results)
