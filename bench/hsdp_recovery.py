@@ -11,8 +11,10 @@ transfer (its workers' ``state_restored`` seconds). A join that does not complet
 ``failed`` with its reason, and the next round starts a fresh job.
 
 FSDP2 without copies (:func:`fsdp_round`): 3 nodes x 1 worker, ``--shard fsdp`` (no replica),
-checkpoints every 10 steps; SIGKILL node c once a checkpoint at world 3 exists, then time the
-first step at world 2. In hot mode the survivors stay in process and restore the newest sharded
+checkpoints every 10 steps, the nodes started one at a time once the job checkpointed at the
+world before (a hot job that grows restores the checkpoint, resharded: before the first one a
+trained state has nowhere to come from); SIGKILL node c 5 steps after a checkpoint at world 3,
+then time the first step at world 2. In hot mode the survivors stay in process and restore the newest sharded
 checkpoint, resharded (``state_restored`` source ``checkpoint``); in restart mode their workers
 restart and resume from it: ``bench.run`` runs both in the same invocation.
 
@@ -141,6 +143,12 @@ def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
         return {"seconds": None, "cap_s": cap, "outcome": f"failed: {why}" + (f" ({error})" if error else "")}
     first = min(r["time"] for r in grown)
     steps = cluster.record.steps()
+    restarted = len({(r["node"], r["pid"]) for r in grown if r["node"] != joiner} - running)
+    if restarted:  # e.g. a generation that failed and made the agents restart every worker
+        error = last_error(cluster, sorted(members))
+        return {"seconds": None, "cap_s": cap, "running_restarted": restarted,
+                "outcome": f"failed: {restarted} of the running workers restarted (world 6 after "
+                           f"{first - joined:.1f} s)" + (f" ({error})" if error else "")}
     rank0 = sorted(r["time"] for r in steps
                    if r["rank"] == 0 and r["world_size"] == 4 and joined - 60 < r["time"] < first)
     joiner_pids = {r["pid"] for r in grown if r["node"] == joiner}
@@ -154,7 +162,6 @@ def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
             "step_interval_s": round(statistics.median(intervals), 3) if intervals else None,
             "transfer_s": transfer, "transfer_bytes": sum(r.get("nbytes") or 0 for r in restored),
             "sources": sorted((r.get("shard"), r["source"]) for r in restored),
-            "running_restarted": len({(r["node"], r["pid"]) for r in grown if r["node"] != joiner} - running),
             "replicas_identical": replicas_identical(steps)}
 
 
@@ -200,15 +207,24 @@ def fsdp_round(system: str, workdir: Path, etcd: EtcdClient, cap: float) -> dict
     checkpoints.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(system, workdir, list(FSDP_TRAINING), etcd, script=LM,
                       up_args=("--node-ttl", str(NODE_TTL), "--checkpoint-dir", str(checkpoints)))
+    def checkpointed(world: int) -> int | None:
+        steps = [r["step"] for r in cluster.record.read() if r.get("event") == "checkpoint"
+                 and r.get("world_size") == world]
+        return max(steps) if steps else None
+
     try:
-        started = time.time()
-        for name in NODES:
+        for world, name in enumerate(NODES, start=1):
+            started = time.time()
             cluster.start(name)
-        if cluster.wait_world(3, set(NODES), started, cap) is None:
-            return {"seconds": None, "cap_s": cap, "outcome": f"the job did not reach world 3 within {cap:g} s"}
-        if not wait_for(lambda: any(r.get("event") == "checkpoint" and r.get("world_size") == 3
-                                    for r in cluster.record.read()), cap):
-            return {"seconds": None, "cap_s": cap, "outcome": f"no checkpoint at world 3 within {cap:g} s"}
+            if cluster.wait_world(world, set(NODES[:world]), started, cap) is None:
+                return {"seconds": None, "cap_s": cap,
+                        "outcome": f"the job did not reach world {world} within {cap:g} s"
+                                   + (f" ({error})" if (error := last_error(cluster, list(NODES[:world]))) else "")}
+            if wait_for(lambda world=world: checkpointed(world) is not None, cap) is None:
+                return {"seconds": None, "cap_s": cap, "outcome": f"no checkpoint at world {world} within {cap:g} s"}
+        after = checkpointed(3) + 5  # mid-interval: both modes go back the same few steps
+        if not wait_for(lambda: any(r["step"] >= after for r in cluster.record.steps(0, 3)), cap):
+            return {"seconds": None, "cap_s": cap, "outcome": f"no step {after} at world 3 within {cap:g} s"}
         survivors = {"a", "b"}
         before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
         killed = time.time()
