@@ -76,6 +76,9 @@ class Event:
     at: float                    # when the fault (for a freeze: the thaw) happened
     frozen_s: float | None = None
     recovered_s: float | None = None  # until the first step of the expected generation
+    # workers of nodes other than ``node`` that were not training before the event but are in
+    # the expected generation: restarted by their agent (not a hot recovery)
+    others_restarted: int | None = None
 
     def describe(self) -> str:
         what = f"{self.kind} {self.node}" + (f" for {self.frozen_s:.1f} s" if self.frozen_s is not None else "")
@@ -121,6 +124,7 @@ class Soak:
         self.started = 0
         self.seen: dict[int, psutil.Process] = {}  # every process of every node, for the leftover check
         self.events: list[Event] = []
+        self._workers_before: set[tuple[str, int]] = set()  # (node, pid) that trained before the event
 
     # -- running -------------------------------------------------------------------------
 
@@ -152,6 +156,7 @@ class Soak:
         kind = self.rng.choice(kinds)
         generation = self._generation()
         self._snapshot()
+        self._workers_before = {(r["node"], r["pid"]) for r in self.cluster.record.steps()}
         if kind == "join":
             at = time.time()
             name = self._start_node()
@@ -229,8 +234,13 @@ class Soak:
                                f"with {sorted(names)}: {why}")
         event.recovered_s = round(first - event.at, 2)
         if event.number:
+            lines = self.cluster.record.steps(event.at, world)
+            formed = next(r["generation"] for r in lines if r["time"] == first)
+            event.others_restarted = len({(r["node"], r["pid"]) for r in lines if r["generation"] == formed
+                                          and r["node"] != event.node} - self._workers_before)
             self.events.append(event)
-            print(f"  trained at world {world} with {sorted(names)} after {event.recovered_s:.2f} s",
+            restarted = f", {event.others_restarted} other worker(s) restarted" if event.others_restarted else ""
+            print(f"  trained at world {world} with {sorted(names)} after {event.recovered_s:.2f} s{restarted}",
                   flush=True)
         self._snapshot()
 
@@ -318,6 +328,13 @@ def first_together(lines: list[dict], names: set[str], after_generation: int, pe
         if set(workers) == names and all(count == per_node for count in workers.values()):
             return min(r["time"] for r in members)
     return None
+
+
+def join_failed(summary: dict) -> bool:
+    """A soak's summary (passed or failed) shows a join that did not work: the failure names an
+    event that needs one, or such an event made other nodes' workers restart."""
+    return failed_kind(summary.get("failure", "")) in NEEDS_JOIN or any(
+        e["kind"] in NEEDS_JOIN and e.get("others_restarted") for e in summary.get("events", []))
 
 
 def failed_kind(failure: str) -> str | None:

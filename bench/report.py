@@ -555,6 +555,10 @@ def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
         else:
             cell = f"{chaos.get('outcome')} after {len(events)} of {chaos.get('events_planned')} events" + (
                 f" ({mix})" if mix else "")
+        restarts = [f"{e['kind']} {e.get('node', '')}".strip() + f" ({e['others_restarted']})" for e in events
+                    if e.get("others_restarted")]
+        if restarts:
+            cell += "; other nodes' workers restarted by: " + ", ".join(restarts)
         first = chaos.get("with_joins")
         if first:
             done = first.get("events") or []

@@ -283,11 +283,11 @@ def chaos_soak(events: int, workdir: Path, kinds: tuple[str, ...] | None = None)
 def run_chaos_hsdp(plan: Plan, root: Path, quick: bool) -> dict:
     """The HSDP chaos soak with every kind of event; while a join fails (issue 20's open join
     issue), again with the kinds that need no join, the first soak kept under ``with_joins``."""
-    from bench.chaos import NEEDS_JOIN, failed_kind
+    from bench.chaos import join_failed
 
     # the run's directory name in the job's: bench.run's leftover check finds its processes
     soak = chaos_soak(plan.chaos_events, root / f"{root.name}-chaos")
-    if soak["outcome"] != "passed" and failed_kind(soak.get("failure", "")) in NEEDS_JOIN:
+    if soak["outcome"] != "passed" and join_failed(soak):
         first = soak
         soak = chaos_soak(plan.chaos_events, root / f"{root.name}-chaos-nojoin", NO_JOIN_KINDS)
         soak["with_joins"] = first

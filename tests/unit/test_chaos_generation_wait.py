@@ -48,3 +48,13 @@ def test_a_soak_mix_without_joins_says_so_when_no_kind_applies(tmp_path):
         raise AssertionError("a kill with the fewest nodes live was applied")
     assert chaos.default_kinds("lm-hsdp") == ("kill", "freeze", "leave", "join", "crash-worker")
     assert chaos.default_kinds("mlp") == ("kill", "freeze", "leave", "join")
+
+
+def test_a_join_failed_when_its_event_failed_or_restarted_other_nodes_workers():
+    assert chaos.join_failed({"failure": "event 3: join n5 -> 3 nodes: the job did not train at world 6"})
+    assert not chaos.join_failed({"failure": "event 3: kill n2 -> 2 nodes: the job did not train at world 4"})
+    assert not chaos.join_failed({"failure": "replicas diverged at 2 step: [(1, 0)]",
+                                  "events": [{"kind": "kill", "others_restarted": 2},
+                                             {"kind": "crash-worker", "others_restarted": 0}]})
+    assert chaos.join_failed({"failure": "replicas diverged at 2 step: [(1, 0)]",
+                              "events": [{"kind": "freeze", "others_restarted": 4}]})
