@@ -651,7 +651,9 @@ def sharded_section(results: dict) -> list[str]:
          "each round SIGKILLs a node's whole tree, then starts a new node; the pause is rank 0's last step "
          "at world 4 to its first at world 6, the transfer the joiner's workers' `state_restored` seconds "
          "(the larger). FSDP2 without copies: 3 nodes × 1 worker, `--shard fsdp`, checkpoints every 10 "
-         "steps, node c SIGKILLed after a checkpoint at world 3, hot mode and restart mode in the same run. "
+         "steps, the nodes started one at a time once the job checkpointed at the world before, node c "
+         "SIGKILLed 5 steps after a checkpoint at world 3, hot mode and restart mode in the same run. "
+         "A join is `failed` when it did not reach world 6 or made a running worker restart. "
          "Chaos: `bench/chaos.py --trainer lm-hsdp`, seed 1"
          + (f", {chaos['events_planned']} events (`--quick`: a shorter soak than the 20 of `--full`)"
             if chaos.get("quick") else "") + "."),
