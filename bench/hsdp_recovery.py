@@ -125,7 +125,9 @@ def kill_node(cluster: Cluster, victim: str, cap: float) -> dict:
             "redone_steps": max(r["step"] for r in steps if r["time"] < first) + 1 - min(r["step"] for r in shrunk),
             "survivors_restarted": len({(r["node"], r["pid"]) for r in shrunk} - before),
             "restored_sources": sorted({r["source"] for r in restored}),
-            "replicas_identical": replicas_identical(steps), **_phases(cluster, killed, 4)}
+            "replicas_identical": replicas_identical(steps),
+            # rank 0 reports its timeline after its first step at world 4: wait for that line
+            **(wait_for(lambda: _phases(cluster, killed, 4), 10) or {})}
 
 
 def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
