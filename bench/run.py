@@ -1,7 +1,10 @@
 """elasticctl (restart mode and hot recovery) next to plain torchrun, every scenario, one command.
 
-    python -m bench.run --quick    # about 15 min on 2 cores: 1 repeat per event scenario and system, 5 of steady state
-    python -m bench.run --full     # < 45 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
+    python -m bench.run --quick    # about 30 min on 2 cores: 1 repeat per event scenario and system, 5 of steady state
+    python -m bench.run --full     # about 60 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
+
+(Issue 20's sections add about 15 minutes to --quick: state transfer up to 2 GB ~3 min, HSDP and
+FSDP2 ~7 min, the HSDP chaos soak of 8 events ~5-10 min, twice as long if its joins fail.)
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
 job scenario in the same invocation, their order rotated per repeat: elasticctl
