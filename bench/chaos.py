@@ -125,6 +125,9 @@ class Soak:
         self.seen: dict[int, psutil.Process] = {}  # every process of every node, for the leftover check
         self.events: list[Event] = []
         self._workers_before: set[tuple[str, int]] = set()  # (node, pid) that trained before the event
+        # Nodes whose worker was crashed once: a node's agent quarantines it after 2 failures of its
+        # own within 600 s and gives up after --max-restarts (3): the soak crashes each node once.
+        self.crashed: set[str] = set()
 
     # -- running -------------------------------------------------------------------------
 
@@ -148,7 +151,8 @@ class Soak:
 
     def _event(self, number: int) -> None:
         kinds = ([] if len(self.live) <= self.min_nodes else ["kill", "freeze", "leave"]) + \
-                ([] if len(self.live) >= self.max_nodes else ["join"]) + ["crash-worker", "short-freeze"]
+                ([] if len(self.live) >= self.max_nodes else ["join"]) + \
+                (["crash-worker"] if set(self.live) - self.crashed else []) + ["short-freeze"]
         kinds = [kind for kind in kinds if kind in self.kinds]
         if not kinds:
             raise ChaosFailure(f"event {number}: none of the kinds {list(self.kinds)} applies with "
@@ -162,7 +166,8 @@ class Soak:
             name = self._start_node()
             event = Event(number, kind, name, list(self.live), at)
         else:
-            name = self.rng.choice(self.live)
+            name = self.rng.choice(self.live if kind != "crash-worker"
+                                   else [n for n in self.live if n not in self.crashed])
             node = self.cluster.nodes[name]
             if kind == "kill":
                 at = time.time()
@@ -172,6 +177,7 @@ class Soak:
                 event = Event(number, kind, name, list(self.live), at)
             elif kind == "crash-worker":
                 at = time.time()
+                self.crashed.add(name)
                 self._crash_worker(name, number)
                 event = Event(number, kind, name, list(self.live), at)
             elif kind in ("freeze", "short-freeze"):

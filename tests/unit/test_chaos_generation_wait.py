@@ -36,7 +36,7 @@ def test_with_two_workers_per_node_the_soak_waits_for_both_workers_of_every_node
 def test_a_soak_mix_without_joins_says_so_when_no_kind_applies(tmp_path):
     soak = chaos.Soak.__new__(chaos.Soak)  # the event choice alone: no cluster
     soak.options = chaos.Options(events=1, seed=0, trainer="lm-hsdp", kinds=("kill",))
-    soak.rng, soak.kinds, soak.live = __import__("random").Random(0), ("kill",), ["n1", "n2"]
+    soak.rng, soak.kinds, soak.live, soak.crashed = __import__("random").Random(0), ("kill",), ["n1", "n2"], set()
     soak.min_nodes, soak.max_nodes, soak.per_node = 2, 3, 2
     soak._generation = lambda: 0
     soak._snapshot = lambda: None
