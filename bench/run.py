@@ -4,7 +4,7 @@
     python -m bench.run --full     # about 60 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
 
 (Issue 20's sections add about 15 minutes to --quick: state transfer up to 2 GB ~3 min, HSDP and
-FSDP2 ~7 min, the HSDP chaos soak of 8 events ~5-10 min, twice as long if its joins fail.)
+FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its joins fail.)
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
 job scenario in the same invocation, their order rotated per repeat: elasticctl
@@ -17,7 +17,7 @@ Issue 20's sections, each selectable with ``--only``: ``state_transfer`` (64 MB,
 bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
 trainers/lm.py --shard hsdp; FSDP2 without copies in hot and restart mode), ``fsdp_peer_copies``
 (bench.hsdp_recovery.fsdp_peer_copy_round when it exists, else "not available") and
-``chaos_hsdp`` (bench/chaos.py --trainer lm-hsdp: 20 events in --full, 8 in --quick).
+``chaos_hsdp`` (bench/chaos.py --trainer lm-hsdp, 20 events).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ PLANS = {
                   rendezvous_repeats=2,
                   checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2,
                   state_transfer_mb=(64, 512, 2048), state_transfer_repeats=2, hsdp_rounds=1, fsdp_repeats=1,
-                  chaos_events=8),
+                  chaos_events=20),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "spare": 3, "steady": 5}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,

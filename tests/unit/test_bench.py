@@ -197,7 +197,7 @@ def test_sharded_rows_and_targets_name_each_issue_20_target():
     assert "3.00 s vs restart mode 9.00 s, 0 survivor process(es) restarted (met)" in line
     assert "chaos soak of the HSDP trainer, 2 events: passed (met)" in line
     section = report.sharded_section(results)
-    assert "| measurement | this run | target |" in section and "(`--quick`: a shorter soak" in section[2]
+    assert "| measurement | this run | target |" in section and "2 events (a shorter soak than issue 20" in section[2]
 
 
 def test_a_failed_join_is_reported_with_its_reason():
