@@ -562,8 +562,12 @@ def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
         first = chaos.get("with_joins")
         if first:
             done = first.get("events") or []
+            restarted_by = ", ".join(f"{e['kind']} {e['node']} ({e['others_restarted']})" for e in done
+                                     if e.get("others_restarted"))
             cell += (f"; first with every kind ({', '.join(first.get('kinds', []))}): {first.get('outcome')} "
-                     f"after {len(done)} events: the kinds that need a join were then left out")
+                     f"after {len(done)} events"
+                     + (f"; other nodes' workers restarted by: {restarted_by}" if restarted_by else "")
+                     + ": the kinds that need a join were then left out")
         out.append((f"Chaos soak, HSDP 3 × 2 ({', '.join(chaos.get('kinds', []))}): "
                     f"{chaos.get('events_planned')} events", cell,
                     "no sample lost or repeated, replicas identical, nothing left running"))
