@@ -1,6 +1,7 @@
 """A chaos soak of hot recovery: random kills, freezes, leaves and joins on a 4-node job.
 
     python -m bench.chaos --events 10 --seed 1
+    python -m bench.chaos --trainer lm-hsdp --events 20      # HSDP, 3 nodes x 2 workers
 
 Starts a job of trainers/mlp.py with ``elasticctl up --recovery hot`` on node n1 and
 ``join`` on n2..n4 (a bench-owned etcd on 127.0.0.1, checkpoints every K steps), then
@@ -9,7 +10,15 @@ applies N events drawn by a seeded RNG, keeping 2 to 4 nodes live:
 * kill: SIGKILL a node's whole process tree (a machine that died);
 * freeze: SIGSTOP the tree for a while (sometimes past the node TTL), then SIGCONT;
 * leave: ``elasticctl leave`` a node (it must exit 0);
-* join: start a new node with ``join``.
+* join: start a new node with ``join``;
+* crash-worker (with 2 workers per node): SIGKILL one worker of a node; its agent restarts
+  the node's workers, which rejoin as newcomers (a join of that node's workers);
+* short-freeze: SIGSTOP for less than half the node TTL (nobody is dropped).
+
+``--trainer lm-hsdp`` runs trainers/lm.py ``--shard hsdp`` instead, 3 nodes x 2 workers (2 to 3
+live, replicas compared per shard); ``--kinds`` picks the event mix (default: kill, freeze, leave,
+join, and crash-worker where a node has 2 workers). Events that add workers (join, crash-worker,
+a freeze past the TTL) need a join; ``--kinds kill short-freeze leave`` is a mix without one.
 
 After each event it waits, on the record's lines and up to a cap, until the job trains at
 the expected world size with exactly the expected nodes. At the end: ``elasticctl down``,
@@ -26,6 +35,7 @@ import collections
 import dataclasses
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -45,6 +55,12 @@ from elasticctl.job.keys import JobKeys
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 MIN_NODES, MAX_NODES = 2, 4
 DATASET_SIZE = 2048  # with batch 16: 32 steps an epoch at world 4, so several epochs complete
+LM = str(Path(__file__).resolve().parents[1] / "trainers" / "lm.py")
+# What a soak trains: (script, its own flags, workers per node, nodes live at least, at most).
+TRAINERS = {"mlp": (None, (), 1, MIN_NODES, MAX_NODES),
+            "lm-hsdp": (LM, ("--shard", "hsdp"), 2, 2, 3)}
+KINDS = ("kill", "freeze", "leave", "join", "crash-worker", "short-freeze")
+NEEDS_JOIN = ("join", "crash-worker", "freeze")  # a freeze past the node TTL drops the node, which rejoins
 
 
 class ChaosFailure(Exception):
@@ -60,6 +76,9 @@ class Event:
     at: float                    # when the fault (for a freeze: the thaw) happened
     frozen_s: float | None = None
     recovered_s: float | None = None  # until the first step of the expected generation
+    # workers of nodes other than ``node`` that were not training before the event but are in
+    # the expected generation: restarted by their agent (not a hot recovery)
+    others_restarted: int | None = None
 
     def describe(self) -> str:
         what = f"{self.kind} {self.node}" + (f" for {self.frozen_s:.1f} s" if self.frozen_s is not None else "")
@@ -75,32 +94,48 @@ class Options:
     step_sleep: float = 0.05
     cap: float = 120.0  # seconds an event may take to recover
     ttl: int | None = None  # the run's key ttl (--rdzv-conf ttl): short, the soak crosses several
+    trainer: str = "mlp"  # a key of TRAINERS
+    kinds: tuple[str, ...] | None = None  # the event mix; None: default_kinds(trainer)
+
+
+def default_kinds(trainer: str) -> tuple[str, ...]:
+    return ("kill", "freeze", "leave", "join") + (("crash-worker",) if TRAINERS[trainer][2] > 1 else ())
 
 
 class Soak:
     def __init__(self, options: Options, workdir: Path, etcd: EtcdClient) -> None:
         self.options, self.workdir, self.etcd = options, workdir, etcd
         self.rng = random.Random(options.seed)
+        script, flags, self.per_node, self.min_nodes, self.max_nodes = TRAINERS[options.trainer]
+        self.kinds = options.kinds or default_kinds(options.trainer)
         checkpoints = workdir / "checkpoints"
         checkpoints.mkdir(parents=True, exist_ok=True)
-        trainer = ["--steps", "100000000", "--batch-size", "16", "--dataset-size", str(DATASET_SIZE),
+        trainer = [*flags, "--steps", "100000000", "--batch-size", "16", "--dataset-size", str(DATASET_SIZE),
                    "--step-sleep", str(options.step_sleep), "--log-every", "0",
                    "--checkpoint-every", str(options.checkpoint_every), "--record-params"]
-        self.cluster = Cluster("elasticctl", workdir / "job", trainer, etcd, nnodes=f"{MIN_NODES}:{MAX_NODES}",
+        self.cluster = Cluster("elasticctl", workdir / "job", trainer, etcd,
+                               nnodes=f"{self.min_nodes}:{self.max_nodes}",
                                up_args=("--recovery", "hot", "--node-ttl", str(options.node_ttl),
                                         "--checkpoint-dir", str(checkpoints),
-                                        *(("--rdzv-conf", f"ttl={options.ttl}") if options.ttl else ())))
+                                        *(("--nproc-per-node", str(self.per_node)) if self.per_node > 1 else ()),
+                                        *(("--rdzv-conf", f"ttl={options.ttl}") if options.ttl else ())),
+                               **({"script": script} if script else {}))
         self.live: list[str] = []
         self.started = 0
         self.seen: dict[int, psutil.Process] = {}  # every process of every node, for the leftover check
         self.events: list[Event] = []
+        self._workers_before: set[tuple[str, int]] = set()  # (node, pid) that trained before the event
+        # Nodes whose worker was crashed once: a node's agent quarantines it after 2 failures of its
+        # own within 600 s and gives up after --max-restarts (3): the soak crashes each node once.
+        self.crashed: set[str] = set()
 
     # -- running -------------------------------------------------------------------------
 
     def run(self) -> dict:
-        for _ in range(MAX_NODES):
+        for _ in range(self.max_nodes):
             self._start_node()
-        self._wait_trained(Event(0, "start", "n1..n4", list(self.live), time.time()), after_generation=-1)
+        self._wait_trained(Event(0, "start", f"n1..n{self.max_nodes}", list(self.live), time.time()),
+                           after_generation=-1)
         for number in range(1, self.options.events + 1):
             self._event(number)
             self._train_a_while()
@@ -115,17 +150,24 @@ class Soak:
         return name
 
     def _event(self, number: int) -> None:
-        kinds = ([] if len(self.live) <= MIN_NODES else ["kill", "freeze", "leave"]) + \
-                ([] if len(self.live) >= MAX_NODES else ["join"])
+        kinds = ([] if len(self.live) <= self.min_nodes else ["kill", "freeze", "leave"]) + \
+                ([] if len(self.live) >= self.max_nodes else ["join"]) + \
+                (["crash-worker"] if set(self.live) - self.crashed else []) + ["short-freeze"]
+        kinds = [kind for kind in kinds if kind in self.kinds]
+        if not kinds:
+            raise ChaosFailure(f"event {number}: none of the kinds {list(self.kinds)} applies with "
+                               f"{len(self.live)} nodes live ({self.min_nodes} to {self.max_nodes})")
         kind = self.rng.choice(kinds)
         generation = self._generation()
         self._snapshot()
+        self._workers_before = {(r["node"], r["pid"]) for r in self.cluster.record.steps()}
         if kind == "join":
             at = time.time()
             name = self._start_node()
             event = Event(number, kind, name, list(self.live), at)
         else:
-            name = self.rng.choice(self.live)
+            name = self.rng.choice(self.live if kind != "crash-worker"
+                                   else [n for n in self.live if n not in self.crashed])
             node = self.cluster.nodes[name]
             if kind == "kill":
                 at = time.time()
@@ -133,8 +175,14 @@ class Soak:
                 node.process.wait(10)
                 self.live.remove(name)
                 event = Event(number, kind, name, list(self.live), at)
-            elif kind == "freeze":
-                frozen = round(self.rng.uniform(0.5, 2.0 * self.options.node_ttl), 1)
+            elif kind == "crash-worker":
+                at = time.time()
+                self.crashed.add(name)
+                self._crash_worker(name, number)
+                event = Event(number, kind, name, list(self.live), at)
+            elif kind in ("freeze", "short-freeze"):
+                longest = 2.0 * self.options.node_ttl if kind == "freeze" else 0.5 * self.options.node_ttl
+                frozen = round(self.rng.uniform(min(0.5, longest / 2), longest), 1)
                 node.signal_tree(signal.SIGSTOP)
                 time.sleep(frozen)  # the freeze itself: an intended duration, not a synchronisation
                 node.signal_tree(signal.SIGCONT)
@@ -147,6 +195,17 @@ class Soak:
                 event = Event(number, kind, name, list(self.live), at)
         print(event.describe(), flush=True)
         self._wait_trained(event, after_generation=generation)
+
+    def _crash_worker(self, name: str, number: int) -> None:
+        """SIGKILL one of ``name``'s workers (the newest step line's pid of that node that still runs)."""
+        for r in reversed(self.cluster.record.steps()):
+            if r["node"] == name and psutil.pid_exists(r["pid"]):
+                try:
+                    psutil.Process(r["pid"]).kill()
+                    return
+                except psutil.NoSuchProcess:
+                    continue
+        raise ChaosFailure(f"event {number}: no running worker of node {name} in the record")
 
     def _leave(self, name: str, number: int) -> None:
         node = self.cluster.nodes[name]
@@ -163,8 +222,11 @@ class Soak:
         """Until exactly ``event.nodes_after`` train together, in a generation after ``after_generation``."""
         names = set(event.nodes_after)
 
+        world = len(names) * self.per_node
+
         def reached():
-            return first_together(self.cluster.record.steps(event.at, len(names)), names, after_generation)
+            return first_together(self.cluster.record.steps(event.at, world), names, after_generation,
+                                  self.per_node)
 
         def give_up():
             return any(self.cluster.nodes[n].process.poll() is not None for n in names)
@@ -174,12 +236,17 @@ class Soak:
             gone = {n: self.cluster.nodes[n].process.poll() for n in names
                     if self.cluster.nodes[n].process.poll() is not None}
             why = f"node(s) exited: {gone}" if gone else f"not within {self.options.cap:g} s"
-            raise ChaosFailure(f"{event.describe()}: the job did not train at world {len(names)} "
+            raise ChaosFailure(f"{event.describe()}: the job did not train at world {world} "
                                f"with {sorted(names)}: {why}")
         event.recovered_s = round(first - event.at, 2)
         if event.number:
+            lines = self.cluster.record.steps(event.at, world)
+            formed = next(r["generation"] for r in lines if r["time"] == first)
+            event.others_restarted = len({(r["node"], r["pid"]) for r in lines if r["generation"] == formed
+                                          and r["node"] != event.node} - self._workers_before)
             self.events.append(event)
-            print(f"  trained at world {len(names)} with {sorted(names)} after {event.recovered_s:.2f} s",
+            restarted = f", {event.others_restarted} other worker(s) restarted" if event.others_restarted else ""
+            print(f"  trained at world {world} with {sorted(names)} after {event.recovered_s:.2f} s{restarted}",
                   flush=True)
         self._snapshot()
 
@@ -218,11 +285,12 @@ class Soak:
         for r in steps:
             pids[r["node"]].add(r["pid"])
         return {
-            "seed": self.options.seed,
+            "seed": self.options.seed, "trainer": self.options.trainer, "kinds": list(self.kinds),
+            "workers_per_node": self.per_node,
             "events": [dataclasses.asdict(e) for e in self.events],
             "steps": counted.steps, "redone": counted.redone, "epochs_completed": counted.epochs_completed,
             # a node whose workers did not recover in process restarted them: more than one pid
-            "worker_restarts": sum(len(p) - 1 for p in pids.values()),
+            "worker_restarts": sum(max(0, len(p) - self.per_node) for p in pids.values()),
             "processes_seen": len(self.seen),
         }
 
@@ -253,17 +321,32 @@ class Soak:
                 self.seen.setdefault(proc.pid, proc)
 
 
-def first_together(lines: list[dict], names: set[str], after_generation: int) -> float | None:
+def first_together(lines: list[dict], names: set[str], after_generation: int, per_node: int = 1) -> float | None:
     """Time of the first step of a generation after ``after_generation`` whose lines at world
-    ``len(names)`` come from exactly ``names`` (every one of them trained in it); None if none."""
+    ``len(names) * per_node`` come from exactly ``names``, each with ``per_node`` workers (every
+    one of them trained in it); None if none."""
     by_generation: dict[int, list[dict]] = collections.defaultdict(list)
     for r in lines:
-        if r["generation"] > after_generation and r["world_size"] == len(names):
+        if r["generation"] > after_generation and r["world_size"] == len(names) * per_node:
             by_generation[r["generation"]].append(r)
     for _, members in sorted(by_generation.items()):
-        if {r["node"] for r in members} == names:
+        workers = collections.Counter(node for node, _ in {(r["node"], r.get("pid")) for r in members})
+        if set(workers) == names and all(count == per_node for count in workers.values()):
             return min(r["time"] for r in members)
     return None
+
+
+def join_failed(summary: dict) -> bool:
+    """A soak's summary (passed or failed) shows a join that did not work: the failure names an
+    event that needs one, or such an event made other nodes' workers restart."""
+    return failed_kind(summary.get("failure", "")) in NEEDS_JOIN or any(
+        e["kind"] in NEEDS_JOIN and e.get("others_restarted") for e in summary.get("events", []))
+
+
+def failed_kind(failure: str) -> str | None:
+    """The kind of the event a failure message names ("event 7: join n5 -> 3 nodes: ..."), if any."""
+    match = re.match(r"event \d+: (\S+) ", failure)
+    return match.group(1) if match and match.group(1) in KINDS else None
 
 
 def _wait_clean_exit(node, who: str, after: str) -> None:
@@ -291,6 +374,9 @@ def soak(options: Options, workdir: Path) -> dict:
         began = time.monotonic()
         try:
             summary = chaos.run()
+        except ChaosFailure as exc:  # what ran before the failure, for a report
+            exc.events = [dataclasses.asdict(e) for e in chaos.events]
+            raise
         finally:
             chaos.cluster.close()
         summary["duration_s"] = round(time.monotonic() - began, 1)
@@ -302,7 +388,8 @@ def summarize(summary: dict) -> str:
     ttl = summary.get("ttl")
     crossed = (f", ttl {ttl} s: {summary['duration_s'] / ttl:.1f} ttl periods crossed"
                if ttl and summary.get("duration_s") else "")
-    lines = [f"chaos: seed {summary['seed']}, {len(summary['events'])} events{crossed}: PASSED"]
+    lines = [f"chaos: {summary.get('trainer', 'mlp')}, seed {summary['seed']}, {len(summary['events'])} events"
+             f"{crossed} of {', '.join(summary.get('kinds', default_kinds('mlp')))}: PASSED"]
     for e in summary["events"]:
         frozen = f" for {e['frozen_s']:.1f} s" if e["frozen_s"] is not None else ""
         lines.append(f"  {e['number']:>3}  {e['kind']:<6} {e['node']:<4}{frozen:<12} -> {len(e['nodes_after'])} nodes, "
@@ -327,6 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=10, help="K: mlp checkpoints every K steps")
     parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds the trainer sleeps per step")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds an event may take to recover")
+    parser.add_argument("--trainer", choices=sorted(TRAINERS), default="mlp",
+                        help="mlp: 4 nodes x 1 worker; lm-hsdp: trainers/lm.py --shard hsdp, 3 nodes x 2 workers")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None,
+                        help="the event mix (default: kill freeze leave join, and crash-worker with 2 workers "
+                             "per node); without join, crash-worker and freeze, no event needs a join")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="an empty directory for the logs, record and checkpoints (default: a new temporary one)")
+    parser.add_argument("--summary", type=Path, default=None,
+                        help="write the summary as JSON here (on a failure: the reason and the events before it)")
     parser.add_argument("--ttl", type=int, default=None,
                         help="seconds the run's keys outlive the job (default 7200): a short one, e.g. 20, "
                              "makes a soak cross several ttl periods (a long-running job in minutes)")
@@ -337,20 +433,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ttl ({args.ttl}) must be at least 2 seconds.")
     options = Options(events=args.events, seed=args.seed, node_ttl=args.node_ttl,
                       checkpoint_every=args.checkpoint_every, step_sleep=args.step_sleep, cap=args.cap,
-                      ttl=args.ttl)
-    workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
+                      ttl=args.ttl, trainer=args.trainer, kinds=tuple(args.kinds) if args.kinds else None)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     try:
         summary = soak(options, workdir)
         if args.keep_workdir:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     except ChaosFailure as exc:
-        print(f"chaos: seed {args.seed}: FAILED: {exc}", flush=True)
+        print(f"chaos: {args.trainer}, seed {args.seed}: FAILED: {exc}", flush=True)
+        if args.summary:
+            args.summary.write_text(json.dumps({"seed": args.seed, "trainer": args.trainer,
+                                                "kinds": list(options.kinds or default_kinds(args.trainer)),
+                                                "failure": str(exc), "events": getattr(exc, "events", [])},
+                                               indent=1))
         return 1
     finally:
         if args.keep_workdir:
             print(f"chaos: workdir kept: {workdir}", flush=True)
-        else:
+        elif args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=1))
     print(summarize(summary), flush=True)
     return 0
 

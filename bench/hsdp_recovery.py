@@ -1,15 +1,28 @@
-"""HSDP under hot recovery: a node SIGKILLed to the survivors' first step, and a node joining.
+"""Sharded models under hot recovery (issue 20): HSDP's lost and joining node, FSDP2 without copies.
 
-A job of 3 nodes x 2 workers (``elasticctl up --recovery hot --nproc-per-node 2``) trains
-trainers/lm.py ``--shard hsdp`` on loopback. Each round SIGKILLs the third node's whole tree and
-times the first step at world 4 (and, from rank 0's ``recovery_timeline``, where the seconds
-went), then starts a new third node (``join``) and times the first step at world 6 and the bytes its workers
-received. Not part of ``bench.run``; ``python -m bench.hsdp_recovery --rounds 3``. Prints one JSON
-line per round, then the medians; the survivors never restart (a pid changing is reported).
+HSDP (:func:`hsdp_rounds`): a job of 3 nodes x 2 workers (``elasticctl up --recovery hot
+--nproc-per-node 2``) trains trainers/lm.py ``--shard hsdp --record-params`` on loopback. Each
+round SIGKILLs the third node's whole tree and times the first step at world 4 (and, from rank
+0's ``recovery_timeline``, where the seconds went), counts the steps re-done and the survivors'
+processes that restarted, and checks the shards' digests identical across replicas before every
+step; then starts a new third node (``join``) and times the first step at world 6, the running
+workers' pause (rank 0's last step at world 4 to its first at world 6) and the joiner's shards'
+transfer (its workers' ``state_restored`` seconds). A join that does not complete is reported as
+``failed`` with its reason, and the next round starts a fresh job.
 
-FSDP2 with peer copies every 10 steps: :func:`fsdp_peer_copy_round` (``workdir, etcd, cap -> dict``),
-a scenario function for ``bench.run``: 3 nodes x 1 worker, SIGKILL a node, the first step at world 2
-and the steps re-done.
+FSDP2 without copies (:func:`fsdp_round`): 3 nodes x 1 worker, ``--shard fsdp`` (no replica),
+checkpoints every 10 steps, the nodes started one at a time once the job checkpointed at the
+world before (a hot job that grows restores the checkpoint, resharded: before the first one a
+trained state has nowhere to come from); SIGKILL node c 5 steps after a checkpoint at world 3,
+then time the first step at world 2. In hot mode the survivors stay in process and restore the newest sharded
+checkpoint, resharded (``state_restored`` source ``checkpoint``); in restart mode their workers
+restart and resume from it: ``bench.run`` runs both in the same invocation.
+
+FSDP2 with peer copies every 10 steps (:func:`fsdp_peer_copy_round`): 3 nodes x 1 worker, no
+checkpoint, SIGKILL a node between two copy rounds, the first step at world 2 and the steps re-done.
+
+    python -m bench.hsdp_recovery --rounds 3          # HSDP rounds
+    python -m bench.hsdp_recovery --fsdp              # FSDP2 without copies, hot and restart mode
 """
 
 from __future__ import annotations
@@ -22,27 +35,80 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.accounting import AccountingError, check_replicas
 from bench.cluster import REPO, Cluster, wait_for
-from bench.scenarios import _phases
+from bench.scenarios import _phases, _recovery
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.etcd.client import EtcdClient
 
 LM = str(REPO / "trainers" / "lm.py")
 NODES = ("a", "b", "c")
+NODE_TTL = 3  # 6 lm workers on 2 cores: the bench's 2 s leaves too little margin for a busy step
+HSDP_TRAINING = ("--shard", "hsdp", "--steps", "10000000", "--step-sleep", "0.05", "--log-every", "0",
+                 "--record-params")
+FSDP_CHECKPOINT_EVERY = 10
+FSDP_TRAINING = ("--shard", "fsdp", "--steps", "10000000", "--step-sleep", "0.05", "--log-every", "0",
+                 "--checkpoint-every", str(FSDP_CHECKPOINT_EVERY))
 
 
-def workers_at(cluster: Cluster, world: int, nodes: set[str], since: float, timeout: float) -> list[dict] | None:
+class ScenarioFailed(Exception):
+    """The job did not get where a measurement starts; the message says where."""
+
+
+def workers_at(cluster: Cluster, world: int, nodes: set[str], since: float, timeout: float,
+               give_up=lambda: False) -> list[dict] | None:
     """The step lines at ``world`` since ``since`` once both workers of every node in ``nodes`` wrote one."""
     def reached():
         recent = cluster.record.steps(since, world)
         pids = {(r["node"], r["pid"]) for r in recent if r["node"] in nodes}
         return recent if len(pids) == 2 * len(nodes) else None
 
-    return wait_for(reached, timeout)
+    return wait_for(reached, timeout, give_up=give_up)
 
 
-def one_round(cluster: Cluster, victim: str, joiner: str, cap: float) -> dict:
-    """SIGKILL ``victim``, then start ``joiner`` (a new node id: the victim's record has to expire first)."""
+def replicas_identical(steps: list[dict]) -> bool | str:
+    """True when every shard's replicas had the same digest before every step (per generation),
+    else the checker's one-line reason."""
+    try:
+        check_replicas(steps)
+    except AccountingError as exc:
+        return str(exc)
+    return True
+
+
+def last_error(cluster: Cluster, names: list[str]) -> str | None:
+    """The last line naming an error in these nodes' logs (the reason a join failed), shortened."""
+    found = None
+    for name in names:
+        node = cluster.nodes.get(name)
+        if node is None or not node.log_path.exists():
+            continue
+        for line in node.log_path.read_text(errors="replace").splitlines():
+            if "Error" in line or "refus" in line:
+                found = line.strip()
+    return found[-200:] if found else None
+
+
+def start_hsdp(workdir: Path, etcd: EtcdClient, cap: float, lm_args: tuple[str, ...] = ()) -> Cluster:
+    """A job of 3 nodes x 2 workers training HSDP, every worker at world 6; ScenarioFailed if not within ``cap``."""
+    cluster = Cluster("elasticctl-hot", workdir, [*HSDP_TRAINING, *lm_args], etcd,
+                      up_args=("--nproc-per-node", "2", "--node-ttl", str(NODE_TTL)), script=LM)
+    started = time.time()
+    try:
+        for name in NODES:
+            cluster.start(name)
+        if workers_at(cluster, 6, set(NODES), started, cap) is None:
+            raise ScenarioFailed(f"the job did not reach world 6 within {cap:g} s "
+                                 f"({last_error(cluster, list(NODES)) or 'no error logged'})")
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def kill_node(cluster: Cluster, victim: str, cap: float) -> dict:
+    """SIGKILL ``victim``'s tree: seconds to the survivors' first step at world 4, steps re-done,
+    survivors restarted, the shards' replicas identical."""
     survivors = set(cluster.nodes) - {victim}
     before = {(r["node"], r["pid"]) for r in cluster.record.steps() if r["node"] in survivors}
     killed = time.time()
@@ -50,21 +116,132 @@ def one_round(cluster: Cluster, victim: str, joiner: str, cap: float) -> dict:
     cluster.nodes.pop(victim).stop()
     shrunk = workers_at(cluster, 4, survivors, killed, cap)
     if shrunk is None:
-        return {"outcome": f"no step at world 4 within {cap:g} s"}
+        return {"seconds": None, "cap_s": cap, "outcome": f"none within {cap:g} s"}
     first = min(r["time"] for r in shrunk)
     steps = cluster.record.steps()
-    round_ = {"kill_to_first_step_s": round(first - killed, 3),
-              "survivors_restarted": sorted({(r["node"], r["pid"]) for r in shrunk} - before),
-              "redone_steps": max(r["step"] for r in steps if r["time"] < first) + 1
-              - min(r["step"] for r in shrunk), **_phases(cluster, killed, 4)}
+    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["time"] > killed]
+    return {"seconds": round(first - killed, 3), "cap_s": cap, "outcome": "recovered",
+            "redone_steps": max(r["step"] for r in steps if r["time"] < first) + 1 - min(r["step"] for r in shrunk),
+            "survivors_restarted": len({(r["node"], r["pid"]) for r in shrunk} - before),
+            "restored_sources": sorted({r["source"] for r in restored}),
+            "replicas_identical": replicas_identical(steps),
+            # rank 0 reports its timeline after its first step at world 4: wait for that line
+            **(wait_for(lambda: _phases(cluster, killed, 4), 10) or {})}
+
+
+def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
+    """Start ``joiner``: seconds to every worker at world 6, the running workers' pause, the
+    joiner's shards' transfer; ``failed`` with a reason when it does not get there."""
+    members = set(cluster.nodes) | {joiner}
+    running = {(r["node"], r["pid"]) for r in cluster.record.steps() if r["node"] in cluster.nodes}
     joined = time.time()
-    cluster.start(joiner)
-    grown = workers_at(cluster, 6, survivors | {joiner}, joined, cap)
+    node = cluster.start(joiner)
+    grown = workers_at(cluster, 6, members, joined, cap, give_up=lambda: node.process.poll() is not None)
     if grown is None:
-        return {**round_, "outcome": f"{joiner} did not join within {cap:g} s"}
-    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["time"] > joined]
-    return {**round_, "outcome": "recovered", "join_to_world_6_s": round(min(r["time"] for r in grown) - joined, 3),
-            "joiner_shards": sorted((r["shard"], r["source"], r["nbytes"], r["seconds"]) for r in restored)}
+        why = (f"node {joiner} exited with status {node.process.poll()}" if node.process.poll() is not None
+               else f"no step at world 6 within {cap:g} s")
+        error = last_error(cluster, sorted(members))
+        return {"seconds": None, "cap_s": cap, "outcome": f"failed: {why}" + (f" ({error})" if error else "")}
+    first = min(r["time"] for r in grown)
+    steps = cluster.record.steps()
+    restarted = len({(r["node"], r["pid"]) for r in grown if r["node"] != joiner} - running)
+    if restarted:  # e.g. a generation that failed and made the agents restart every worker
+        error = last_error(cluster, sorted(members))
+        return {"seconds": None, "cap_s": cap, "running_restarted": restarted,
+                "outcome": f"failed: {restarted} of the running workers restarted (world 6 after "
+                           f"{first - joined:.1f} s)" + (f" ({error})" if error else "")}
+    rank0 = sorted(r["time"] for r in steps
+                   if r["rank"] == 0 and r["world_size"] == 4 and joined - 60 < r["time"] < first)
+    joiner_pids = {r["pid"] for r in grown if r["node"] == joiner}
+    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["pid"] in joiner_pids]
+    transfer = max((r.get("seconds") or 0.0 for r in restored), default=None)
+    first0 = min((r["time"] for r in grown if r["rank"] == 0), default=None)
+    intervals = [b - a for a, b in zip(rank0[-11:], rank0[-10:])]  # rank 0's last 10 steps at world 4
+    return {"seconds": round(first - joined, 3), "cap_s": cap, "outcome": "joined",
+            # the gap in rank 0's steps across the change (one ordinary step included: step_interval_s)
+            "pause_s": round(first0 - max(rank0), 3) if rank0 and first0 else None,
+            "step_interval_s": round(statistics.median(intervals), 3) if intervals else None,
+            "transfer_s": transfer, "transfer_bytes": sum(r.get("nbytes") or 0 for r in restored),
+            "sources": sorted((r.get("shard"), r["source"]) for r in restored),
+            "replicas_identical": replicas_identical(steps)}
+
+
+def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_args: tuple[str, ...] = (),
+                report=lambda line: None) -> list[dict]:
+    """``rounds`` rounds of {"kill": kill_node's, "join": join_node's}; a round whose job cannot
+    start is {"error": reason}. A failed join leaves the job in an unknown state: the next round
+    starts a fresh one."""
+    results: list[dict] = []
+    cluster: Cluster | None = None
+    victim = "c"
+    try:
+        for number in range(1, rounds + 1):
+            if cluster is None:
+                try:
+                    cluster = start_hsdp(workdir / f"hsdp-{number}", etcd, cap, lm_args)
+                except ScenarioFailed as exc:
+                    results.append({"error": str(exc)})
+                    report(f"hsdp round {number}: {exc}")
+                    continue
+                victim = "c"
+            kill = kill_node(cluster, victim, cap)
+            round_: dict = {"kill": kill}
+            if kill["seconds"] is not None:
+                victim = f"c{number}"
+                round_["join"] = join_node(cluster, victim, cap)
+            if kill["seconds"] is None or round_["join"]["seconds"] is None:
+                cluster.close()
+                cluster = None
+            results.append(round_)
+            report(f"hsdp round {number}: {json.dumps(round_, default=str)}")
+    finally:
+        if cluster is not None:
+            cluster.close()
+    return results
+
+
+def fsdp_round(system: str, workdir: Path, etcd: EtcdClient, cap: float) -> dict:
+    """FSDP2 over 3 nodes x 1 worker, no replica, checkpoints every 10 steps: SIGKILL node c once a
+    checkpoint at world 3 exists, then the first step at world 2 (``system``: elasticctl-hot, the
+    survivors restore the sharded checkpoint in process; elasticctl, they restart from it)."""
+    checkpoints = workdir / "checkpoints"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(system, workdir, list(FSDP_TRAINING), etcd, script=LM,
+                      up_args=("--node-ttl", str(NODE_TTL), "--checkpoint-dir", str(checkpoints)))
+    def checkpointed(world: int) -> int | None:
+        steps = [r["step"] for r in cluster.record.read() if r.get("event") == "checkpoint"
+                 and r.get("world_size") == world]
+        return max(steps) if steps else None
+
+    try:
+        for world, name in enumerate(NODES, start=1):
+            started = time.time()
+            cluster.start(name)
+            if cluster.wait_world(world, set(NODES[:world]), started, cap) is None:
+                return {"seconds": None, "cap_s": cap,
+                        "outcome": f"the job did not reach world {world} within {cap:g} s"
+                                   + (f" ({error})" if (error := last_error(cluster, list(NODES[:world]))) else "")}
+            if wait_for(lambda world=world: checkpointed(world) is not None, cap) is None:
+                return {"seconds": None, "cap_s": cap, "outcome": f"no checkpoint at world {world} within {cap:g} s"}
+        after = checkpointed(3) + 5  # mid-interval: both modes go back the same few steps
+        if not wait_for(lambda: any(r["step"] >= after for r in cluster.record.steps(0, 3)), cap):
+            return {"seconds": None, "cap_s": cap, "outcome": f"no step {after} at world 3 within {cap:g} s"}
+        survivors = {"a", "b"}
+        before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
+        killed = time.time()
+        cluster.nodes["c"].signal_tree(signal.SIGKILL)
+        cluster.nodes.pop("c").stop()
+        result = _recovery(cluster, killed, 2, survivors, cap)
+        if result["seconds"] is None:
+            return result
+        result["seconds"] = round(result["seconds"], 3)
+        after = {r["pid"] for r in cluster.record.steps(killed, 2) if r["node"] in survivors}
+        lines = [r for r in cluster.record.read() if r.get("event") and r["time"] > killed]
+        return {**result, "survivors_restarted": len(after - before),
+                "restored_sources": sorted({r["source"] for r in lines if r["event"] == "state_restored"}),
+                "resumed_from_checkpoint": any(r["event"] == "resume" for r in lines)}
+    finally:
+        cluster.close()
 
 
 PEER_COPIES_EVERY = 10
@@ -132,37 +309,27 @@ def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="HSDP rounds (a kill and a join each)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 without copies instead, hot and restart mode")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds a recovery or a join may take")
     parser.add_argument("--lm-args", nargs=argparse.REMAINDER, default=[],
-                        help="more trainers/lm.py flags (e.g. --hidden 256 --layers 4)")
+                        help="more trainers/lm.py flags for HSDP (e.g. --hidden 256 --layers 4)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hsdp-bench-") as directory:
         workdir = Path(directory)
-        etcd = EmbeddedEtcd(data_dir=str(workdir / "etcd"), client_port=0, peer_port=0).start()
-        client = EtcdClient(etcd.client_settings())
-        cluster = Cluster("elasticctl-hot", workdir / "job", [
-            "--shard", "hsdp", "--steps", "10000000", "--step-sleep", "0.05", "--log-every", "0", *args.lm_args],
-            client, up_args=("--nproc-per-node", "2", "--node-ttl", "3"), script=LM)
-        rounds = []
-        try:
-            started = time.time()
-            for name in NODES:
-                cluster.start(name)
-            if workers_at(cluster, 6, set(NODES), started, args.cap) is None:
-                raise SystemExit(f"the job did not reach world 6 within {args.cap:g} s; see {workdir / 'job'}")
-            for number in range(1, args.rounds + 1):
-                rounds.append(one_round(cluster, "c" if number == 1 else f"c{number - 1}", f"c{number}", args.cap))
-                print(json.dumps(rounds[-1]), flush=True)
-        finally:
-            cluster.close()
-            client.close()
-            etcd.stop()
-    done = [r for r in rounds if r.get("outcome") == "recovered"]
-    medians = {key: round(statistics.median(r[key] for r in done), 3)
-               for key in ("kill_to_first_step_s", "join_to_world_6_s")} if done else {}
-    print(json.dumps({"rounds": len(rounds), "recovered": len(done), "medians": medians}))
-    return 0 if len(done) == len(rounds) else 1
+        with EmbeddedEtcd(data_dir=str(workdir / "etcd"), client_port=0, peer_port=0) as server, \
+                EtcdClient(server.client_settings()) as client:
+            if args.fsdp:
+                for system in ("elasticctl-hot", "elasticctl"):
+                    print(json.dumps({system: fsdp_round(system, workdir / system, client, args.cap)}), flush=True)
+                return 0
+            rounds = hsdp_rounds(workdir, client, args.rounds, args.cap, tuple(args.lm_args), report=print)
+    kills = [r["kill"]["seconds"] for r in rounds if r.get("kill", {}).get("seconds") is not None]
+    joins = [r["join"]["seconds"] for r in rounds if (r.get("join") or {}).get("seconds") is not None]
+    print(json.dumps({"rounds": len(rounds), "recovered": len(kills), "joined": len(joins),
+                      "medians": {"kill_to_first_step_s": statistics.median(kills) if kills else None,
+                                  "join_to_world_6_s": statistics.median(joins) if joins else None}}))
+    return 0 if len(kills) == len(joins) == len(rounds) else 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ and entries with a list per backend that ran at that size.
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import sys
@@ -40,6 +41,12 @@ HOT_JOINER_TARGET = 1.0      # joiner: `initialized` -> its first step
 HOT_REDONE_TARGET = 1        # steps re-done per failure
 HOT_STEADY_TARGET = 0.98     # steady steps/s, fraction of restart mode's
 HOT_SPARE_TARGET = 1.0       # issue 21: SIGKILL with one spare -> first step back at world 3
+# Issue 20's targets: sharded models, 2-core CPU, gloo.
+HSDP_KILL_TARGET = 2.0        # HSDP 3 x 2: SIGKILL of a node -> first step at the smaller world
+HSDP_JOIN_MARGIN = 0.3        # a joining node's pause of the others <= its shards' transfer + this
+PEER_COPY_TARGET = (3.0, 10)  # FSDP2 with peer copies every 10 steps: seconds, steps re-done at most
+TRANSFER_TARGET = 0.7         # state transfer >= this x the raw gloo broadcast of the same bytes
+TRANSFER_TARGET_MB = (512, 2048)
 
 
 def _stats(values: list[float]) -> dict:
@@ -407,6 +414,36 @@ def checkpoint_rows(results: dict) -> list[str]:
     return lines
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def state_transfer_targets(results: dict) -> str:
+    """Issue 20.2: ``new`` at >= 0.7 x raw at 512 MB and 2 GB; the sender's RSS peak over before
+    within one bucket (its memory within state size + one bucket)."""
+    entries = {entry["state_mb"]: entry for entry in results["scenarios"].get("state_transfer") or []}
+    parts = []
+    for size in TRANSFER_TARGET_MB:
+        entry = entries.get(size)
+        label = f"{size} MB" if size < 1024 else f"{size // 1024} GB"
+        if entry is None or "new" not in entry or not entry.get("raw", {}).get("bytes_per_s"):
+            parts.append(f"at {label}: not measured in this run")
+            continue
+        ratio = entry["new"]["bytes_per_s"] / entry["raw"]["bytes_per_s"]
+        parts.append(f"at {label}: {ratio:.2f} × ({entry['new']['bytes_per_s'] / 1e6:.0f} vs "
+                     f"{entry['raw']['bytes_per_s'] / 1e6:.0f} MB/s) ({_met(ratio >= TRANSFER_TARGET)})")
+    senders = [(entry["state_mb"], entry["new"]["sender_rss_delta_max"], entry["bucket_bytes"])
+               for entry in entries.values() if "new" in entry]
+    if senders:
+        size, worst, bucket = max(senders, key=lambda s: s[1] / s[2])
+        memory = (f"at most {worst / 2**20:.1f} MiB over before (at {size} MB; bucket {bucket / 2**20:.0f} MiB) "
+                  f"({_met(all(delta <= b for _, delta, b in senders))})")
+    else:
+        memory = "not measured in this run"
+    return (f"Targets (issue 20), state transfer ≥ {TRANSFER_TARGET:g} × the raw gloo broadcast: " + "; ".join(parts)
+            + f"; sender's memory within state size + one bucket: {memory}.")
+
+
 def state_transfer_section(results: dict) -> list[str]:
     from bench.state_transfer import table
 
@@ -418,9 +455,223 @@ def state_transfer_section(results: dict) -> list[str]:
              "holders into the joiner's tensors, `warm`: the same into a receiver that holds every tensor "
              "already (no fresh memory to map), `old`: one whole-state `torch.save` blob broadcast, `raw`: "
              "one `dist.broadcast` of the same bytes from one holder to both others, its buffers mapped "
-             "beforehand; medians of interleaved repeats; RSS: the peak during the transfer over the RSS "
+             "beforehand; medians of interleaved repeats, one from 2 GB; `old` up to 1 GB, its ~3 copies per "
+             "process would not fit 3 processes at 2 GB; RSS: the peak during the transfer over the RSS "
              "just before):"), "",
-            table(entries), ""]
+            table(entries), "", state_transfer_targets(results), ""]
+
+
+def _samples(runs: list[dict], key: str) -> list[float | None]:
+    return [run.get(key) for run in runs]
+
+
+def _identical(runs: list[dict]) -> str:
+    verdicts = [run.get("replicas_identical") for run in runs if "replicas_identical" in run]
+    if not verdicts:
+        return "not measured"
+    wrong = [v for v in verdicts if v is not True]
+    return f"yes ({len(verdicts)} of {len(verdicts)})" if not wrong else f"no: {wrong[0]}"
+
+
+def _failures(runs: list[dict]) -> str:
+    """The distinct outcomes of the runs that did not get there ("failed: ...", "none within ...")."""
+    reasons = sorted({run.get("outcome", "?") for run in runs if run.get("seconds") is None})
+    return "; ".join(reasons)
+
+
+def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
+    """(measurement, this run, target) of issue 20's sharded scenarios that ran."""
+    scenarios = results["scenarios"]
+    out: list[tuple[str, str, str]] = []
+    rounds = scenarios.get("hsdp")
+    if rounds is not None:
+        kills = [r["kill"] for r in rounds if "kill" in r]
+        joins = [r["join"] for r in rounds if "join" in r]
+        errors = [r["error"] for r in rounds if "error" in r]
+        cap = _cap(kills + joins, "cap_s")
+        cell = _cell(_samples(kills, "seconds"), cap, digits=2) if kills else f"failed: {'; '.join(errors)}"
+        if _failures(kills):
+            cell += f" ({_failures(kills)})"
+        out.append(("HSDP 3 × 2: SIGKILL a node → first step at world 4 (s)", cell, f"≤ {HSDP_KILL_TARGET:g} s"))
+        redone = [v for v in _samples(kills, "redone_steps") if v is not None]
+        out.append(("HSDP: steps re-done after the SIGKILL", f"at most {max(redone)}" if redone else "not measured",
+                    "0"))
+        restarted = [v for v in _samples(kills, "survivors_restarted") if v is not None]
+        out.append(("HSDP: survivors' worker processes restarted", f"{sum(restarted)}" if restarted else "not measured",
+                    "0"))
+        out.append(("HSDP: shards' digests identical across replicas before every step", _identical(kills + joins),
+                    "identical"))
+        if joins:
+            joined = [j for j in joins if j.get("seconds") is not None]
+            failed = _failures(joins)
+            pause = _cell(_samples(joined, "pause_s"), None, digits=2) if joined else ""
+            out.append(("HSDP: a node joins: the running workers' pause (s)",
+                        "; ".join(part for part in (pause, f"{len(joins) - len(joined)} of {len(joins)} {failed}"
+                                                    if failed else "") if part),
+                        f"≤ its shards' transfer + {HSDP_JOIN_MARGIN:g} s"))
+            if joined:
+                out.append(("HSDP: the joiner's shards' transfer (s; bytes, sources)",
+                            _cell(_samples(joined, "transfer_s"), None, digits=3)
+                            + f"; {joined[0].get('transfer_bytes', 0) / 2**20:.2f} MiB from "
+                            + ", ".join(f"shard {shard}: {source}" for shard, source in joined[0].get("sources", [])),
+                            "from replicas"))
+                out.append(("HSDP: a node joins → every worker at world 6 (s)",
+                            _cell(_samples(joined, "seconds"), None, digits=2), "—"))
+    fsdp = scenarios.get("fsdp")
+    if fsdp:
+        for system, label in ((HOT, "hot: survivors in process, checkpoint resharded"),
+                              (RESTART, "restart mode: workers restarted from it")):
+            runs = fsdp.get(system, [])
+            if not runs:
+                continue
+            cell = _cell(_samples(runs, "seconds"), _cap(runs, "cap_s"), digits=2)
+            redone = [v for v in _samples(runs, "redone_steps") if v is not None]
+            restarted = [v for v in _samples(runs, "survivors_restarted") if v is not None]
+            sources = sorted({s for run in runs for s in run.get("restored_sources", [])})
+            detail = (f"; re-done at most {max(redone) if redone else '—'}, survivors' processes restarted "
+                      f"{sum(restarted) if restarted else '—'}" + (f", restored from {', '.join(sources)}" if sources else ""))
+            out.append((f"FSDP2 without copies, {label}: SIGKILL node c → first step at world 2 (s)", cell + detail,
+                        "no process restarted" if system == HOT else "(comparison)"))
+    peer = scenarios.get("fsdp_peer_copies")
+    if peer is not None:
+        runs = peer.get("samples") or []
+        seconds, most = PEER_COPY_TARGET
+        target = f"≤ {seconds:g} s, ≤ {most} steps re-done, no restart, no disk read"
+        if not runs:
+            out.append(("FSDP2 with peer copies: SIGKILL a node → first step (s)", peer.get("outcome", "not run"), target))
+        else:
+            redone = [v for v in _samples(runs, "redone_steps") if v is not None]
+            sources = sorted({s for run in runs for s in run.get("restored_sources", [])})
+            out.append(("FSDP2 with peer copies: SIGKILL a node → first step (s)",
+                        _cell(_samples(runs, "seconds"), _cap(runs, "cap_s"), digits=2)
+                        + f"; re-done at most {max(redone) if redone else '—'}"
+                        + (f", restored from {', '.join(sources)}" if sources else ""), target))
+    chaos = scenarios.get("chaos_hsdp")
+    if chaos:
+        events = chaos.get("events") or []
+        kinds = collections.Counter(e["kind"] for e in events)
+        mix = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        if chaos.get("outcome") == "passed":
+            cell = (f"passed: {len(events)} events ({mix}), {chaos['steps']} steps, {chaos['redone']} re-done, "
+                    f"{chaos['worker_restarts']} worker restarts")
+        else:
+            cell = f"{chaos.get('outcome')} after {len(events)} of {chaos.get('events_planned')} events" + (
+                f" ({mix})" if mix else "")
+        restarts = [f"{e['kind']} {e.get('node', '')}".strip() + f" ({e['others_restarted']})" for e in events
+                    if e.get("others_restarted")]
+        if restarts:
+            cell += "; other nodes' workers restarted by: " + ", ".join(restarts)
+        first = chaos.get("with_joins")
+        if first:
+            done = first.get("events") or []
+            restarted_by = ", ".join(f"{e['kind']} {e['node']} ({e['others_restarted']})" for e in done
+                                     if e.get("others_restarted"))
+            cell += (f"; first with every kind ({', '.join(first.get('kinds', []))}): {first.get('outcome')} "
+                     f"after {len(done)} events"
+                     + (f"; other nodes' workers restarted by: {restarted_by}" if restarted_by else "")
+                     + ": the kinds that need a join were then left out")
+        out.append((f"Chaos soak, HSDP 3 × 2 ({', '.join(chaos.get('kinds', []))}): "
+                    f"{chaos.get('events_planned')} events", cell,
+                    "no sample lost or repeated, replicas identical, nothing left running"))
+    return out
+
+
+def sharded_targets(results: dict) -> str:
+    scenarios = results["scenarios"]
+    parts = []
+    rounds = scenarios.get("hsdp")
+    kills = [r["kill"] for r in rounds or [] if "kill" in r]
+    joins = [r["join"] for r in rounds or [] if "join" in r]
+    value = _median(_samples(kills, "seconds"))
+    redone = [v for v in _samples(kills, "redone_steps") if v is not None]
+    parts.append(f"HSDP SIGKILL → first step ≤ {HSDP_KILL_TARGET:g} s: " + (
+        "not measured in this run" if rounds is None else "no value (missed)" if value is None
+        else f"{value:.2f} s ({_met(value <= HSDP_KILL_TARGET)})"))
+    if redone:
+        parts.append(f"nothing re-done: at most {max(redone)} ({_met(max(redone) == 0)})")
+    identical = _identical(kills + joins)
+    if rounds is not None:
+        parts.append(f"shards identical across replicas: {identical} ({_met(identical.startswith('yes'))})")
+    joined = [j for j in joins if j.get("seconds") is not None and j.get("pause_s") is not None]
+    if joined:
+        over = [j["pause_s"] - (j.get("transfer_s") or 0.0) for j in joined]
+        worst = max(over)
+        parts.append(f"a joining node's pause ≤ its shards' transfer + {HSDP_JOIN_MARGIN:g} s: pause − transfer "
+                     f"at most {worst:.2f} s ({_met(worst <= HSDP_JOIN_MARGIN)})")
+    elif joins:
+        parts.append(f"a joining node's pause ≤ its shards' transfer + {HSDP_JOIN_MARGIN:g} s: "
+                     f"no join completed ({_failures(joins)}) (missed)")
+    elif rounds is not None:
+        parts.append("a joining node's pause: not measured (no node was killed first)")
+    peer = scenarios.get("fsdp_peer_copies")
+    seconds, most = PEER_COPY_TARGET
+    label = f"FSDP2 with peer copies ≤ {seconds:g} s and ≤ {most} steps re-done"
+    if peer is None:
+        parts.append(f"{label}: not measured in this run")
+    elif not peer.get("samples"):
+        parts.append(f"{label}: {peer.get('outcome', 'not run')}")
+    else:
+        runs = peer["samples"]
+        value = _median(_samples(runs, "seconds"))
+        redone = [v for v in _samples(runs, "redone_steps") if v is not None]
+        disk = any("checkpoint" in s for run in runs for s in run.get("restored_sources", [])) or any(
+            run.get("resumed_from_checkpoint") for run in runs)
+        restarted = sum(run.get("survivors_restarted") or 0 for run in runs)
+        ok = (value is not None and value <= seconds and redone and max(redone) <= most and not disk
+              and not restarted)
+        parts.append(f"{label}: " + ("no value" if value is None else f"{value:.2f} s")
+                     + (f", at most {max(redone)} re-done" if redone else "")
+                     + (", from disk" if disk else "") + (f", {restarted} restarted" if restarted else "")
+                     + f" ({_met(bool(ok))})")
+    fsdp = scenarios.get("fsdp") or {}
+    hot, restart = fsdp.get(HOT, []), fsdp.get(RESTART, [])
+    if hot:
+        hot_s, restart_s = _median(_samples(hot, "seconds")), _median(_samples(restart, "seconds"))
+        restarted = sum(run.get("survivors_restarted") or 0 for run in hot)
+        parts.append("FSDP2 without copies, survivors in process from the resharded checkpoint: "
+                     + ("no value" if hot_s is None else f"{hot_s:.2f} s")
+                     + (f" vs restart mode {restart_s:.2f} s" if restart_s is not None else "")
+                     + f", {restarted} survivor process(es) restarted ({_met(hot_s is not None and not restarted)})")
+    else:
+        parts.append("FSDP2 without copies: not measured in this run")
+    chaos = scenarios.get("chaos_hsdp")
+    if chaos:
+        without = " without the events that need a join (with them: failed)" if chaos.get("with_joins") else ""
+        parts.append(f"chaos soak of the HSDP trainer, {chaos.get('events_planned')} events: {chaos.get('outcome')}"
+                     f"{without} ({_met(chaos.get('outcome') == 'passed' and not without)})")
+    else:
+        parts.append("chaos soak of the HSDP trainer: not measured in this run")
+    return "Targets (issue 20), sharded models: " + "; ".join(parts) + "."
+
+
+def sharded_section(results: dict) -> list[str]:
+    if not any(results["scenarios"].get(name) is not None
+               for name in ("hsdp", "fsdp", "fsdp_peer_copies", "chaos_hsdp")):
+        return []
+    chaos = results["scenarios"].get("chaos_hsdp") or {}
+    return [
+        "## Sharded models under hot recovery (issue 20)",
+        "",
+        ("`bench/hsdp_recovery.py`, trainers/lm.py on loopback gloo, node TTL 3 s. HSDP: 3 nodes × 2 workers "
+         "(`--nproc-per-node 2`, `--shard hsdp --record-params`: replicated across nodes, sharded within), "
+         "each round SIGKILLs a node's whole tree, then starts a new node; the pause is rank 0's last step "
+         "at world 4 to its first at world 6, the transfer the joiner's workers' `state_restored` seconds "
+         "(the larger). FSDP2 without copies: 3 nodes × 1 worker, `--shard fsdp`, checkpoints every 10 "
+         "steps, the nodes started one at a time once the job checkpointed at the world before, node c "
+         "SIGKILLed 5 steps after a checkpoint at world 3, hot mode and restart mode in the same run. "
+         "A join is `failed` when it did not reach world 6 or made a running worker restart. "
+         "Chaos: `bench/chaos.py --trainer lm-hsdp`, seed 1"
+         + (f", {chaos['events_planned']} events"
+            + (" (a shorter soak than issue 20's 20 events)" if chaos["events_planned"] < 20 else "")
+            if chaos.get("events_planned") else "") + "."),
+        "",
+        "| measurement | this run | target |",
+        "|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in sharded_rows(results)),
+        "",
+        sharded_targets(results),
+        "",
+    ]
 
 
 def machine_line(results: dict) -> str:
@@ -481,6 +732,7 @@ def markdown(results: dict, png: str | None) -> str:
         if observed else "",
         "",
         *state_transfer_section(results),
+        *sharded_section(results),
         *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
         *(rendezvous_section(results) if results["scenarios"].get("rendezvous") else []),
         *(scale_section(results) if results["scenarios"].get("rendezvous_scale") else []),
@@ -605,6 +857,11 @@ def text_table(results: dict) -> str:
         lines.append(hot_targets(results))
     lines += straggler_bench.text_lines(results)
     lines += ["checkpoint: " + row for row in checkpoint_rows(results)]
+    if results["scenarios"].get("state_transfer"):
+        lines.append(state_transfer_targets(results))
+    lines += [f"{label}: {value} (target {target})" for label, value, target in sharded_rows(results)]
+    if sharded_section(results):
+        lines.append(sharded_targets(results))
     names = ("etcd3", "writes/agent", "proposals/agent etcd3 / previous", "previous main", "c10d",
              "etcd3/previous", "etcd3/c10d")
     lines += [f"rendezvous, {row[0]} agents: " + ", ".join(f"{n} {v}" for n, v in zip(names, row[1:]))

@@ -1,7 +1,10 @@
 """elasticctl (restart mode and hot recovery) next to plain torchrun, every scenario, one command.
 
-    python -m bench.run --quick    # about 15 min on 2 cores: 1 repeat per event scenario and system, 5 of steady state
-    python -m bench.run --full     # < 45 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
+    python -m bench.run --quick    # about 30 min on 2 cores: 1 repeat per event scenario and system, 5 of steady state
+    python -m bench.run --full     # about 60 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
+
+(Issue 20's sections add about 15 minutes to --quick: state transfer up to 2 GB ~3 min, HSDP and
+FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its joins fail.)
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
 job scenario in the same invocation, their order rotated per repeat: elasticctl
@@ -9,6 +12,12 @@ job scenario in the same invocation, their order rotated per repeat: elasticctl
 elasticctl-hot (`up --recovery hot`: survivors re-form in process, a joiner gets the
 state from them; the same trainer and node TTL) and plain torchrun. Writes bench/results/<date>-<mode>.json
 (every raw sample and the machine), bench/results/recovery.png and BENCHMARKS.md.
+
+Issue 20's sections, each selectable with ``--only``: ``state_transfer`` (64 MB, 512 MB, 2 GB;
+bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
+trainers/lm.py --shard hsdp; FSDP2 without copies in hot and restart mode), ``fsdp_peer_copies``
+(FSDP2 with peer copies every 10 steps, no checkpoint) and
+``chaos_hsdp`` (bench/chaos.py --trainer lm-hsdp, 20 events).
 """
 
 from __future__ import annotations
@@ -51,25 +60,37 @@ class Plan:
     checkpoint_hidden: tuple[int, ...]
     checkpoint_steps: int
     checkpoint_repeats: int
-    state_transfer_mb: tuple[int, ...] = (64,)  # bench/state_transfer.py: 2 holders -> 1 joiner, once from 2 GB
+    state_transfer_mb: tuple[int, ...] = (64, 512, 2048)  # bench/state_transfer.py: 2 holders -> 1 joiner
+    state_transfer_repeats: int = 2  # below STATE_TRANSFER_ONCE_FROM_MB; once from there on
     light_agents: tuple[int, ...] = (1000, 10000)  # bench/rendezvous.py etcd3-light: one round each
     hot_workers: tuple[int, ...] = (1000,)  # bench/rendezvous.py --hot: both policies each
+    hsdp_rounds: int = 1  # bench/hsdp_recovery.py: SIGKILL a node of 3 x 2 HSDP workers, then a node joins
+    fsdp_repeats: int = 1  # FSDP2 without copies, hot and restart mode each
+    chaos_events: int = 20  # bench/chaos.py --trainer lm-hsdp
 
 
 PLANS = {
     "quick": Plan(repeats={"lifecycle": 1, "crash_host": 1, "spare": 1, "steady": 5}, caps=Caps(recover=60, freeze=60, steady_window=10),
                   rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
                   rendezvous_repeats=2,
-                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2, state_transfer_mb=(64,)),
+                  checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2,
+                  state_transfer_mb=(64, 512, 2048), state_transfer_repeats=2, hsdp_rounds=1, fsdp_repeats=1,
+                  chaos_events=20),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "spare": 3, "steady": 5}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
-                 state_transfer_mb=(64, 512, 2048)),
+                 state_transfer_mb=(64, 512, 2048), state_transfer_repeats=3, hsdp_rounds=3, fsdp_repeats=2,
+                 chaos_events=20),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
-ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", "rendezvous", "rendezvous_scale", "straggler")
+# Issue 20's sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
+SHARDED_SCENARIOS = ("hsdp", "fsdp", "fsdp_peer_copies")
+ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
+       "rendezvous_scale", "straggler")
+NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
+STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
 RENDEZVOUS_ONCE_FROM = 256  # agents from which a size runs once (setup alone takes tens of seconds)
 RENDEZVOUS_BACKENDS = ("etcd3", "etcd3-dynamic", "c10d")
@@ -193,7 +214,8 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
     for size in plan.state_transfer_mb:
         output = root / f"state-transfer-{size}.json"
         command = [sys.executable, "-m", "bench.state_transfer", "--sizes-mb", str(size), "--procs", "3",
-                   "--repeats", str(plan.checkpoint_repeats), "--output", str(output)]
+                   "--repeats", str(plan.state_transfer_repeats), "--once-from-mb", str(STATE_TRANSFER_ONCE_FROM_MB),
+                   "--output", str(output)]
         try:
             subprocess.run(command, check=True, capture_output=True, timeout=1800, cwd=REPO)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
@@ -205,6 +227,71 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
         rows += [{**summary, "samples": run["samples"]} for summary, run in zip(result["summaries"], result["runs"])]
         log(f"state transfer {size} MB: {json.dumps(result['summaries'])}")
     return rows
+
+
+def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
+    """Issue 20's sharded scenarios (bench/hsdp_recovery.py), each under its own name:
+    ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers; ``fsdp``: FSDP2 without copies,
+    hot and restart mode interleaved; ``fsdp_peer_copies``: FSDP2 with peer copies every 10
+    steps, a node SIGKILLed between two copy rounds (fsdp_round's keys and the copies' own)."""
+    from bench import hsdp_recovery
+
+    cap = plan.caps.recover
+    out: dict = {}
+    if "hsdp" in names:
+        # workdirs root/hsdp-N: the job names hold the run's directory name (the leftover check)
+        out["hsdp"] = hsdp_recovery.hsdp_rounds(root, etcd, plan.hsdp_rounds, cap, report=log)
+    if "fsdp" in names:
+        out["fsdp"] = {system: [] for system in ("elasticctl-hot", "elasticctl")}
+        for repeat in range(plan.fsdp_repeats):
+            order = list(out["fsdp"]) if repeat % 2 == 0 else list(out["fsdp"])[::-1]
+            for system in order:
+                sample = hsdp_recovery.fsdp_round(system, root / f"fsdp-{system}-{repeat}", etcd, cap)
+                out["fsdp"][system].append(sample)
+                log(f"fsdp {system} #{repeat + 1}: {summary(sample)}")
+    if "fsdp_peer_copies" in names:
+        out["fsdp_peer_copies"] = {"samples": [
+            hsdp_recovery.fsdp_peer_copy_round(root / f"fsdp-peer-{repeat}", etcd, cap)
+            for repeat in range(plan.fsdp_repeats)]}
+        log(f"fsdp_peer_copies: {json.dumps(out['fsdp_peer_copies'], default=str)[:300]}")
+    return out
+
+
+def chaos_soak(events: int, workdir: Path, kinds: tuple[str, ...] | None = None) -> dict:
+    """One bench/chaos.py soak of trainers/lm.py --shard hsdp (3 nodes x 2 workers, hot mode) in a
+    process of its own (it starts its own etcd): its summary with ``outcome`` "passed" or
+    "failed: reason" (then the events before the failure)."""
+    output = workdir.with_suffix(".json")
+    command = [sys.executable, "-m", "bench.chaos", "--trainer", "lm-hsdp", "--events", str(events), "--seed", "1",
+               "--workdir", str(workdir), "--summary", str(output), *(("--kinds", *kinds) if kinds else ())]
+    started = time.monotonic()
+    try:
+        result = subprocess.run(command, check=False, capture_output=True, text=True, cwd=REPO,
+                                timeout=120 * max(events, 1) + 300)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "failed: the soak did not end within its time limit", "events_planned": events}
+    verdict = next((line for line in result.stdout.splitlines() if line.startswith("chaos:")),
+                   f"chaos: no verdict printed (status {result.returncode}: {result.stderr.strip()[-200:]})")
+    found = json.loads(output.read_text()) if output.exists() else {}
+    found.update({"outcome": "passed" if result.returncode == 0 else "failed: " + verdict.split("FAILED: ", 1)[-1],
+                  "events_planned": events, "wall_s": round(time.monotonic() - started, 1)})
+    log(f"chaos hsdp ({', '.join(found.get('kinds') or kinds or ())}): {verdict}")
+    return found
+
+
+def run_chaos_hsdp(plan: Plan, root: Path, quick: bool) -> dict:
+    """The HSDP chaos soak with every kind of event; while a join fails (issue 20's open join
+    issue), again with the kinds that need no join, the first soak kept under ``with_joins``."""
+    from bench.chaos import join_failed
+
+    # the run's directory name in the job's: bench.run's leftover check finds its processes
+    soak = chaos_soak(plan.chaos_events, root / f"{root.name}-chaos")
+    if soak["outcome"] != "passed" and join_failed(soak):
+        first = soak
+        soak = chaos_soak(plan.chaos_events, root / f"{root.name}-chaos-nojoin", NO_JOIN_KINDS)
+        soak["with_joins"] = first
+    soak["quick"] = quick
+    return soak
 
 
 def leftover_processes(token: str) -> list[str]:
@@ -240,7 +327,8 @@ def main() -> None:
     if args.repeats:
         plan = dataclasses.replace(plan, repeats=dict.fromkeys(plan.repeats, args.repeats),
                                    checkpoint_repeats=args.repeats,
-                                   rendezvous_repeats=args.repeats)
+                                   rendezvous_repeats=args.repeats, state_transfer_repeats=args.repeats,
+                                   hsdp_rounds=args.repeats, fsdp_repeats=args.repeats)
 
     started, now = time.monotonic(), datetime.datetime.now()
     root = Path(tempfile.mkdtemp(prefix=f"ecbench-{now:%H%M%S}-"))
@@ -268,6 +356,11 @@ def main() -> None:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
             if "state_transfer" in args.only:
                 results["scenarios"]["state_transfer"] = run_state_transfer(plan, root, results["errors"])
+            sharded = [name for name in SHARDED_SCENARIOS if name in args.only]
+            if sharded:
+                results["scenarios"].update(run_sharded(sharded, plan, root, client))
+            if "chaos_hsdp" in args.only:
+                results["scenarios"]["chaos_hsdp"] = run_chaos_hsdp(plan, root, args.mode == "quick")
             # Last: the heaviest on the machine (up to 1,000 agents); each round starts its own etcd.
             if "rendezvous" in args.only:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan)

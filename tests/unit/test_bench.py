@@ -167,3 +167,92 @@ def test_the_straggler_section_reports_its_rows_and_targets():
     assert "not measured" in stragglers.targets(missed) and "0.50 × (missed)" in stragglers.targets(missed)
     assert "not named within 60 s" in "\n".join(stragglers.section(missed))
     assert stragglers.section({"scenarios": {}}) == [] and stragglers.text_lines({"scenarios": {}}) == []
+
+
+def _transfer_entry(state_mb: int, new_mbps: float, raw_mbps: float, sender_delta: int) -> dict:
+    method = {"median_s": 1.0, "sender_rss_delta_max": sender_delta, "joiner_rss_delta_max": 0, "repeats": 1}
+    return {"state_mb": state_mb, "state_bytes": state_mb * 2**20, "procs": 3, "bucket_bytes": 64 * 2**20,
+            "identical": True, "new": {**method, "bytes_per_s": new_mbps * 1e6},
+            "raw": {**method, "bytes_per_s": raw_mbps * 1e6, "sender_rss_delta_max": 4096}}
+
+
+def test_state_transfer_targets_at_512_mb_and_2_gb_and_the_senders_memory():
+    results = {"scenarios": {"state_transfer": [_transfer_entry(512, 900, 1000, 2 * 2**20),
+                                                _transfer_entry(2048, 600, 1000, 3 * 2**20)]}}
+    line = report.state_transfer_targets(results)
+    assert line.startswith("Targets (issue 20), state transfer ≥ 0.7 × the raw gloo broadcast: ")
+    assert "at 512 MB: 0.90 × (900 vs 1000 MB/s) (met)" in line
+    assert "at 2 GB: 0.60 × (600 vs 1000 MB/s) (missed)" in line
+    assert "at most 3.0 MiB over before (at 2048 MB; bucket 64 MiB) (met)" in line
+    results["scenarios"]["state_transfer"] = [_transfer_entry(64, 900, 1000, 100 * 2**20)]
+    line = report.state_transfer_targets(results)
+    assert "at 512 MB: not measured in this run" in line and "at 2 GB: not measured in this run" in line
+    assert "(at 64 MB; bucket 64 MiB) (missed)" in line  # a sender that held more than one bucket
+
+
+def _sharded_results(join: dict) -> dict:
+    kill = {"seconds": 1.5, "cap_s": 60, "outcome": "recovered", "redone_steps": 0, "survivors_restarted": 0,
+            "replicas_identical": True}
+    fsdp = {"elasticctl-hot": [{"seconds": 3.0, "cap_s": 60, "redone_steps": 4, "survivors_restarted": 0,
+                                "restored_sources": ["checkpoint"]}],
+            "elasticctl": [{"seconds": 9.0, "cap_s": 60, "redone_steps": 4, "survivors_restarted": 2,
+                            "restored_sources": []}]}
+    return {"scenarios": {"hsdp": [{"kill": kill, "join": join}], "fsdp": fsdp,
+                          "fsdp_peer_copies": {"outcome": "not available", "reason": "no function"},
+                          "chaos_hsdp": {"outcome": "passed", "events_planned": 2, "quick": True,
+                                         "kinds": ["kill", "join"], "steps": 300, "redone": 0, "worker_restarts": 0,
+                                         "events": [{"kind": "kill"}, {"kind": "join"}]}}}
+
+
+def test_sharded_rows_and_targets_name_each_issue_20_target():
+    joined = {"seconds": 12.0, "cap_s": 60, "outcome": "joined", "pause_s": 0.5, "transfer_s": 0.1,
+              "transfer_bytes": 2**20, "sources": [[0, "replica"], [1, "replica"]], "replicas_identical": True}
+    results = _sharded_results(joined)
+    rows = {label: (value, target) for label, value, target in report.sharded_rows(results)}
+    assert rows["HSDP 3 × 2: SIGKILL a node → first step at world 4 (s)"] == ("1.50 (1.50–1.50, n=1)", "≤ 2 s")
+    assert rows["HSDP: shards' digests identical across replicas before every step"][0] == "yes (2 of 2)"
+    assert rows["FSDP2 with peer copies: SIGKILL a node → first step (s)"][0] == "not available"
+    assert "1.00 MiB from shard 0: replica, shard 1: replica" in rows[
+        "HSDP: the joiner's shards' transfer (s; bytes, sources)"][0]
+    line = report.sharded_targets(results)
+    assert line.startswith("Targets (issue 20), sharded models: HSDP SIGKILL → first step ≤ 2 s: 1.50 s (met)")
+    assert "nothing re-done: at most 0 (met)" in line
+    assert "pause − transfer at most 0.40 s (missed)" in line
+    assert "FSDP2 with peer copies ≤ 3 s and ≤ 10 steps re-done: not available" in line
+    assert "3.00 s vs restart mode 9.00 s, 0 survivor process(es) restarted (met)" in line
+    assert "chaos soak of the HSDP trainer, 2 events: passed (met)" in line
+    section = report.sharded_section(results)
+    assert "| measurement | this run | target |" in section and "2 events (a shorter soak than issue 20" in section[2]
+
+
+def test_a_failed_join_is_reported_with_its_reason():
+    failed = {"seconds": None, "cap_s": 60, "outcome": "failed: no step at world 6 within 60 s (RuntimeError: x)"}
+    results = _sharded_results(failed)
+    rows = {label: value for label, value, _ in report.sharded_rows(results)}
+    assert rows["HSDP: a node joins: the running workers' pause (s)"] == (
+        "1 of 1 failed: no step at world 6 within 60 s (RuntimeError: x)")
+    assert "HSDP: the joiner's shards' transfer (s; bytes, sources)" not in rows
+    assert ("a joining node's pause ≤ its shards' transfer + 0.3 s: no join completed "
+            "(failed: no step at world 6 within 60 s (RuntimeError: x)) (missed)") in report.sharded_targets(results)
+
+
+def test_bench_run_reports_peer_copies_as_not_available_without_their_scenario(monkeypatch, tmp_path):
+    from bench import hsdp_recovery, run
+
+    monkeypatch.delattr(hsdp_recovery, "fsdp_peer_copy_round", raising=False)
+    out = run.run_sharded(["fsdp_peer_copies"], run.PLANS["quick"], tmp_path, etcd=None)
+    assert out == {"fsdp_peer_copies": {"outcome": "not available",
+                                        "reason": "bench.hsdp_recovery has no fsdp_peer_copy_round"}}
+    assert {"hsdp", "fsdp", "fsdp_peer_copies", "chaos_hsdp", "state_transfer"} <= set(run.ALL)
+    assert run.PLANS["quick"].state_transfer_mb == run.PLANS["full"].state_transfer_mb == (64, 512, 2048)
+
+
+def test_peer_copies_meet_their_target_only_without_a_disk_read_or_a_restart():
+    results = _sharded_results({"seconds": None, "cap_s": 60, "outcome": "failed: x"})
+    sample = {"seconds": 1.2, "cap_s": 60, "redone_steps": 7, "survivors_restarted": 0,
+              "restored_sources": ["peer_copy"], "resumed_from_checkpoint": False}
+    results["scenarios"]["fsdp_peer_copies"] = {"samples": [sample]}
+    assert "FSDP2 with peer copies ≤ 3 s and ≤ 10 steps re-done: 1.20 s, at most 7 re-done (met)" in (
+        report.sharded_targets(results))
+    results["scenarios"]["fsdp_peer_copies"] = {"samples": [{**sample, "resumed_from_checkpoint": True}]}
+    assert "1.20 s, at most 7 re-done, from disk (missed)" in report.sharded_targets(results)
