@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import collections
 
-
+import pytest
+import torch
 from support.helpers import REPO, wait_for
 
 from bench.accounting import check_replicas, check_samples
@@ -80,6 +81,34 @@ def test_hsdp_survivors_keep_their_shards_through_a_node_lost(job):
     restored = [r for r in records if r.get("event") == "state_restored" and r["time"] > killed_at]
     assert restored == [], f"the survivors' shards all had a replica at the newest step: {restored}"
     check_shard_replicas(steps, 4)
+
+
+GPUS_FOR_HSDP = 6  # 3 nodes x 2 workers on one host, each node on GPUs of its own
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < GPUS_FOR_HSDP,
+                    reason=f"HSDP on NCCL needs {GPUS_FOR_HSDP} GPUs (3 nodes x 2 workers, one GPU each); "
+                           f"this machine has {torch.cuda.device_count()}")
+def test_on_gpus_hsdp_survivors_abort_their_nccl_groups_and_a_joiner_gets_its_shards(job):
+    """The NCCL path of issue 20: the mesh on cuda (device from LOCAL_RANK within each node's
+    CUDA_VISIBLE_DEVICES), the survivors' NCCL groups aborted before the next generation's are
+    built, the joiner's shards sent by the replicas over NCCL."""
+    j = job(nnodes="1:3", extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2"], train=HSDP)
+    gpus = {"a": "0,1", "b": "2,3", "c": "4,5"}
+    started = {"a": j.up("a", {"CUDA_VISIBLE_DEVICES": gpus["a"]})}
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    started.update({name: j.join(name, {"CUDA_VISIBLE_DEVICES": gpus[name]}) for name in ("b", "c")})
+    pids = pids_by_node(wait_workers(j, 6, {"a", "b", "c"}))
+    killed_at = max(r["time"] for r in j.records())
+    started["c"].kill()  # the survivors' NCCL kernels wait on c until their groups are aborted
+    shrunk = wait_workers(j, 4, {"a", "b"}, since=killed_at)
+    assert pids_by_node(shrunk) == {n: pids[n] for n in ("a", "b")}, "a survivor's worker restarted"
+    joined_at = max(r["time"] for r in j.records())
+    j.join("d", {"CUDA_VISIBLE_DEVICES": gpus["c"]})  # c's GPUs, now free
+    wait_workers(j, 6, {"a", "b", "d"}, since=joined_at)
+    restored = [r for r in j.records() if r.get("event") == "state_restored" and r["time"] > joined_at]
+    assert {r["source"] for r in restored} == {"replica"}, restored
+    check_shard_replicas(steps_of(j.records()), 6)
 
 
 def test_hsdp_a_joining_node_gets_its_shards_from_replicas(job):

@@ -33,12 +33,13 @@ class Job:
         self.client = EtcdClient(etcd.client_settings())
         self.registry = Registry(self.client, run_id)
 
-    def up(self, node_id: str):
-        return self.nodes(node_id, [*ELASTICCTL, "up", "--node-id", node_id, *self.up_args])
+    def up(self, node_id: str, env: dict | None = None):
+        return self.nodes(node_id, [*ELASTICCTL, "up", "--node-id", node_id, *self.up_args], env)
 
-    def join(self, node_id: str):
+    def join(self, node_id: str, env: dict | None = None):
+        """``env``: the node's own variables (e.g. CUDA_VISIBLE_DEVICES: one host playing several)."""
         return self.nodes(node_id, [*ELASTICCTL, "join", "--etcd", self.etcd.endpoint, "--job", self.name,
-                                    "--node-id", node_id])
+                                    "--node-id", node_id], env)
 
     def records(self) -> list[dict]:
         return read_records(self.record)
