@@ -27,7 +27,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.lease import Lease
 from elasticctl.job.records import Claim, Declaration, Round
-from elasticctl.rendezvous.liveness import AlivePort, Liveness, probe
+from elasticctl.rendezvous.liveness import PROBE_ATTEMPTS, AlivePort, Liveness, probe
 from elasticctl.rendezvous.rounds import (
     Change,
     Settings,
@@ -77,6 +77,8 @@ class RoundMember:
         self._alive_port: AlivePort | None = None  # opened at the first declaration
         # (node, declaration revision) -> what a probe of it showed: True runs, False gone, None not known
         self._probed: dict[tuple[str, int], bool | None] = {}
+        # (node, declaration revision) -> probes it left unanswered so far (fewer than PROBE_ATTEMPTS)
+        self._unanswered: dict[tuple[str, int], int] = {}
         self.round: Round | None = None  # the round this node is in
         # Members known to have finished (see change_for): what this node publishes leaves them out.
         self._finished: frozenset[str] = frozenset()
@@ -200,11 +202,18 @@ class RoundMember:
         few silent members of a re-formation are probed once per declaration (see
         :mod:`elasticctl.rendezvous.liveness`), so that a crash is not waited for until
         the last call."""
-        self._probed = {key: alive for key, alive in self._probed.items()
-                        if key in {(d.node, d.revision) for d in live}}
+        keys = {(d.node, d.revision) for d in live}
+        self._probed = {key: alive for key, alive in self._probed.items() if key in keys}
+        self._unanswered = {key: count for key, count in self._unanswered.items() if key in keys}
         for declaration in to_probe(current, live, self._probed):
+            key = (declaration.node, declaration.revision)
             seen = probe(declaration.addr, declaration.alive_port)
-            self._probed[(declaration.node, declaration.revision)] = {Liveness.ALIVE: True, Liveness.GONE: False}.get(seen)
+            if seen is Liveness.UNKNOWN and self._unanswered.get(key, 0) + 1 < PROBE_ATTEMPTS:
+                # Frozen, or starved of CPU on a loaded host: asked again at this loop's next
+                # turn (the last call's end at the latest), so a slow answer still counts.
+                self._unanswered[key] = self._unanswered.get(key, 0) + 1
+                continue
+            self._probed[key] = {Liveness.ALIVE: True, Liveness.GONE: False}.get(seen)
             if seen is Liveness.GONE:
                 log.info("[%s] %s (pid %d) is gone (its liveness port refused a connection); not waiting "
                          "for its lease", self.node, declaration.node, declaration.pid)
