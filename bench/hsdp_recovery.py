@@ -200,6 +200,26 @@ def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_arg
     return results
 
 
+def kill_c_of_three(cluster: Cluster, cap: float) -> tuple[dict, list[dict]]:
+    """SIGKILL node c's tree in a job of a, b, c at 1 worker each: the time to the survivors' first
+    step at world 2 (``_recovery``'s result, with the survivors' restarted processes, the sources
+    their state was restored from and whether a checkpoint was resumed) and the event lines since."""
+    survivors = {"a", "b"}
+    before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
+    killed = time.time()
+    cluster.nodes["c"].signal_tree(signal.SIGKILL)
+    cluster.nodes.pop("c").stop()
+    result = _recovery(cluster, killed, 2, survivors, cap)
+    if result["seconds"] is None:
+        return result, []
+    result["seconds"] = round(result["seconds"], 3)
+    after = {r["pid"] for r in cluster.record.steps(killed, 2) if r["node"] in survivors}
+    lines = [r for r in cluster.record.read() if r.get("event") and r["time"] > killed]
+    return {**result, "survivors_restarted": len(after - before),
+            "restored_sources": sorted({r["source"] for r in lines if r["event"] == "state_restored"}),
+            "resumed_from_checkpoint": any(r["event"] == "resume" for r in lines)}, lines
+
+
 def fsdp_round(system: str, workdir: Path, etcd: EtcdClient, cap: float) -> dict:
     """FSDP2 over 3 nodes x 1 worker, no replica, checkpoints every 10 steps: SIGKILL node c once a
     checkpoint at world 3 exists, then the first step at world 2 (``system``: elasticctl-hot, the
@@ -226,20 +246,7 @@ def fsdp_round(system: str, workdir: Path, etcd: EtcdClient, cap: float) -> dict
         after = checkpointed(3) + 5  # mid-interval: both modes go back the same few steps
         if not wait_for(lambda: any(r["step"] >= after for r in cluster.record.steps(0, 3)), cap):
             return {"seconds": None, "cap_s": cap, "outcome": f"no step {after} at world 3 within {cap:g} s"}
-        survivors = {"a", "b"}
-        before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
-        killed = time.time()
-        cluster.nodes["c"].signal_tree(signal.SIGKILL)
-        cluster.nodes.pop("c").stop()
-        result = _recovery(cluster, killed, 2, survivors, cap)
-        if result["seconds"] is None:
-            return result
-        result["seconds"] = round(result["seconds"], 3)
-        after = {r["pid"] for r in cluster.record.steps(killed, 2) if r["node"] in survivors}
-        lines = [r for r in cluster.record.read() if r.get("event") and r["time"] > killed]
-        return {**result, "survivors_restarted": len(after - before),
-                "restored_sources": sorted({r["source"] for r in lines if r["event"] == "state_restored"}),
-                "resumed_from_checkpoint": any(r["event"] == "resume" for r in lines)}
+        return kill_c_of_three(cluster, cap)[0]
     finally:
         cluster.close()
 
@@ -259,7 +266,6 @@ def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
     resumed_from_checkpoint) and the copies' own: the step the survivors went back to
     (``copy_step``), the newest step trained before (``trained_step``) and the shards' reshard
     (``restore_bytes``: sent by each survivor, ``restore_s``: its slowest)."""
-    from bench.scenarios import _recovery
 
     cluster = Cluster("elasticctl-hot", workdir, list(FSDP_PEER_COPY_TRAINING), etcd, script=LM,
                       up_args=("--node-ttl", "3"))
@@ -284,21 +290,11 @@ def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
 
         if not wait_for(half_way, cap):
             return {"seconds": None, "cap_s": cap, "outcome": f"no peer copy round at world 3 within {cap:g} s"}
-        survivors = {"a", "b"}
-        before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
-        killed = time.time()
-        cluster.nodes["c"].signal_tree(signal.SIGKILL)
-        cluster.nodes.pop("c").stop()
-        result = _recovery(cluster, killed, 2, survivors, cap)
+        result, lines = kill_c_of_three(cluster, cap)
         if result["seconds"] is None:
             return result
-        result["seconds"] = round(result["seconds"], 3)
-        after = {r["pid"] for r in cluster.record.steps(killed, 2) if r["node"] in survivors}
-        lines = [r for r in cluster.record.read() if r.get("event") and r["time"] > killed]
         restored = [r for r in lines if r["event"] == "state_restored"]
-        return {**result, "survivors_restarted": len(after - before),
-                "restored_sources": sorted({r["source"] for r in restored}),
-                "resumed_from_checkpoint": any(r["event"] == "resume" for r in lines),
+        return {**result,
                 "copy_step": min((r["step"] for r in restored), default=None),
                 "trained_step": max((r.get("trained", -1) for r in restored), default=None),
                 "restore_bytes": sorted(r.get("nbytes", 0) for r in restored),
