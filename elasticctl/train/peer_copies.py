@@ -66,7 +66,7 @@ import torch.distributed as dist
 from elasticctl.train.shards import LocalShards, ShardedModel
 from elasticctl.train.state import State, StateError
 from elasticctl.train.sync import HeldShard, PeerCopyRestore
-from elasticctl.train.transfer import DTYPE_NAMES, DTYPES, WINDOW, flatten, rebuild
+from elasticctl.train.transfer import DTYPE_NAMES, DTYPES, WINDOW, flatten, read_description, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -531,12 +531,7 @@ def newcomer_snapshot(blob: bytes, plan: PeerCopyRestore, state: State) -> Snaps
     optimizer's per-parameter tensor against its parameter's). StateError if anything does not fit."""
     from torch.distributed.tensor import DTensor
 
-    try:
-        description = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    except Exception as exc:  # whatever a malformed blob makes torch raise
-        raise StateError(f"The peer copies' description cannot be read: {exc}") from exc
-    if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
-        raise StateError("The peer copies' description is not one this worker reads.")
+    description = read_description(blob, "The peer copies' description", DESCRIPTION_FORMAT)
     skeleton, sharded, replicated = (description.get(k) for k in ("skeleton", "sharded", "replicated"))
     if not isinstance(skeleton, dict) or not isinstance(sharded, list) or not isinstance(replicated, list):
         raise StateError("The peer copies' description holds no training state.")

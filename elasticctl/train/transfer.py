@@ -185,14 +185,22 @@ def describe(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTE
     return buffer.getvalue(), specs, tensors
 
 
-def parse_description(blob: bytes) -> tuple[dict[str, Any], list[TensorSpec], int]:
-    """The skeleton, tensor specs and bucket size of a peer's description; StateError if it is not one."""
+def read_description(blob: bytes, what: str, expected_format: int) -> dict[str, Any]:
+    """A peer's description blob as a dict of format ``expected_format``, read with
+    ``weights_only=True`` (no pickle beyond tensors and plain containers); StateError naming
+    ``what`` if it cannot be read or is of another format."""
     try:
         description = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:  # whatever a malformed blob makes torch raise
-        raise StateError(f"The state description received cannot be read: {exc}") from exc
-    if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
-        raise StateError("The state description received is not one this worker reads.")
+        raise StateError(f"{what} cannot be read: {exc}") from exc
+    if not isinstance(description, dict) or description.get("format") != expected_format:
+        raise StateError(f"{what} is not one this worker reads.")
+    return description
+
+
+def parse_description(blob: bytes) -> tuple[dict[str, Any], list[TensorSpec], int]:
+    """The skeleton, tensor specs and bucket size of a peer's description; StateError if it is not one."""
+    description = read_description(blob, "The state description received", DESCRIPTION_FORMAT)
     skeleton, entries = description.get("state"), description.get("tensors")
     if not isinstance(skeleton, dict) or type(skeleton.get("step")) is not int:
         raise StateError("The state description received holds no training state.")
