@@ -20,6 +20,7 @@ import datetime
 import hashlib
 import json
 import os
+import select
 import sys
 from pathlib import Path
 
@@ -113,8 +114,8 @@ def worker(rank: int, port: int, mode: str = "loss") -> None:
     sync.sync_shards(rank, 2, [True, True], trained)
     back_to, digest = state.step, full_digest(state.model, optimizer)
     train_step(state, data, rank)
-    print(json.dumps({"rank": rank, "trained": trained, "step": back_to, "digest": digest,
-                      "expected": digests.get(back_to), "then": state.step, "events": events}), flush=True)
+    print_line({"rank": rank, "trained": trained, "step": back_to, "digest": digest,
+                "expected": digests.get(back_to), "then": state.step, "events": events})
     dist.destroy_process_group()
     os._exit(0)  # gloo's teardown at interpreter exit can abort (pytorch#190489)
 
@@ -170,10 +171,19 @@ def join(rank: int, port: int, wrap, train_step) -> None:
         expected = [digests.get(back_to)]
         dist.broadcast_object_list(expected, src=0)
     train_step(state, data, rank)
-    print(json.dumps({"rank": rank, "trained": trained, "step": back_to, "digest": digest, "expected": expected[0],
-                      "then": state.step, "events": events}), flush=True)
+    print_line({"rank": rank, "trained": trained, "step": back_to, "digest": digest, "expected": expected[0],
+                "then": state.step, "events": events})
     dist.destroy_process_group()
     os._exit(0)
+
+
+def print_line(record: dict) -> None:
+    """One JSON line in one write: the workers share the parent's stdout pipe, and print() issues the text
+    and its newline as two writes when stdout is unbuffered, so two workers' lines could interleave (seen
+    in CI: one line holding two records). A pipe write up to PIPE_BUF bytes is atomic."""
+    line = (json.dumps(record) + "\n").encode()
+    assert len(line) <= select.PIPE_BUF, len(line)
+    os.write(sys.stdout.fileno(), line)
 
 
 def _until(gate, count: int) -> bool:
