@@ -163,7 +163,9 @@ def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
             "step_interval_s": round(statistics.median(intervals), 3) if intervals else None,
             "transfer_s": transfer, "transfer_bytes": sum(r.get("nbytes") or 0 for r in restored),
             "sources": sorted((r.get("shard"), r["source"]) for r in restored),
-            "replicas_identical": replicas_identical(steps)}
+            "replicas_identical": replicas_identical(steps),
+            # where the running workers' pause went (rank 0's timeline of the change, seconds since the start)
+            **(wait_for(lambda: _phases(cluster, joined, 6), 10) or {})}
 
 
 def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_args: tuple[str, ...] = (),
