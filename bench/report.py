@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from bench import stragglers as straggler_bench
+from elasticctl.train.timeline import PHASE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 RESTART, HOT, TORCHRUN = "elasticctl", "elasticctl-hot", "torchrun"
@@ -671,7 +672,18 @@ def sharded_section(results: dict) -> list[str]:
         "",
         sharded_targets(results),
         "",
+        *hsdp_phase_section(results),
     ]
+
+
+def hsdp_phase_section(results: dict) -> list[str]:
+    """Where the HSDP kill's and join's seconds go (rank 0's timelines, medians over rounds)."""
+    rounds = results["scenarios"].get("hsdp") or []
+    return phase_table("Where the HSDP rounds' seconds go (rank 0's timeline; medians over rounds; each cell is "
+                       "the end of a phase, seconds after the SIGKILL or after the joining node was started; "
+                       "the join's \"fault seen\" is the boundary at which the running workers agreed to admit it):",
+                       [("SIGKILL a node", [(r.get("kill") or {}).get("phases") for r in rounds]),
+                        ("a node joins", [(r.get("join") or {}).get("phases") for r in rounds])])
 
 
 def machine_line(results: dict) -> str:
@@ -824,28 +836,34 @@ def rendezvous_section(results: dict) -> list[str]:
     ]
 
 
-PHASE_LABELS = {"fault_seen": "fault seen", "torn_down": "group torn down", "sealed": "generation sealed",
-                "group_built": "group built", "state_synced": "state synced", "first_step": "first step"}
+PHASE_LABELS = {"fault_seen": "fault seen", **PHASE_NAMES}
 
 
 def recovery_phase_section(results: dict) -> list[str]:
     """Hot mode: when each phase of a recovery ended, seconds after the signal (medians of rank 0's
     ``recovery_timeline``); empty when no run recorded one (results from before it existed)."""
     runs = results["scenarios"].get("lifecycle", {}).get(HOT, [])
-    events = [(name, label) for name, label in (("crash", "SIGKILL node c"), ("freeze", "SIGSTOP node b"))
-              if any((run.get(name) or {}).get("phases") for run in runs)]
-    if not events:
+    columns = [(label, [(run.get(name) or {}).get("phases") for run in runs])
+               for name, label in (("crash", "SIGKILL node c (s after the signal)"),
+                                       ("freeze", "SIGSTOP node b (s after the signal)"))]
+    return phase_table("Where a hot recovery's seconds go (rank 0's timeline; medians over repeats; each cell "
+                       "is the end of a phase, seconds after the signal):", columns)
+
+
+def phase_table(intro: str, columns: list[tuple[str, list[dict | None]]]) -> list[str]:
+    """A table of phase ends (rows: :data:`PHASE_LABELS`), one column per event with its runs'
+    ``phases`` (medians); a column no run measured and a phase no column has are left out."""
+    columns = [(label, [phases for phases in runs if phases]) for label, runs in columns]
+    columns = [(label, runs) for label, runs in columns if runs]
+    if not columns:
         return []
-    header = "| phase ended | " + " | ".join(f"{label} (s after the signal)" for _, label in events) + " |"
-    lines = ["Where a hot recovery's seconds go (rank 0's timeline; medians over repeats; each cell is the "
-             "end of a phase, seconds after the signal):", "", header, "|---|" + "---|" * len(events)]
+    lines = [intro, "", "| phase ended | " + " | ".join(label for label, _ in columns) + " |",
+             "|---|" + "---|" * len(columns)]
     for phase, label in PHASE_LABELS.items():
-        cells = []
-        for name, _ in events:
-            values = [(run.get(name) or {}).get("phases", {}).get(phase) for run in runs]
-            value = _median(values)
-            cells.append("–" if value is None else f"{value:.3f}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        values = [_median([phases.get(phase) for phases in runs]) for _, runs in columns]
+        if all(value is None for value in values):
+            continue
+        lines.append(f"| {label} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in values) + " |")
     return [*lines, ""]
 
 

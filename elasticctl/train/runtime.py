@@ -371,6 +371,7 @@ class Runtime:
             # The shards move between the modules of this generation's mesh: wrapped first.
             held = self.state.step if self.state.live else -1  # whether or not its shards still fit
             self._state_sync.rewrap(group)
+            self.mark_recovery("rewrapped")
             group = dataclasses.replace(group, shard=self._sharded.position.index)
             sent_from = self._state_sync.sync_shards(rank, world_size, survivors, held)
             model = self.state.model
@@ -775,7 +776,8 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
     worker was the one told to stop); ``"recovery_timeline"`` on every rank at the first step
     after a fault or change (round, noticed: the wall time the fault was seen, then the seconds
-    from it to the end of each phase: torn_down, sealed, group_built, state_synced, first_step;
+    from it to the end of each phase: torn_down, sealed, group_built, rewrapped (sharded models),
+    state_synced, first_step;
     see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
     (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`).
     ``transfer_bucket_bytes``: the largest message of a hot recovery's state transfer (default

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# In the order they happen; a phase a recovery skipped (e.g. no state to sync) is left out.
-RECOVERY_PHASES = ("torn_down", "sealed", "group_built", "state_synced", "first_step")
+# In the order they happen; a phase a recovery skipped is left out (``rewrapped``: only a sharded
+# model is wrapped anew on each generation's mesh before its state moves; DDP wraps after).
+RECOVERY_PHASES = ("torn_down", "sealed", "group_built", "rewrapped", "state_synced", "first_step")
 PHASE_NAMES = {"torn_down": "group torn down", "sealed": "generation sealed", "group_built": "group built",
-               "state_synced": "state synced", "first_step": "first step"}
+               "rewrapped": "model re-wrapped", "state_synced": "state synced", "first_step": "first step"}
 
 
 def recovery_timeline(noticed: float, marks: Mapping[str, float]) -> dict[str, float]:
