@@ -67,36 +67,37 @@ def _reached(cluster: Cluster, step: int, world: int, cap: float) -> bool:
                          cap, interval=0.05))
 
 
-def named(workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
-    """No eviction: when c is named, and what it costs everyone's pace."""
-    cluster = _job(workdir, etcd, None)
+def _slowed_job(workdir: Path, etcd: EtcdClient, evict: float | None, caps: Caps, measure) -> dict:
+    """A job of 3 whose node c slows down from SLOW_FROM: once at world 3, wait for c's straggler
+    event (evicted or not, as ``evict`` asks), then ``measure(cluster, result so far, events)``."""
+    cluster = _job(workdir, etcd, evict)
     try:
         cold_start = _start_world3(cluster, caps)
         if cold_start is None:
             return {"error": f"no world of 3 within {caps.start:g} s"}
-        event = wait_for(lambda: _straggler_events(cluster, evicted=False), caps.recover, interval=0.1)
-        slowed_from, slowed_to = SLOW_FROM + INTERVAL, SLOW_FROM + INTERVAL + RATE_STEPS
-        _reached(cluster, slowed_to, 3, caps.recover)
-        steps = cluster.record.steps(world=3)
-        result = {"cold_start_s": cold_start, "healthy_steps_per_s": _healthy(cluster),
-                  "slowed_steps_per_s": _rank0_rate(steps, slowed_from, slowed_to)}
-        if not event:
-            return {**result, "outcome": f"not named within {caps.recover:g} s"}
-        return {**result, "outcome": "named", "named_at_step": event[0].step, "ratio": event[0].ratio,
-                "steps_to_named": None if event[0].step is None else event[0].step - SLOW_FROM}
+        event = wait_for(lambda: _straggler_events(cluster, evicted=evict is not None), caps.recover, interval=0.1)
+        return measure(cluster, {"cold_start_s": cold_start, "healthy_steps_per_s": _healthy(cluster)}, event)
     finally:
         cluster.close()
 
 
+def named(workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
+    """No eviction: when c is named, and what it costs everyone's pace."""
+    def measure(cluster: Cluster, result: dict, event: list) -> dict:
+        slowed_from, slowed_to = SLOW_FROM + INTERVAL, SLOW_FROM + INTERVAL + RATE_STEPS
+        _reached(cluster, slowed_to, 3, caps.recover)
+        result["slowed_steps_per_s"] = _rank0_rate(cluster.record.steps(world=3), slowed_from, slowed_to)
+        if not event:
+            return {**result, "outcome": f"not named within {caps.recover:g} s"}
+        return {**result, "outcome": "named", "named_at_step": event[0].step, "ratio": event[0].ratio,
+                "steps_to_named": None if event[0].step is None else event[0].step - SLOW_FROM}
+
+    return _slowed_job(workdir, etcd, None, caps, measure)
+
+
 def evicted(workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
     """--evict-stragglers R: c asked to leave, a and b on at world 2 in their own processes."""
-    cluster = _job(workdir, etcd, EVICT)
-    try:
-        cold_start = _start_world3(cluster, caps)
-        if cold_start is None:
-            return {"error": f"no world of 3 within {caps.start:g} s"}
-        event = wait_for(lambda: _straggler_events(cluster, evicted=True), caps.recover, interval=0.1)
-        result = {"cold_start_s": cold_start, "healthy_steps_per_s": _healthy(cluster)}
+    def measure(cluster: Cluster, result: dict, event: list) -> dict:
         if not event:
             return {**result, "outcome": f"not evicted within {caps.recover:g} s"}
         result.update(evicted_at_step=event[0].step, ratio=event[0].ratio,
@@ -114,8 +115,8 @@ def evicted(workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
         healthy = result["healthy_steps_per_s"]
         return {**result, "outcome": "evicted", "after_eviction_steps_per_s": rate,
                 "ratio_to_healthy": None if rate is None or not healthy else rate / healthy}
-    finally:
-        cluster.close()
+
+    return _slowed_job(workdir, etcd, EVICT, caps, measure)
 
 
 def run(root: Path, etcd: EtcdClient, caps: Caps) -> dict:
