@@ -16,6 +16,7 @@ callback and the worker's name (for the log); the sharded model when the state i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from elasticctl.train.transfer import transfer_state
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False)  # one worker's, compared by identity
 class GenerationStateSync:
     """One worker's part in the state sync of each generation it joins (see the module docstring).
 
@@ -39,18 +41,16 @@ class GenerationStateSync:
     there is none), ``event``'s fields added to the ``state_restored`` the script hears;
     ``emit(kind, **fields)``: the script's ``on_event``."""
 
-    def __init__(self, state: State, *, device: torch.device, transport: torch.device, bucket_bytes: int,
-                 restore_from_checkpoint: Callable[..., Any], emit: Callable[..., None], worker: str,
-                 sharded: ShardedModel | None = None, peer_copies: PeerCopies | None = None) -> None:
-        self.state = state
-        self.device = device
-        self.transport = transport
-        self.bucket_bytes = bucket_bytes
-        self.restore_from_checkpoint = restore_from_checkpoint
-        self.emit = emit
-        self.worker = worker
-        self.sharded = sharded
-        self.peer_copies = peer_copies  # the shards held in memory (State(peer_copies=K)), or None
+    state: State
+    _: dataclasses.KW_ONLY
+    device: torch.device
+    transport: torch.device
+    bucket_bytes: int
+    restore_from_checkpoint: Callable[..., Any]
+    emit: Callable[..., None]
+    worker: str
+    sharded: ShardedModel | None = None
+    peer_copies: PeerCopies | None = None  # the shards held in memory (State(peer_copies=K)), or None
 
     def sync_state(self, rank: int, world_size: int, survivors: Sequence[bool]) -> tuple[int, ...]:
         """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);

@@ -64,7 +64,6 @@ def worker(rank: int, port: int, mode: str = "loss") -> None:
     from elasticctl.train.peer_copies import PeerCopies
     from elasticctl.train.shards import ShardedModel
     from elasticctl.train.state import State
-    from elasticctl.train.state_sync import GenerationStateSync
 
     def wrap(model, group):
         mesh = init_device_mesh("cpu", (group.world_size,))
@@ -107,10 +106,7 @@ def worker(rank: int, port: int, mode: str = "loss") -> None:
     trained = state.step
     sharded.rewrap(state, Group(2, rank, 2, ("a.0", "b.0")))
     events = []
-    sync = GenerationStateSync(state, device=torch.device("cpu"), transport=torch.device("cpu"), bucket_bytes=4096,
-                               restore_from_checkpoint=lambda **event: None,
-                               emit=lambda kind, **fields: events.append({"event": kind, **fields}),
-                               worker=f"w{rank}", sharded=sharded, peer_copies=copies)
+    sync = state_sync(state, rank, sharded, copies, events)
     sync.sync_shards(rank, 2, [True, True], trained)
     back_to, digest = state.step, full_digest(state.model, optimizer)
     train_step(state, data, rank)
@@ -126,7 +122,6 @@ def join(rank: int, port: int, wrap, train_step) -> None:
     from elasticctl.train.peer_copies import PeerCopies
     from elasticctl.train.shards import ShardedModel
     from elasticctl.train.state import State
-    from elasticctl.train.state_sync import GenerationStateSync
 
     torch.manual_seed(0)
     model = LanguageModel(64, 32, 36, 2, 2)
@@ -135,10 +130,7 @@ def join(rank: int, port: int, wrap, train_step) -> None:
     sharded = ShardedModel(wrap)
     copies = PeerCopies(3, worker=f"w{rank}", timeout=datetime.timedelta(seconds=30), bucket_bytes=4096)
     events = []
-    sync = GenerationStateSync(state, device=torch.device("cpu"), transport=torch.device("cpu"), bucket_bytes=4096,
-                               restore_from_checkpoint=lambda **event: None,
-                               emit=lambda kind, **fields: events.append({"event": kind, **fields}),
-                               worker=f"w{rank}", sharded=sharded, peer_copies=copies)
+    sync = state_sync(state, rank, sharded, copies, events)
     data = bigram_dataset(64, 32, 64, 0)
     digests = {}
     gate = dist.TCPStore("127.0.0.1", port + 2, 3, rank == 0)
@@ -175,6 +167,16 @@ def join(rank: int, port: int, wrap, train_step) -> None:
                 "then": state.step, "events": events})
     dist.destroy_process_group()
     os._exit(0)
+
+
+def state_sync(state, rank: int, sharded, copies, events: list):
+    """The runtime's state sync of this worker, on CPU, its events into ``events``."""
+    from elasticctl.train.state_sync import GenerationStateSync
+
+    return GenerationStateSync(state, device=torch.device("cpu"), transport=torch.device("cpu"), bucket_bytes=4096,
+                               restore_from_checkpoint=lambda **event: None,
+                               emit=lambda kind, **fields: events.append({"event": kind, **fields}),
+                               worker=f"w{rank}", sharded=sharded, peer_copies=copies)
 
 
 def print_line(record: dict) -> None:
