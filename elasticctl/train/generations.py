@@ -37,7 +37,6 @@ class Generations:
         # The generation record lives on the run lease, which the workers renew as well as their
         # agents: it stays while any worker of the job lives, and goes ttl after the last one.
         self._run_lease = RunLease(client, settings.run_ttl, keys.run_lease).start()
-        self.previous: Round | None = None  # the generation before the one joined last
         # Members are workers: every node brings its LOCAL_WORLD_SIZE of them.
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         rounds = Settings(min_nodes=settings.min_nodes * per_node, max_nodes=settings.max_nodes * per_node,
@@ -49,9 +48,7 @@ class Generations:
                                    node_workers=per_node if sharded else 0)
 
     def join(self) -> Round:
-        """Declare for the next generation; return it once it is sealed with this worker in it.
-        :attr:`previous` is then the generation this worker saw before it (None: none yet)."""
-        self.previous = self.view.round
+        """Declare for the next generation; return it once it is sealed with this worker in it."""
         sealed = self._member.join()
         # Later generations re-form among running workers, which declare within milliseconds
         # of a fault: only a dead worker's declaration (its lease not yet ended) is waited for.

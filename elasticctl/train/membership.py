@@ -58,11 +58,6 @@ class Membership(abc.ABC):
         """Whether rank 0 records each generation formed (the agent records torchrun's rounds)."""
         return self.mode is Mode.HOT
 
-    @property
-    def previous(self) -> Round | None:
-        """The generation before the one joined last (None: none, or not known here)."""
-        return None
-
     @abc.abstractmethod
     def form(self, runtime: Runtime) -> Group:
         """The first generation, its process groups up (the training group, then the runtime's
@@ -116,10 +111,6 @@ class HotMembership(Membership):
         self.node_ttl = settings.node_ttl
         self._connect = connect  # the job's generations, from the worker's environment
         self.generations: Generations | None = None  # connected by form()
-
-    @property
-    def previous(self) -> Round | None:
-        return self.generations.previous if self.generations is not None else None
 
     def form(self, runtime: Runtime) -> Group:
         self.generations = self._connect()

@@ -361,9 +361,6 @@ class Runtime:
         """Train in ``generation`` (its process group is up): the state in sync, the sampler
         re-dealt, the model wrapped. Called by the membership."""
         self._checkpointer = self._checkpointer_for(rank)
-        previous = self.membership.previous
-        survivors = [previous is not None and member in previous.members for member in generation.members]
-        survivors = survivors or [False] * world_size
         group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
                       device=self.device, model=self.state.model, members=generation.members,
                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -373,11 +370,11 @@ class Runtime:
             self._state_sync.rewrap(group)
             self.mark_recovery("rewrapped")
             group = dataclasses.replace(group, shard=self._sharded.position.index)
-            sent_from = self._state_sync.sync_shards(rank, world_size, survivors, held)
+            sent_from = self._state_sync.sync_shards(rank, world_size, generation.number, held)
             model = self.state.model
         else:
             # DDP broadcasts rank 0's parameters when it wraps: the state is in sync before.
-            sent_from = self._state_sync.sync_state(rank, world_size, survivors)
+            sent_from = self._state_sync.sync_state(rank, world_size, generation.number)
             model = self._wrap(self.state.model, group)
             if self._wrap_given and is_sharded(model):
                 raise ConfigError("The wrap sharded the model (its parameters are DTensors): pass "

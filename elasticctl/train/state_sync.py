@@ -27,7 +27,7 @@ import torch.distributed as dist
 from elasticctl.train.peer_copies import HELD_FIELDS, MAX_HELD_REPORTED, PeerCopies, decode_held, encode_held
 from elasticctl.train.shards import LocalShards, ShardedModel
 from elasticctl.train.state import State, StateError
-from elasticctl.train.sync import plan_shard_sync, plan_state_sync
+from elasticctl.train.sync import plan_shard_sync, plan_state_sync, previous_members
 from elasticctl.train.transfer import transfer_state
 
 log = logging.getLogger(__name__)
@@ -51,27 +51,38 @@ class GenerationStateSync:
     worker: str
     sharded: ShardedModel | None = None
     peer_copies: PeerCopies | None = None  # the shards held in memory (State(peer_copies=K)), or None
+    # The generation in which this worker's state was last made one with its peers' (-1: never):
+    # what it reports, so that the members agree on who trained together until now
+    # (:func:`elasticctl.train.sync.previous_members`).
+    in_sync: int = -1
 
-    def sync_state(self, rank: int, world_size: int, survivors: Sequence[bool]) -> tuple[int, ...]:
-        """Bring every member to the most advanced state it can trust (:mod:`elasticctl.train.sync`);
-        the ranks that sent it (none: nothing was sent)."""
+    def sync_state(self, rank: int, world_size: int, generation: int) -> tuple[int, ...]:
+        """Bring every member of ``generation`` to the most advanced state it can trust
+        (:mod:`elasticctl.train.sync`); the ranks that sent it (none: nothing was sent)."""
         if world_size == 1 and self.state.live:
+            self.in_sync = generation
             return ()
-        mine = torch.tensor([self.state.step if self.state.live else -1], dtype=torch.int64, device=self.transport)
-        steps = [torch.zeros_like(mine) for _ in range(world_size)]
-        dist.all_gather(steps, mine)
-        steps = [int(t.item()) for t in steps]
+        mine = torch.tensor([self.state.step if self.state.live else -1, self.in_sync], dtype=torch.int64,
+                            device=self.transport)
+        reports = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(reports, mine)
+        rows = [[int(v) for v in report.tolist()] for report in reports]
+        steps = [row[0] for row in rows]
+        survivors = previous_members([row[1] for row in rows], generation)
         plan = plan_state_sync(steps, survivors)
         for refused in plan.refused:
             log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
                         "its state is not taken", self.worker, refused, steps[refused])
         if plan.from_checkpoint:  # nobody holds state: the job's start, or every worker was lost
             self.restore_from_checkpoint()
+            self.in_sync = generation
             return ()
         if plan.source is None:
+            self.in_sync = generation
             return ()
         moved = transfer_state(self.state, rank, plan.sources, device=self.device, transport=self.transport,
                                bucket_bytes=self.bucket_bytes)
+        self.in_sync = generation
         log.info("[%s] state of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
                  self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, moved.senders)), moved.seconds)
         if rank not in moved.senders:
@@ -88,40 +99,45 @@ class GenerationStateSync:
         if self.peer_copies is not None:
             self.peer_copies.wrapped(group.number)
 
-    def sync_shards(self, rank: int, world_size: int, survivors: Sequence[bool], held: int) -> tuple[int, ...]:
+    def sync_shards(self, rank: int, world_size: int, generation: int, held: int) -> tuple[int, ...]:
         """A sharded state's :meth:`sync_state`: per shard index, from the replicas that hold it at
         the newest step (:func:`elasticctl.train.sync.plan_shard_sync`), over the mesh's replicate
         group; else the shards held in memory (peer copies), every member going back to their step;
         else the checkpoint. ``held``: the step this worker trained to before the re-wrap, whether
         or not its shards still fit (-1: none). The ranks that sent this worker's shard."""
         position = self.sharded.position
-        report = [self.state.step if self.state.live else -1, position.index, held]
+        report = [self.state.step if self.state.live else -1, position.index, held, self.in_sync]
         if self.peer_copies is not None:  # every member has them or none: the same script
             report += encode_held(self.peer_copies.held())
         mine = torch.tensor(report, dtype=torch.int64, device=self.transport)
         reports = [torch.zeros_like(mine) for _ in range(world_size)]
         dist.all_gather(reports, mine)
         rows = [[int(v) for v in report.tolist()] for report in reports]
-        steps, shards, helds = (tuple(row[field] for row in rows) for field in range(3))
-        in_memory = [decode_held(row[3:3 + HELD_FIELDS * MAX_HELD_REPORTED]) for row in rows]
+        steps, shards, helds, in_sync = (tuple(row[field] for row in rows) for field in range(4))
+        survivors = previous_members(in_sync, generation)
+        in_memory = [decode_held(row[4:4 + HELD_FIELDS * MAX_HELD_REPORTED]) for row in rows]
         plan = plan_shard_sync(steps, shards, survivors, held=in_memory if self.peer_copies is not None else ())
         for refused in plan.refused:
             log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "
                         "its shard is not taken", self.worker, refused, steps[refused])
         if plan.peer_copies is not None:
             self._restore_peer_copies(plan.peer_copies, rank, shards, max(helds))
+            self.in_sync = generation
             return ()
         if plan.from_checkpoint:
             self._restore_lost_shards(plan.missing, max(helds))
+            self.in_sync = generation
             return ()
         transfer = next((t for t in plan.transfers if t.shard == position.index), None)
         if transfer is None:
+            self.in_sync = generation
             return ()
         replicas = self.sharded.replica_group()
         moved = transfer_state(LocalShards(self.state), dist.get_group_rank(replicas, rank),
                                [dist.get_group_rank(replicas, source) for source in transfer.sources],
                                device=self.device, transport=self.transport, bucket_bytes=self.bucket_bytes,
                                group=replicas)
+        self.in_sync = generation
         senders = [dist.get_global_rank(replicas, sender) for sender in moved.senders]
         log.info("[%s] shard %d of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", self.worker,
                  position.index, self.state.step, moved.nbytes, moved.buckets, ", ".join(map(str, senders)),

@@ -5,6 +5,14 @@ restarted worker). When they differ, the members that hold the newest state send
 others (:mod:`elasticctl.train.transfer`), in buckets dealt round-robin over those holders
 (:func:`plan_buckets`, :func:`bucket_owners`), so that a joiner's receive is spread over the
 survivors.
+Who counts as a member of the previous generation is agreed from the reports too, never from
+each worker's own view of etcd (views differ: a worker sealed out of a generation, or frozen
+through it, still remembers the one before): every member reports the generation in which its
+state was last made one with its peers', and the previous generation's members are those that
+report the newest such generation (:func:`previous_members`). A node that was sealed out (lost,
+frozen) and returns is a newcomer to the generation it returns to: the survivors that trained on
+without it keep their steps, and nothing rolls the job back past them.
+
 A member's report is its own word: a process that could write etcd and got itself
 admitted (no job secret) could claim any step and have every real worker load its
 weights. So the sender is chosen among the members that were in the previous generation
@@ -23,6 +31,18 @@ from collections.abc import Sequence
 
 MAX_STEP_LEAD = 1  # steps a member of the previous generation may be ahead of its peers' median
 MAX_SHARDS = 2**20  # a reported shard count above this is not believed
+
+
+def previous_members(in_sync: Sequence[int], generation: int) -> list[bool]:
+    """Which members of generation ``generation`` were members of the previous one, by rank, from
+    ``in_sync[rank]``: the generation in which that member's state was last made one with its
+    peers' (-1: never, a newcomer or a restarted worker). They are the members that report the
+    newest such generation: they trained together until this one formed. A report of this
+    generation or a later one cannot be true (the state is synced after the generation forms)
+    and counts as none."""
+    believable = [number if 0 <= number < generation else -1 for number in in_sync]
+    newest = max(believable, default=-1)
+    return [newest >= 0 and number == newest for number in believable]
 
 
 @dataclasses.dataclass(frozen=True)

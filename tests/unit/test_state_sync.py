@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.sync import Bucket, Piece, SyncPlan, bucket_owners, plan_buckets, plan_state_sync
+from elasticctl.train.sync import (
+    Bucket,
+    Piece,
+    SyncPlan,
+    bucket_owners,
+    plan_buckets,
+    plan_state_sync,
+    previous_members,
+)
 
 T, F = True, False
 
@@ -35,6 +43,35 @@ T, F = True, False
 ])
 def test_plan_state_sync(steps, survivors, plan):
     assert plan_state_sync(steps, survivors) == plan
+
+
+@pytest.mark.parametrize("in_sync, generation, previous", [
+    # the job's start: nobody was in sync anywhere
+    ([-1, -1, -1], 1, [F, F, F]),
+    # survivors of generation 4 and a newcomer
+    ([4, 4, -1], 5, [T, T, F]),
+    # a node frozen through generation 5 (it last synced in 4) returns to 6: the one that trained on
+    # alone in 5 is the previous generation; the frozen one is a newcomer
+    ([5, 4], 6, [T, F]),
+    ([4, 5], 6, [F, T]),
+    # a survivor sealed out of generation 5 (a spare took the place at once) rejoins in 6: it last synced in 4
+    ([5, 4, 5], 6, [T, F, T]),
+    # generation 5 formed but never synced (it failed to form): who last synced in 4 trained together
+    ([4, 4, -1], 6, [T, T, F]),
+    # a report of this generation or a later one cannot be true: it counts as none
+    ([4, 6, 4], 6, [T, F, T]),
+    ([4, 99, -1], 6, [T, F, F]),
+    ([-7, 3], 6, [F, T]),
+])
+def test_previous_members(in_sync, generation, previous):
+    assert previous_members(in_sync, generation) == previous
+
+
+def test_a_frozen_node_that_returns_does_not_roll_the_job_back():
+    """Nodes a and c train together to step 1387 in generation 4; c is frozen, a trains alone in 5 to
+    step 1560; in 6 they are together again: a's steps are kept, c receives them."""
+    steps, in_sync = [1560, 1387], [5, 4]
+    assert plan_state_sync(steps, previous_members(in_sync, 6)) == SyncPlan(sources=(0,))
 
 
 def test_the_lead_sender_is_the_first_source():
