@@ -34,6 +34,7 @@ from elasticctl.rendezvous.rounds import (
     change_for,
     change_from_reform,
     declaration_followers,
+    has_quorum,
     next_members,
     next_number,
     observed_change,
@@ -185,8 +186,7 @@ class RoundMember:
                 view.follow_nodes()
                 live = list(declarations.values()) if view.nodes_followed else []
                 live = self._without_gone(current, live)
-                enough = len(wanting(current, live)) >= settings.min_nodes
-                quorum_since = (quorum_since or now) if enough else None
+                quorum_since = (quorum_since or now) if has_quorum(current, live, settings.min_nodes) else None
                 # A running member slow to re-declare is waited for up to its lease's length.
                 rounds = dataclasses.replace(settings, last_call=last_call_for(
                     current, live, self._probed, settings.last_call, self.node_ttl))

@@ -112,19 +112,34 @@ def next_members(current: Round | None, candidates: list[Declaration], max_nodes
     return tuple(fitting(kept + newcomers, unit_of, max_nodes))
 
 
+def has_quorum(current: Round | None, live: list[Declaration], min_nodes: int) -> bool:
+    """Whether the next round has a quorum: ``min_nodes`` that could be admitted want it (a sharded
+    job's whole nodes: half a node neither makes a quorum nor is waited for) and, once a round
+    runs, its re-formation has begun: one of its members wants the next round, or none of them
+    lives any more. Newcomers alone beside a running round are no quorum: its members re-form with
+    them as soon as they see them waiting (a round of newcomers alone would supersede a training
+    job). So a re-formation's last call counts from its first member's declaration, never from
+    the arrival of a spare that has waited beside a full round for minutes: sealed at once, that
+    spare's round would leave out every survivor slower to re-declare than the first."""
+    wanted = wanting(current, live)
+    if current is not None and not any(d.node in current.members for d in wanted):
+        live_names = {d.node for d in live}
+        if any(member in live_names for member in current.members):
+            return False
+    return len(whole_nodes(wanted)) >= min_nodes
+
+
 def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
              quorum_since: float | None, now: float, unreadable: int = 0) -> bool:
     """Whether the next round should be sealed now.
 
-    ``quorum_since``: when this node first saw ``min_nodes`` nodes want the next round.
+    ``quorum_since``: since when this node has seen the next round have a quorum (:func:`has_quorum`).
     ``unreadable``: live declarations this node cannot read (another secret, another run).
     Never while a live node wants a round beyond the next one: it is in a round this node
     does not see (its record was deleted or expired; its members write it back), and a
     round sealed now would train beside it. Never a first round beside live declarations
     this node cannot read, for the same reason: at worst the job waits, and says why.
-    Never while only newcomers want it and members of the running round are alive:
-    those members re-form with the newcomers as soon as they see them waiting (a round
-    of newcomers alone would supersede a training job). Otherwise sealed at once when
+    Never without a quorum (:func:`has_quorum`). Otherwise sealed at once when
     the round is full, or, once a round has run, when every live node wants the next
     one (nobody is left to wait for: the usual re-forming after a failure or a join);
     otherwise after ``last_call`` seconds of quorum, so that nodes still starting up
@@ -133,16 +148,9 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     target = next_number(current)
     if any(d.wants > target for d in live) or (current is None and unreadable):
         return False
-    wanted = wanting(current, live)
-    if current is not None and not any(d.node in current.members for d in wanted):
-        live_names = {d.node for d in live}
-        if any(member in live_names for member in current.members):
-            return False
-    # Only what could be admitted counts (a sharded job's whole nodes): half a node neither makes
-    # a quorum nor is waited for.
-    candidates = whole_nodes(wanted)
-    if len(candidates) < settings.min_nodes:
+    if not has_quorum(current, live, settings.min_nodes):
         return False
+    candidates = whole_nodes(wanting(current, live))
     if len(candidates) >= settings.max_nodes:
         return True
     if current is not None and len(candidates) == len(whole_nodes(live)):

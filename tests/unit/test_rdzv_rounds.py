@@ -13,6 +13,7 @@ from elasticctl.rendezvous.rounds import (
     change_for,
     change_from_reform,
     declaration_followers,
+    has_quorum,
     next_members,
     observed_change,
     publishes_changes,
@@ -320,3 +321,37 @@ def test_reform_records_round_trip_and_refuse_bad_names():
     assert Reform.from_json(b'{"round": 7, "lost": "abc"}', 1) is None
     assert Reform.from_json(b'{"round": 7, "seen_by": 0}', 1) is None
     assert Reform.from_json(b'{"round": 7}', 1) == Reform(round=7, revision=1)
+
+
+FULL = Round(number=1, members=("a", "b", "c"), revision=10)
+
+
+@pytest.mark.parametrize(("current", "live", "min_nodes", "quorum"), [
+    # the first round: enough nodes want it
+    (None, [d("a", 1, 1)], 1, True),
+    (None, [d("a", 1, 1)], 2, False),
+    # a spare waits beside a full running round: alone it is no quorum, whatever min_nodes
+    (FULL, [d("a", 1, 1), d("b", 1, 2), d("c", 1, 3), d("s", 2, 4)], 1, False),
+    # a member of the running round wants the next one: the re-formation has begun
+    (FULL, [d("a", 2, 5), d("b", 1, 2), d("s", 2, 4)], 1, True),
+    (FULL, [d("a", 2, 5), d("b", 1, 2), d("s", 2, 4)], 3, False),
+    # every member of the running round is gone: newcomers make the quorum alone
+    (FULL, [d("s", 2, 4), d("t", 2, 6)], 2, True),
+])
+def test_has_quorum(current, live, min_nodes, quorum):
+    assert has_quorum(current, live, min_nodes) is quorum
+
+
+def test_a_waiting_spare_does_not_seal_before_the_survivors_re_declare():
+    """A spare has waited 100 s beside the full round a, b, c (MIN 1, MAX 3); c dies (a probe found it
+    gone) and a re-declares at once. The last call counts from a's declaration, as the claim holder
+    tracks it (:func:`has_quorum`), so b, a moment slower, is not left out of the next round."""
+    settings = Settings(min_nodes=1, max_nodes=3, last_call=1.0)
+    before = [d("a", 1, 1), d("b", 1, 2), d("c", 1, 3), d("s", 2, 4)]
+    assert not has_quorum(FULL, before, settings.min_nodes)  # 100 s of waiting start no timer
+    a_re_declared = [d("a", 2, 5), d("b", 1, 2), d("s", 2, 4)]
+    quorum_since = 100.0  # when a re-declared
+    assert not seal_due(FULL, a_re_declared, settings, quorum_since, now=100.05)
+    all_re_declared = [d("a", 2, 5), d("b", 2, 6), d("s", 2, 4)]
+    assert seal_due(FULL, all_re_declared, settings, quorum_since, now=100.06)
+    assert next_members(FULL, wanting(FULL, all_re_declared), settings.max_nodes) == ("a", "b", "s")
