@@ -121,6 +121,9 @@ class Group:
     members: tuple[str, ...] = ()  # hot mode: the workers <node>.<local rank> in rank order
     local_world_size: int = 1  # workers per node (LOCAL_WORLD_SIZE): an HSDP mesh's shard count
     shard: int | None = None  # run(..., sharded=True): the index of the shard this worker holds
+    # The collectives' timeout (the node TTL unless pg_timeout says otherwise): the groups of a mesh
+    # built for this generation take it too, else a frozen peer stalls them for torch's 30 minutes.
+    timeout: datetime.timedelta | None = None
 
 
 class _Boundary(BaseException):
@@ -363,7 +366,7 @@ class Runtime:
         self._checkpointer = self._checkpointer_for(rank)
         group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
                       device=self.device, model=self.state.model, members=generation.members,
-                      local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                      local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), timeout=self.pg_timeout)
         if self._sharded is not None:
             # The shards move between the modules of this generation's mesh: wrapped first.
             held = self.state.step if self.state.live else -1  # whether or not its shards still fit

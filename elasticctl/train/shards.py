@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import datetime
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -111,8 +112,28 @@ def hsdp_mesh(group: Group) -> DeviceMesh:
     from torch.distributed.device_mesh import DeviceMesh
 
     layout = hsdp_layout(group.members, group.world_size, group.local_world_size)
+    options = mesh_group_options(group.device, group.timeout)
     return DeviceMesh(group.device.type, torch.tensor(layout, dtype=torch.int64),
-                      mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+                      mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
+                      backend_override=None if options is None else ((None, options), (None, options)))
+
+
+def mesh_group_options(device: torch.device, timeout: datetime.timedelta | None):
+    """The options of a mesh dimension's process groups that carry ``timeout`` (None: torch's defaults).
+    A mesh builds its dimensions' groups with torch's default timeout (30 minutes), not the
+    training group's: a frozen peer would stall every survivor's step for that long, where the
+    training group gives up at the node TTL. torch takes a group's timeout for a mesh only from
+    these options (``DeviceMesh(backend_override=...)``, which reads their ``_timeout``): NCCL's
+    own options class, else the generic backend options, constructed with the timeout."""
+    import torch.distributed as dist
+
+    if timeout is None:
+        return None
+    if device.type == "cuda" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return dist.ProcessGroupGloo.Options("gloo", timeout)
 
 
 def forget_earlier_meshes() -> None:

@@ -13,6 +13,7 @@ worker (no replica): after a node is lost the survivor restores the sharded chec
 from __future__ import annotations
 
 import collections
+import signal
 
 import pytest
 import torch
@@ -81,6 +82,26 @@ def test_hsdp_survivors_keep_their_shards_through_a_node_lost(job):
     restored = [r for r in records if r.get("event") == "state_restored" and r["time"] > killed_at]
     assert restored == [], f"the survivors' shards all had a replica at the newest step: {restored}"
     check_shard_replicas(steps, 4)
+
+
+def test_hsdp_a_frozen_node_costs_the_survivors_its_ttl_not_the_mesh_groups_default_timeout(job):
+    """A node frozen (SIGSTOP) stays frozen: its lease ends at the node TTL, and the survivors' pending
+    collective on the mesh's groups must give up by then too (torch builds a mesh's groups with a
+    30-minute timeout unless told otherwise); they re-form at world 4 while it is still frozen."""
+    j = job(nnodes="1:3", extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2"], train=HSDP)
+    started = {"a": j.up("a")}
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    started.update({name: j.join(name) for name in ("b", "c")})
+    pids = pids_by_node(wait_workers(j, 6, {"a", "b", "c"}))
+
+    frozen_at = max(r["time"] for r in j.records())
+    started["c"].signal_tree(signal.SIGSTOP)
+    try:
+        shrunk = wait_workers(j, 4, {"a", "b"}, since=frozen_at)
+    finally:
+        started["c"].signal_tree(signal.SIGCONT)
+    assert pids_by_node(shrunk) == {n: pids[n] for n in ("a", "b")}, "a survivor's worker restarted"
+    check_shard_replicas(steps_of(j.records()), 4)
 
 
 GPUS_FOR_HSDP = 6  # 3 nodes x 2 workers on one host, each node on GPUs of its own
