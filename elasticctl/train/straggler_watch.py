@@ -86,9 +86,9 @@ class StragglerWatch:
     # -- the exchange ---------------------------------------------------------------------
 
     def _exchange(self, group: Any, step: int) -> None:
-        """Every worker's fastest own step of the interval (and, once per generation, its node),
-        to every worker; rank 0 names, clears and evicts stragglers."""
-        fastest, steps = self.clock.take()
+        """Every worker's fastest and median own step of the interval (and, once per generation,
+        its node), to every worker; rank 0 names, clears and evicts stragglers."""
+        fastest, median, steps = self.clock.take()
         control_group = self._control_group()
         if self._rank_nodes is None:
             name = torch.tensor(encode_name(self.node), dtype=torch.uint8)
@@ -99,22 +99,25 @@ class StragglerWatch:
             except ConfigError as exc:  # a peer's bytes are untrusted: no decisions this generation
                 log.warning("[%s] straggler detection is off in generation %d: %s", self.worker, group.number, exc)
                 self._rank_nodes = []
-        mine = torch.tensor([fastest, float(steps)], dtype=torch.float64)
+        mine = torch.tensor([fastest, median, float(steps)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
         dist.all_gather(gathered, mine, group=control_group)
         if group.rank != 0 or not self._rank_nodes:
             return
         values = [t.tolist() for t in gathered]
-        if not all(valid_seconds(seconds) and counted >= 1 for seconds, counted in values):
+        if not all(valid_seconds(fastest) and valid_seconds(median) and fastest <= median and counted >= 1
+                   for fastest, median, counted in values):
             # A worker that measured no step in the interval (or sent nonsense): no evidence, and
             # the intervals before it no longer run up to now (a node is named only for steps
             # that were all measured).
             self._intervals.clear()
             return
-        self._intervals.append(Interval(steps=int(min(counted for _, counted in values)),
-                                        seconds=node_times(self._rank_nodes, [seconds for seconds, _ in values])))
+        self._intervals.append(Interval(steps=int(min(counted for _, _, counted in values)),
+                                        median=node_times(self._rank_nodes, [median for _, median, _ in values]),
+                                        fastest=node_times(self._rank_nodes, [fastest for fastest, _, _ in values])))
         settings = self.settings
-        del self._intervals[:-(settings.window // settings.interval + 2)]  # enough to cover the window
+        # Enough to cover the rule's span, twice the window
+        del self._intervals[:-(2 * settings.window // settings.interval + 2)]
         self._act(group, step, len(set(self._rank_nodes)))
 
     def _act(self, group: Any, step: int, world_nodes: int) -> None:
@@ -122,12 +125,14 @@ class StragglerWatch:
         named = {s.node: s for s in find_stragglers(self._intervals, settings.ratio, settings.window)}
         for node in sorted(named.keys() - self._named):
             straggler = named[node]
-            log.warning("[%s] node %s is a straggler: its own step time is %.2fx the others' median for "
-                        "%d steps", self.worker, node, straggler.ratio, straggler.steps)
+            log.warning("[%s] node %s is a straggler: its own step time is %.2fx the others' median, slow at "
+                        "most of its last %d steps and %d of its last %d", self.worker, node, straggler.ratio,
+                        settings.window, straggler.steps, 2 * settings.window)
             self._record(EventKind.STRAGGLER, node=node, ratio=straggler.ratio, step=step,
                          world_size=group.world_size,
-                         reason=f"own step time above {settings.ratio:g}x the others' median "
-                                f"for {straggler.steps} steps")
+                         reason=f"own step time above {settings.ratio:g}x the others' median at most of its "
+                                f"last {settings.window} steps ({straggler.steps} of its last "
+                                f"{2 * settings.window})")
         for node in sorted(self._named - named.keys()):
             log.info("[%s] node %s is no longer a straggler", self.worker, node)
             self._record(EventKind.STRAGGLER_CLEARED, node=node, step=step)
@@ -139,10 +144,12 @@ class StragglerWatch:
         if evict is None or evict.node in self._evicted:
             return
         self._evicted.add(evict.node)
-        log.warning("[%s] evicting the straggler %s (%.2fx the others for %d steps; --evict-stragglers %g)",
-                    self.worker, evict.node, evict.ratio, evict.steps, settings.evict)
+        log.warning("[%s] evicting the straggler %s (%.2fx the others, above %g at %d of its last %d steps; "
+                    "--evict-stragglers)", self.worker, evict.node, evict.ratio, settings.evict, evict.steps,
+                    2 * settings.window)
         self._record(EventKind.STRAGGLER, node=evict.node, ratio=evict.ratio, step=step,
                      world_size=group.world_size,
-                     reason=f"evicted: above {settings.evict:g}x the others' median for {evict.steps} steps "
+                     reason=f"evicted: above {settings.evict:g}x the others' median at most of its last "
+                            f"{settings.window} steps ({evict.steps} of its last {2 * settings.window}) "
                             f"(--evict-stragglers); asked to leave")
         self._request_leave(evict.node)

@@ -14,31 +14,48 @@ instead: honest for a script that averages its gradients inside ``commit``'s opt
 step, and no worse than boundary to boundary otherwise (every worker then looks alike and
 no one is named: never a false straggler).
 
-**How it travels.** Every ``interval`` steps (the same step on every worker of a generation)
-each worker gives its fastest own step of the interval to one small ``all_gather`` of one
-float per rank (the node names once per generation, as fixed-size bytes: nothing a peer
-sends is unpickled). A node's time is its slowest worker's (that worker sets its pace).
+**How it travels.** Every ``interval`` K steps (the same step on every worker of a generation)
+each worker gives two numbers about its own steps of the interval, its median (the lower one:
+a step it really took) and its fastest, with their count, to one small ``all_gather`` of three
+floats per rank (the node names once per generation, as fixed-size bytes: nothing a peer sends
+is unpickled). A node's numbers are its slowest worker's (that worker sets its pace).
 
-**The rule** (:func:`find_stragglers`, pure, table-tested). For each node, its fastest step
-of the interval over the median of the other nodes' fastest steps. The *fastest* step, so
-that a node is slow in an interval only if every one of its steps there was slow: a node
-named after ``window`` steps was slow at each of them, and a node slow for fewer steps is
-never named, whatever the interval boundaries (a single slow step, a one-off wait in a
-collective the script runs before ``commit``, a scheduling hiccup, is no evidence). The
-median of the *others*, so that the rule works from two nodes on. A ratio of two tiny
-times is noise: a node must also be at least :data:`MIN_EXCESS` seconds slower.
+**The rule** (:func:`find_stragglers`, pure, table-tested). A step of a node is *slow* when it
+took more than ``ratio`` R times the median of the other nodes' median steps of that interval,
+and at least :data:`MIN_EXCESS` seconds more (a ratio of two tiny times is noise). Of a node's
+steps in an interval the rule knows a lower bound: all of them were slow if its fastest was,
+more than half (K // 2 + 1) if its median was, else none is counted. A node is named when both
 
-**What follows.** Rank 0 records a ``straggler`` event (node, ratio, steps) when a node is
+* it is slow *on average now*: slow at more than half of its steps over the newest W steps
+  (``window``: the newest intervals within W steps), its median step there above R times
+  the others'. So a fast step now and then (a normal step between slow ones, one measured
+  while the machine was idle) does not clear a node that is slow at most of its steps,
+  whichever interval it falls in, and a node slow at half of its steps or fewer (a burst now
+  and then, normal on average) is never named; and
+* it has been slow *for long enough*: at W or more of its steps within the newest 2W. A node
+  slow for fewer than W steps (a single slowdown shorter than the window, a one-off wait in a
+  collective the script runs before ``commit``) is never named, and a node slow at every step
+  is named after W of them. 2W is the shortest span in which a node that stays slow at most
+  of its steps is sure to reach W slow steps; a longer one would let old slowness count.
+
+It is cleared when either stops holding: at the latest once half of its newest W steps were
+normal. The verdict on a node slow on average does not hang on any one step; only when it
+comes may move by an interval. The median of the *others* is the reference, so that the rule
+works from two nodes on. Counting only what is known (a lower bound) errs one way: late,
+never a false straggler.
+
+**What follows.** Rank 0 records a ``straggler`` event (node, ratio, slow steps) when a node is
 first named and ``straggler_cleared`` when it is no longer; the dashboard marks the node and
-``/metrics`` exports its ratio. With ``--evict-stragglers R`` the slowest node that stays
-above ``R`` times the others for the window is asked to leave through the same request as
-``elasticctl leave`` (one at a time, never below ``--nnodes`` MIN): in hot mode the others
-go on at the next boundary without it, in their own processes; in restart mode they
-restart from a final checkpoint without it.
+``/metrics`` exports its ratio (its median step over the others', typical of the window). With
+``--evict-stragglers R`` the slowest node the same rule names at ``R`` is asked to leave through
+the same request as ``elasticctl leave`` (one at a time, never below ``--nnodes`` MIN): in hot
+mode the others go on at the next boundary without it, in their own processes; in restart
+mode they restart from a final checkpoint without it.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import statistics
 import time
@@ -52,54 +69,82 @@ NAME_BYTES = 64     # a node id is at most 63 bytes (job.spec.validate_name)
 
 @dataclasses.dataclass(frozen=True)
 class Interval:
-    """One exchange: each node's fastest own step time (seconds) over the last ``steps`` steps."""
+    """One exchange: each node's own step times (seconds) over the last ``steps`` steps, as its
+    median step and its fastest."""
 
     steps: int
-    seconds: Mapping[str, float]
+    median: Mapping[str, float]
+    fastest: Mapping[str, float] | None = None  # None: as the median (all of a node's steps alike)
+
+    def fastest_of(self, node: str) -> float | None:
+        fastest = None if self.fastest is None else self.fastest.get(node)
+        return self.median.get(node) if fastest is None else fastest
 
 
 @dataclasses.dataclass(frozen=True)
 class Straggler:
     node: str
-    ratio: float  # its time over the others' median, in the newest interval
-    steps: int    # steps in a row it has been slower than the threshold (at least the window)
+    ratio: float  # its median step over the others' median, typical of the newest window
+    steps: int    # its slow steps within the newest 2 x window (at least the window)
 
 
 def _median_of_others(interval: Interval, node: str) -> float | None:
-    others = [t for other, t in interval.seconds.items() if other != node]
+    others = [t for other, t in interval.median.items() if other != node]
     return statistics.median(others) if others else None
 
 
 def slowness(interval: Interval, node: str) -> float | None:
-    """``node``'s time over the median of the other nodes' (None: no others, or no time)."""
-    median, mine = _median_of_others(interval, node), interval.seconds.get(node)
-    if median is None or mine is None:
+    """``node``'s median step over the median of the other nodes' (None: no others, or no time)."""
+    reference, mine = _median_of_others(interval, node), interval.median.get(node)
+    if reference is None or mine is None:
         return None
-    return mine / median if median > 0 else (float("inf") if mine > 0 else 1.0)
+    return mine / reference if reference > 0 else (float("inf") if mine > 0 else 1.0)
 
 
-def _slow(interval: Interval, node: str, ratio: float) -> bool:
-    median, mine = _median_of_others(interval, node), interval.seconds.get(node)
-    if median is None or mine is None:
-        return False
-    return mine > ratio * median and mine - median >= MIN_EXCESS
+def _above(seconds: float, reference: float, ratio: float) -> bool:
+    return seconds > ratio * reference and seconds - reference >= MIN_EXCESS
+
+
+def slow_steps(interval: Interval, node: str, ratio: float) -> int:
+    """How many of ``node``'s steps in ``interval`` are known to have been slow (above ``ratio``
+    x the others' median and :data:`MIN_EXCESS` more): all if its fastest was, more than half
+    if its median was, else none (no others or no time: none, no evidence)."""
+    reference, median = _median_of_others(interval, node), interval.median.get(node)
+    if reference is None or median is None or not _above(median, reference, ratio):
+        return 0
+    if _above(interval.fastest_of(node), reference, ratio):
+        return interval.steps
+    return interval.steps // 2 + 1  # the lower median was slow: so was every step above it
+
+
+def _newest(intervals: Sequence[Interval], steps: int) -> list[Interval]:
+    """The newest intervals within the newest ``steps`` steps (the newest one at least)."""
+    chosen, covered = [], 0
+    for interval in reversed(intervals):
+        if chosen and covered + interval.steps > steps:
+            break
+        chosen.append(interval)
+        covered += interval.steps
+    return chosen
 
 
 def find_stragglers(intervals: Sequence[Interval], ratio: float, window: int) -> list[Straggler]:
-    """The nodes whose time stayed above ``ratio`` x the others' median (and :data:`MIN_EXCESS`
-    above it) in every interval of the newest ``window`` steps or more, slowest first.
+    """The nodes slow (above ``ratio`` x the others' median and :data:`MIN_EXCESS` more) at more
+    than half of their steps over the newest ``window`` steps and at ``window`` or more of them
+    within the newest 2 x ``window``, slowest first (the module docstring says why).
     ``intervals``: oldest first, all of one generation."""
     if not intervals:
         return []
+    newest_window, newest_two_windows = _newest(intervals, window), _newest(intervals, 2 * window)
+    window_steps = sum(interval.steps for interval in newest_window)
     named = []
-    for node in sorted(intervals[-1].seconds):
-        steps = 0
-        for interval in reversed(intervals):
-            if not _slow(interval, node, ratio):
-                break
-            steps += interval.steps
-        if steps >= window:
-            named.append(Straggler(node, round(min(slowness(intervals[-1], node), 1e6), 3), steps))
+    for node in sorted(intervals[-1].median):
+        slow_now = sum(slow_steps(interval, node, ratio) for interval in newest_window)
+        slow_lately = sum(slow_steps(interval, node, ratio) for interval in newest_two_windows)
+        if 2 * slow_now > window_steps and slow_lately >= window:
+            ratios = [r for r in (slowness(interval, node) for interval in newest_window) if r is not None]
+            typical = statistics.median_low(ratios)
+            named.append(Straggler(node, round(min(typical, 1e6), 3), slow_lately))
     return sorted(named, key=lambda s: (-s.ratio, s.node))
 
 
@@ -131,6 +176,14 @@ def decode_name(raw: Sequence[int]) -> str:
     return validate_name(text, "node id a peer sent")
 
 
+def summarize(own_steps: Sequence[float]) -> tuple[float, float]:
+    """What a worker sends of its own step times in an interval: (fastest, median). The lower
+    median, a step it really took: above a threshold only if more than half of them were."""
+    if not own_steps:
+        return 0.0, 0.0
+    return min(own_steps), statistics.median_low(own_steps)
+
+
 class StepClock:
     """This worker's own step times (see the module docstring): started at each boundary,
     ended by the gradients' hook or, without one, at ``commit``. Fed from the training thread
@@ -139,12 +192,11 @@ class StepClock:
     def __init__(self) -> None:
         self._started = time.monotonic()
         self._computed: float | None = None  # the last gradient bucket of this step went out
-        self.fastest: float | None = None     # of the current interval
-        self.steps = 0                        # in the current interval
+        self._own_steps = array.array("d")    # of the current interval (at most the window's)
 
     def restart(self) -> None:
         """A new generation (or the wait for one): nothing measured so far counts."""
-        self._started, self._computed, self.fastest, self.steps = time.monotonic(), None, None, 0
+        self._started, self._computed, self._own_steps = time.monotonic(), None, array.array("d")
 
     def gradients_ready(self) -> None:
         self._computed = time.monotonic()
@@ -154,19 +206,17 @@ class StepClock:
         now = time.monotonic()
         own = (self._computed if self._computed is not None and self._computed >= self._started else now) \
             - self._started
-        self.fastest = own if self.fastest is None else min(self.fastest, own)
-        self.steps += 1
+        self._own_steps.append(own)
         self._computed = None
 
     def next_step(self) -> None:
         """The boundary's own work is done: the next step's time starts."""
         self._started = time.monotonic()
 
-    def take(self) -> tuple[float, int]:
-        """The interval's fastest step and its step count; a new interval starts."""
-        fastest, steps = self.fastest or 0.0, self.steps
-        self.fastest, self.steps = None, 0
-        return fastest, steps
+    def take(self) -> tuple[float, float, int]:
+        """The interval's fastest and median step and its step count; a new interval starts."""
+        own_steps, self._own_steps = self._own_steps, array.array("d")
+        return (*summarize(own_steps), len(own_steps))
 
 
 def timed_allreduce_hook(clock: StepClock):
