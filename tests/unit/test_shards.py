@@ -5,6 +5,7 @@ its local shards travel and load back as DTensors of the receiver's own mesh."""
 from __future__ import annotations
 
 import copy
+import datetime
 import types
 
 import pytest
@@ -13,12 +14,16 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from elasticctl.train.shards import LocalShards, ShardedModel, hsdp_mesh, is_sharded
+from elasticctl.train.shards import REPLICATE_DIM, SHARD_DIM, LocalShards, ShardedModel, hsdp_mesh, is_sharded
 from elasticctl.train.state import State
 
 
+MESH_TIMEOUT = datetime.timedelta(seconds=17)
+
+
 def group():
-    return types.SimpleNamespace(members=(), world_size=1, local_world_size=1, device=torch.device("cpu"))
+    return types.SimpleNamespace(members=(), world_size=1, local_world_size=1, device=torch.device("cpu"),
+                                 timeout=MESH_TIMEOUT)
 
 
 def shard(model, group):
@@ -85,3 +90,14 @@ def test_local_shards_load_back_as_dtensors_of_the_receivers_mesh():
     train(sender, 1)
     train(receiver, 1)
     assert all(torch.equal(a, b) for a, b in zip(local(receiver.model), local(sender.model), strict=True))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_the_mesh_groups_give_up_at_the_generations_timeout_not_torchs_default():
+    """torch builds a mesh's dimension groups with its 30-minute default unless the options of
+    ``DeviceMesh(backend_override=...)`` carry a timeout: pinned here, since a frozen peer stalls a
+    sharded job's survivors for as long as these groups wait."""
+    mesh = hsdp_mesh(group())
+    for dim in (REPLICATE_DIM, SHARD_DIM):
+        backend = mesh.get_group(dim)._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == MESH_TIMEOUT, dim
