@@ -10,6 +10,7 @@ rewrap did before it emptied them): the guard must then refuse the stale mesh.""
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import types
@@ -33,7 +34,7 @@ def generation(number: int, rank: int, port: int, sharded: ShardedModel, state: 
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"generation-{number}", store), rank=rank, world_size=2)
     group = types.SimpleNamespace(members=members, world_size=2, local_world_size=2,
-                                  device=torch.device("cpu"))
+                                  device=torch.device("cpu"), timeout=datetime.timedelta(seconds=60))
     try:
         sharded.rewrap(state, group)
         state.model(torch.ones(3, 4)).sum().backward()
