@@ -102,12 +102,18 @@ class Declaration:
     # brings. A round admits such a node whole or not at all (rendezvous/rounds.py: whole_nodes),
     # since an HSDP mesh needs every node's workers. 0: admitted on its own (agents, a DDP job).
     node_workers: int = 0
+    # A worker of a job's generations (``<node>.<local rank>``), sharded or not: how many workers its
+    # node brings. The generations count MIN and MAX in nodes (rendezvous/rounds.py: counted_by) and
+    # call a round full only once every node in it has all of them. 0: not a node's worker (an agent).
+    node_size: int = 0
 
     def to_json(self, key: str = "", secret: bytes | None = None) -> str:
         fields = {"node": self.node, "addr": self.addr, "wants": self.wants, "pid": self.pid,
                   "port": self.port, "alive_port": self.alive_port}
         if self.node_workers:
             fields["node_workers"] = self.node_workers
+        if self.node_size:
+            fields["node_size"] = self.node_size
         return _signed(fields, key, secret)
 
     @classmethod
@@ -118,13 +124,15 @@ class Declaration:
             declaration = cls(node=validate_name(data["node"], "node id"), addr=_text(data["addr"]),
                               wants=_whole(data["wants"]), pid=_whole(data.get("pid", 0)),
                               port=_port(data.get("port", 0)), alive_port=_port(data.get("alive_port", 0)),
-                              revision=revision, node_workers=_node_workers(data.get("node_workers", 0)))
+                              revision=revision, node_workers=_node_workers(data.get("node_workers", 0)),
+                              node_size=_node_workers(data.get("node_size", 0)))
         except (KeyError, TypeError, ValueError):
             return None
-        if declaration.node_workers:
-            worker = worker_of(declaration.node)
-            if worker is None or worker[1] >= declaration.node_workers:
-                return None  # a node's worker must be named <node>.<local rank below node_workers>
+        for workers in (declaration.node_workers, declaration.node_size):
+            if workers:
+                worker = worker_of(declaration.node)
+                if worker is None or worker[1] >= workers:
+                    return None  # a node's worker must be named <node>.<local rank below its node's workers>
         return declaration
 
 

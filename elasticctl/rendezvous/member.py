@@ -33,6 +33,8 @@ from elasticctl.rendezvous.rounds import (
     Settings,
     change_for,
     change_from_reform,
+    count,
+    counted_by,
     declaration_followers,
     has_quorum,
     next_members,
@@ -60,13 +62,15 @@ class RoundMember:
     """This node (``node`` at ``addr``) in the rounds of the run whose keys ``view`` watches."""
 
     def __init__(self, client: EtcdClient, view: RoundView, node: str, addr: str, settings: Settings,
-                 node_ttl: int, join_timeout: float, run_lease=None, pid: int = 0, node_workers: int = 0) -> None:
+                 node_ttl: int, join_timeout: float, run_lease=None, pid: int = 0, node_workers: int = 0,
+                 node_size: int = 0) -> None:
         self._client = client
         self.view = view
         self.node = node
         self.addr = addr
         self.pid = pid
         self.node_workers = node_workers  # see Declaration.node_workers (0: admitted alone)
+        self.node_size = node_size  # see Declaration.node_size (0: not a node's worker)
         self.settings = settings
         self.node_ttl = node_ttl
         self.join_timeout = join_timeout
@@ -137,7 +141,8 @@ class RoundMember:
             if self._alive_port is None:
                 self._alive_port = AlivePort(self.addr)
             declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port(),
-                                      alive_port=self._alive_port.port, node_workers=self.node_workers)
+                                      alive_port=self._alive_port.port, node_workers=self.node_workers,
+                                      node_size=self.node_size)
             self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
             log.info("[%s] wants round %d", self.node, target)
             self._lease_lost.clear()  # the declaration is on the lease in use now
@@ -170,7 +175,9 @@ class RoundMember:
                 raise JoinCancelled(f"{self.node} was told to stop while it waited for round {target}.")
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
-            if current is not None and current.world_size >= settings.max_nodes and self.node not in current.members:
+            counted = counted_by(settings)
+            if (current is not None and count(current.members, counted) >= settings.max_nodes
+                    and self.node not in current.members):
                 # The running round is full: this node is a spare, warm, and waits as long as
                 # the job runs (a member lost, it takes the place at the same re-formation).
                 deadline = max(deadline, now + self.join_timeout)
@@ -186,7 +193,7 @@ class RoundMember:
                 view.follow_nodes()
                 live = list(declarations.values()) if view.nodes_followed else []
                 live = self._without_gone(current, live)
-                quorum_since = (quorum_since or now) if has_quorum(current, live, settings.min_nodes) else None
+                quorum_since = (quorum_since or now) if has_quorum(current, live, settings.min_nodes, counted) else None
                 # A running member slow to re-declare is waited for up to its lease's length.
                 rounds = dataclasses.replace(settings, last_call=last_call_for(
                     current, live, self._probed, settings.last_call, self.node_ttl))
@@ -234,7 +241,7 @@ class RoundMember:
     def _seal(self, current: Round | None, live: list[Declaration], target: int) -> None:
         token = self.view.seal_token()
         candidates = wanting(current, live)
-        members = next_members(current, candidates, self.settings.max_nodes)
+        members = next_members(current, candidates, self.settings.max_nodes, counted_by(self.settings))
         by_node = {d.node: d for d in candidates}
         # Rank 0's address and port travel in the round: nobody waits in the store for them.
         sealed = Round(number=target, members=members, addrs=tuple(by_node[m].addr for m in members),
@@ -289,7 +296,8 @@ class RoundMember:
             self.view.follow_nodes(background=True)
         else:
             return self.view.evaluate(lambda current, declarations, _closed: change_for(
-                self.node, my_round, current, declarations, self.settings.max_nodes, finished))
+                self.node, my_round, current, declarations, self.settings.max_nodes, finished,
+                counted_by(self.settings)))
         return self.view.evaluate(lambda current, _declarations, _closed: change_from_reform(
             self.node, my_round, current, self.view.reform, finished))
 
@@ -306,7 +314,7 @@ class RoundMember:
         def lost(current, declarations, _closed) -> tuple[str, ...]:
             if followed:
                 return change_for(self.node, joined.number, current, declarations, self.settings.max_nodes,
-                                  self._finished).lost
+                                  self._finished, counted_by(self.settings)).lost
             return change_from_reform(self.node, joined.number, current, self.view.reform, self._finished).lost
 
         return joined.number, self.view.evaluate(lost)
@@ -325,7 +333,8 @@ class RoundMember:
         def decide(current, declarations, closed):
             if not view.nodes_followed or not publishes_changes(self.node, current, view.claim):
                 return None
-            seen = observed_change(current, declarations, self.settings.max_nodes, self._finished)
+            seen = observed_change(current, declarations, self.settings.max_nodes, self._finished,
+                                   counted_by(self.settings))
             if not reform_due(seen, current, view.reform, closed):
                 return None
             return reform_record(seen, current, self.node), view.reform_revision

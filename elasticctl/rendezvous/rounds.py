@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from elasticctl.job.records import Claim, Declaration, Reform, Round, worker_of
 
@@ -42,6 +42,43 @@ class Settings:
     min_nodes: int
     max_nodes: int
     last_call: float  # seconds to wait for more nodes once min_nodes want a round
+    # The members are workers (``<node>.<local rank>``: a job's generations), and MIN and MAX count
+    # their nodes, whatever each node's worker count: a node that brings more workers than the
+    # others is still one node (beside a full round, a spare). False: the members are nodes.
+    members_are_workers: bool = False
+
+
+def _itself(name: str) -> str:
+    return name
+
+
+def node_of(name: str) -> str:
+    """The node of a worker named ``<node>.<local rank>``; any other name is a node itself."""
+    worker = worker_of(name)
+    return worker[0] if worker else name
+
+
+def counted_by(settings: Settings) -> Callable[[str], str]:
+    """What a member name counts as towards MIN and MAX: its node when the members are workers."""
+    return node_of if settings.members_are_workers else _itself
+
+
+def count(names: Iterable[str], counted: Callable[[str], str] = _itself) -> int:
+    """How many of MIN and MAX's units ``names`` make (distinct nodes when ``counted`` is node_of)."""
+    return len({counted(name) for name in names})
+
+
+def complete_nodes(declarations: Iterable[Declaration]) -> bool:
+    """Whether every node among ``declarations`` has declared with all of its workers (those that
+    say how many their node brings, ``node_size``; a declaration that does not is complete)."""
+    declared: dict[str, int] = collections.Counter()
+    size: dict[str, int] = {}
+    for declaration in declarations:
+        if declaration.node_size:
+            node = node_of(declaration.node)
+            declared[node] += 1
+            size[node] = max(size.get(node, 0), declaration.node_size)
+    return all(declared[node] >= workers for node, workers in size.items())
 
 
 def next_number(current: Round | None) -> int:
@@ -83,10 +120,16 @@ def whole_nodes(declarations: Iterable[Declaration]) -> list[Declaration]:
     return [d for d in declarations if not d.node_workers or admission_unit(d) in whole]
 
 
-def fitting(names: Sequence[str], unit_of: Mapping[str, str], room: int) -> list[str]:
+def fitting(names: Sequence[str], unit_of: Mapping[str, str], room: int,
+            counted: Callable[[str], str] = _itself, present: Iterable[str] = ()) -> list[str]:
     """``names`` less the units that do not fit in ``room`` places: units are taken whole, in the
-    order of their first name, each one if it still fits (one name per unit: the first ``room``)."""
-    sizes = collections.Counter(unit_of[name] for name in names)
+    order of their first name, each one if it still fits (one name per unit: the first ``room``).
+    A place holds what ``counted`` maps names to (a node's workers share one place when it is
+    :func:`node_of`); ``present``: what holds places already, so that names of it take no more."""
+    places_of: dict[str, set[str]] = collections.defaultdict(set)
+    for name in names:
+        places_of[unit_of[name]].add(counted(name))
+    held = set(present)
     taken: set[str] = set()
     seen: set[str] = set()
     for name in names:
@@ -94,25 +137,30 @@ def fitting(names: Sequence[str], unit_of: Mapping[str, str], room: int) -> list
         if unit in seen:
             continue
         seen.add(unit)
-        if sizes[unit] <= room:
+        more = places_of[unit] - held
+        if len(more) <= room:
             taken.add(unit)
-            room -= sizes[unit]
+            held |= more
+            room -= len(more)
     return [name for name in names if unit_of[name] in taken]
 
 
-def next_members(current: Round | None, candidates: list[Declaration], max_nodes: int) -> tuple[str, ...]:
+def next_members(current: Round | None, candidates: list[Declaration], max_nodes: int,
+                 counted: Callable[[str], str] = _itself) -> tuple[str, ...]:
     """Who is in the next round, rank order: the current round's members keep their order
-    (rank 0 stays rank 0 when it can), then newcomers by arrival; at most ``max_nodes``.
-    A sharded job's nodes are admitted whole or not at all (:func:`whole_nodes`)."""
+    (rank 0 stays rank 0 when it can), then newcomers by arrival; at most ``max_nodes``
+    (as ``counted``: :func:`counted_by`). A sharded job's nodes are admitted whole or not at all
+    (:func:`whole_nodes`)."""
     admitted = whole_nodes(candidates)
     unit_of = {d.node: admission_unit(d) for d in admitted}
     kept = [m for m in (current.members if current else ()) if m in unit_of]
     kept_names = set(kept)
     newcomers = [d.node for d in admitted if d.node not in kept_names]
-    return tuple(fitting(kept + newcomers, unit_of, max_nodes))
+    return tuple(fitting(kept + newcomers, unit_of, max_nodes, counted))
 
 
-def has_quorum(current: Round | None, live: list[Declaration], min_nodes: int) -> bool:
+def has_quorum(current: Round | None, live: list[Declaration], min_nodes: int,
+               counted: Callable[[str], str] = _itself) -> bool:
     """Whether the next round has a quorum: ``min_nodes`` that could be admitted want it (a sharded
     job's whole nodes: half a node neither makes a quorum nor is waited for) and, once a round
     runs, its re-formation has begun: one of its members wants the next round, or none of them
@@ -126,7 +174,7 @@ def has_quorum(current: Round | None, live: list[Declaration], min_nodes: int) -
         live_names = {d.node for d in live}
         if any(member in live_names for member in current.members):
             return False
-    return len(whole_nodes(wanted)) >= min_nodes
+    return count((d.node for d in whole_nodes(wanted)), counted) >= min_nodes
 
 
 def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
@@ -148,10 +196,11 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     target = next_number(current)
     if any(d.wants > target for d in live) or (current is None and unreadable):
         return False
-    if not has_quorum(current, live, settings.min_nodes):
+    counted = counted_by(settings)
+    if not has_quorum(current, live, settings.min_nodes, counted):
         return False
     candidates = whole_nodes(wanting(current, live))
-    if len(candidates) >= settings.max_nodes:
+    if count((d.node for d in candidates), counted) >= settings.max_nodes and complete_nodes(candidates):
         return True
     if current is not None and len(candidates) == len(whole_nodes(live)):
         return True
@@ -219,7 +268,8 @@ class Change:
 
 
 def change_for(node: str, my_round: int, current: Round | None, live: Mapping[str, Declaration],
-               max_nodes: int, finished: frozenset[str] = frozenset()) -> Change:
+               max_nodes: int, finished: frozenset[str] = frozenset(),
+               counted: Callable[[str], str] = _itself) -> Change:
     """What changed for ``node``, a member of round ``my_round``, in the watched view.
 
     ``finished``: members whose agent ended with its workers done. Such a member withdraws
@@ -228,24 +278,25 @@ def change_for(node: str, my_round: int, current: Round | None, live: Mapping[st
     """
     if current is None or current.number != my_round or node not in current.members:
         return Change(superseded=True)
-    return observed_change(current, live, max_nodes, finished)
+    return observed_change(current, live, max_nodes, finished, counted)
 
 
 def observed_change(current: Round, live: Mapping[str, Declaration], max_nodes: int,
-                    finished: frozenset[str] = frozenset()) -> Change:
+                    finished: frozenset[str] = frozenset(), counted: Callable[[str], str] = _itself) -> Change:
     """What changed in the running round ``current`` as the declarations ``live`` show it
     (from no member's point of view: what a follower of the declarations publishes)."""
     my_round = current.number
     lost = tuple(m for m in current.members if m not in live and m not in finished)
     moved_on = tuple(m for m in current.members if m in live and live[m].wants > my_round)
-    room = max_nodes - current.world_size
+    present = {counted(member) for member in current.members}
+    room = max_nodes - len(present)
     members = set(current.members)
     # Newcomers that could be admitted (a sharded job's whole nodes: half a node is no reason to
     # re-form yet), as many as fit.
     newcomers = whole_nodes(d for d in sorted(live.values(), key=lambda d: d.revision)
                             if d.node not in members and d.wants > my_round)
     waiting = tuple(fitting([d.node for d in newcomers], {d.node: admission_unit(d) for d in newcomers},
-                            max(0, room)))
+                            max(0, room), counted, present))
     return Change(lost=lost, moved_on=moved_on, waiting=waiting)
 
 

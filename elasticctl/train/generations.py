@@ -37,15 +37,16 @@ class Generations:
         # The generation record lives on the run lease, which the workers renew as well as their
         # agents: it stays while any worker of the job lives, and goes ttl after the last one.
         self._run_lease = RunLease(client, settings.run_ttl, keys.run_lease).start()
-        # Members are workers: every node brings its LOCAL_WORLD_SIZE of them.
+        # Members are workers, each node brings its LOCAL_WORLD_SIZE of them (nodes may differ), and
+        # MIN and MAX count nodes: a node with more workers than the others is one node all the same.
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        rounds = Settings(min_nodes=settings.min_nodes * per_node, max_nodes=settings.max_nodes * per_node,
-                          last_call=settings.last_call)
+        rounds = Settings(min_nodes=settings.min_nodes, max_nodes=settings.max_nodes,
+                          last_call=settings.last_call, members_are_workers=True)
         # A sharded model's mesh holds whole nodes (train/shards.py: hsdp_layout): each worker declares
         # how many its node brings, and a generation admits a node with all of them or none.
         self._member = RoundMember(client, self.view, worker, addr, rounds, settings.node_ttl,
                                    settings.join_timeout, self._run_lease, pid=os.getpid(),
-                                   node_workers=per_node if sharded else 0)
+                                   node_workers=per_node if sharded else 0, node_size=per_node)
 
     def join(self) -> Round:
         """Declare for the next generation; return it once it is sealed with this worker in it."""

@@ -137,3 +137,32 @@ def test_a_frozen_node_returns_as_a_newcomer_and_nothing_is_trained_twice(hot_jo
     check_replicas(steps)
     check_samples(steps, dataset_size=DATASET)
     no_failed_formation_nor_refusal(job)
+
+
+def test_a_node_with_more_workers_than_the_others_is_one_node_a_spare_beside_a_full_world(hot_job):
+    """MAX counts nodes whatever their worker count: beside a full world of three one-worker nodes, a
+    node that brings two workers waits warm (a spare: no re-formation, no step); when a member is lost,
+    both of its workers take the place at once."""
+    job = hot_job(HotSettings(min_nodes=1, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    for name in ("a", "b", "c"):
+        job.start(name)
+    job.wait_world({"a", "b", "c"})
+    for local_rank in (0, 1):
+        job.start(f"d{local_rank}", local_rank, env={"ELASTICCTL_NODE": "d", "LOCAL_WORLD_SIZE": "2"})
+    for local_rank in (0, 1):
+        wait_for(lambda local_rank=local_rank: declared_pid(job, f"d.{local_rank}"), 120,
+                 f"d's worker {local_rank} waiting in the rendezvous")
+    full = max(r["generation"] for r in job.steps())
+    since = job.last_time()
+    wait_for(lambda: len([r for r in job.steps() if r["time"] > since]) >= 60 or None, 120, "20 more steps")
+    assert max(r["generation"] for r in job.steps()) == full, "the node of two workers forced a re-formation"
+    assert not [r for r in job.steps() if r["node"] == "d"], "the node of two workers trained beside a full world"
+
+    killed_at = job.last_time()
+    job.workers["c"].kill()
+    back = wait_for(lambda: [r for r in job.steps() if r["time"] > killed_at and r["world_size"] == 4] or None,
+                    120, "a, b and both of d's workers training at world 4")
+    assert {r["node"] for r in back} == {"a", "b", "d"}, back[:4]
+    assert max(r["generation"] for r in back) == full + 1, "more than one re-formation"
+    check_replicas(job.steps())
+    check_samples(job.steps())

@@ -33,8 +33,10 @@ class HotJob:
         self.args = ["--record", str(self.record), *args]
         self.workers = {}
 
-    def start(self, name: str, local_rank: int = 0, extra=()):
-        env = {**self.env, "LOCAL_RANK": str(local_rank)}
+    def start(self, name: str, local_rank: int = 0, extra=(), env: dict | None = None):
+        """``env``: the worker's own variables (e.g. ELASTICCTL_NODE and LOCAL_WORLD_SIZE: one of
+        several workers of a node, ``name`` then naming the process, not the node)."""
+        env = {**self.env, "LOCAL_RANK": str(local_rank), **(env or {})}
         self.workers[name] = self.nodes(name, [sys.executable, HOT, *self.args, *extra], env=env)
         return self.workers[name]
 

@@ -13,7 +13,11 @@ from elasticctl.rendezvous.rounds import (
     change_for,
     change_from_reform,
     declaration_followers,
+    complete_nodes,
+    count,
+    counted_by,
     has_quorum,
+    node_of,
     next_members,
     observed_change,
     publishes_changes,
@@ -355,3 +359,69 @@ def test_a_waiting_spare_does_not_seal_before_the_survivors_re_declare():
     all_re_declared = [d("a", 2, 5), d("b", 2, 6), d("s", 2, 4)]
     assert seal_due(FULL, all_re_declared, settings, quorum_since, now=100.06)
     assert next_members(FULL, wanting(FULL, all_re_declared), settings.max_nodes) == ("a", "b", "s")
+
+
+WORKERS = Settings(min_nodes=1, max_nodes=3, last_call=1.0, members_are_workers=True)
+BY_NODE = counted_by(WORKERS)
+WORLD = Round(number=1, members=("a.0", "b.0", "c.0"), revision=10)
+
+
+def w(name: str, wants: int, revision: int, node_size: int = 1) -> Declaration:
+    return Declaration(node=name, addr="10.0.0.1", wants=wants, revision=revision, node_size=node_size)
+
+
+def test_members_that_are_workers_count_as_their_nodes():
+    assert [node_of(n) for n in ("a.0", "a.1", "host.example.3", "agent")] == ["a", "a", "host.example", "agent"]
+    assert count(("a.0", "a.1", "b.0"), BY_NODE) == 2 and count(("a.0", "a.1", "b.0")) == 3
+    assert counted_by(Settings(min_nodes=1, max_nodes=3, last_call=1.0))("a.0") == "a.0"
+
+
+@pytest.mark.parametrize(("current", "candidates", "members"), [
+    # beside a full world of three one-worker nodes, a node of two workers is no fourth node
+    (WORLD, [w("a.0", 2, 1), w("b.0", 2, 2), w("c.0", 2, 3), w("d.0", 2, 4, 2), w("d.1", 2, 5, 2)],
+     ("a.0", "b.0", "c.0")),
+    # a member lost: both of its workers take the place
+    (WORLD, [w("a.0", 2, 1), w("b.0", 2, 2), w("d.0", 2, 4, 2), w("d.1", 2, 5, 2)], ("a.0", "b.0", "d.0", "d.1")),
+    # a restarted worker of a node in the world takes no second place
+    (Round(number=1, members=("a.0", "b.0", "c.0"), revision=10),
+     [w("a.0", 2, 1, 2), w("b.0", 2, 2), w("c.0", 2, 3), w("a.1", 2, 6, 2)], ("a.0", "b.0", "c.0", "a.1")),
+])
+def test_next_members_count_nodes_when_members_are_workers(current, candidates, members):
+    assert next_members(current, candidates, WORKERS.max_nodes, BY_NODE) == members
+
+
+def test_a_node_of_more_workers_beside_a_full_world_is_no_change():
+    live = {d.node: d for d in (w("a.0", 1, 1), w("b.0", 1, 2), w("c.0", 1, 3), w("d.0", 2, 4, 2), w("d.1", 2, 5, 2))}
+    assert observed_change(WORLD, live, WORKERS.max_nodes, counted=BY_NODE) == Change()
+    # counted in workers, the same declarations would make room for d.0 and d.1 beside MAX 3 x 2 workers
+    assert observed_change(WORLD, live, 6).waiting == ("d.0", "d.1")
+    # a worker of a node already in the world fits whatever the room
+    live["a.1"] = w("a.1", 2, 6, 2)
+    assert observed_change(WORLD, live, WORKERS.max_nodes, counted=BY_NODE).waiting == ("a.1",)
+
+
+@pytest.mark.parametrize(("declarations", "complete"), [
+    ([], True),
+    ([w("a.0", 1, 1, 2), w("a.1", 1, 2, 2), w("b.0", 1, 3)], True),
+    ([w("a.0", 1, 1, 2), w("b.0", 1, 3)], False),  # a's second worker has not declared yet
+    ([d("agent", 1, 1)], True),  # declarations that say no node size are whole as they are
+])
+def test_complete_nodes(declarations, complete):
+    assert complete_nodes(declarations) is complete
+
+
+def test_a_first_round_of_workers_is_full_once_max_nodes_came_with_all_their_workers():
+    some = [w("a.0", 1, 1, 2), w("b.0", 1, 2), w("c.0", 1, 3)]
+    assert not seal_due(None, some, WORKERS, quorum_since=None, now=0.0)  # a.1 still to come
+    assert seal_due(None, [*some, w("a.1", 1, 4, 2)], WORKERS, quorum_since=None, now=0.0)
+    # MIN counts nodes too: two workers of one node are no quorum of two nodes
+    two = Settings(min_nodes=2, max_nodes=3, last_call=1.0, members_are_workers=True)
+    assert not has_quorum(None, [w("a.0", 1, 1, 2), w("a.1", 1, 2, 2)], two.min_nodes, counted_by(two))
+
+
+def test_a_declarations_node_size_round_trips_and_is_checked():
+    declaration = w("d.1", 2, 7, 2)
+    assert Declaration.from_json(declaration.to_json().encode(), 7) == declaration
+    # a worker's local rank must be below its node's worker count; an absurd count is no declaration
+    assert Declaration.from_json(w("d.2", 2, 7, 2).to_json().encode(), 7) is None
+    assert Declaration.from_json(w("d.0", 2, 7, 10**6).to_json().encode(), 7) is None
