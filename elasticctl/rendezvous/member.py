@@ -6,8 +6,8 @@ claim to seal it (a lease-bound key, won by one compare-and-swap) seals it as so
 as :func:`seal_due` says so. Nothing polls: every wait is on the view's condition,
 with a timeout only where a deadline (last call, the join timeout) can fire.
 
-In a sealed round, :meth:`RoundMember.change` says what changed. Two members
-(:func:`declaration_followers`) and the holder of the next claim follow every declaration
+In a sealed round, :meth:`RoundMember.change` says what changed. Three members on different hosts
+where they can be (:func:`declaration_followers`) and the holder of the next claim follow every declaration
 and publish what they see in one ``ctl/reform`` record (:meth:`RoundMember._publish_change`);
 the others read that record from the ``ctl/`` watch: a round of N re-forms with O(N)
 notifications, not O(N²).

@@ -308,19 +308,33 @@ def observed_change(current: Round, live: Mapping[str, Declaration], max_nodes: 
 # record under ctl/ (a Reform), which every member follows anyway: N notifications.
 
 
+DECLARATION_FOLLOWERS = 3  # any two of them frozen or lost together, the third still publishes
+
+
 def declaration_followers(current: Round) -> tuple[str, ...]:
-    """The members of the running round ``current`` that follow every declaration: rank 0,
-    and a second one so that a frozen or dead rank 0 is noticed too, the first member at
-    another address than rank 0's (a node that dies takes its workers, rank 0's neighbours,
-    with it), else rank 1."""
+    """The members of the running round ``current`` that follow every declaration: rank 0 and,
+    up to :data:`DECLARATION_FOLLOWERS` in all, the first members at addresses not yet among
+    them (a host that dies or freezes takes its workers, its followers' neighbours, with it), then
+    the next ranks. So two hosts failing together (behind one switch, one power feed) still
+    leave a follower to publish the loss: the others never wait for a collective timeout to
+    learn what etcd already knows. Three followers cost etcd 3 notifications per declaration."""
     if not current.members:
         return ()
-    first, rest = current.members[0], current.members[1:]
+    chosen = [0]
     if current.addrs and len(current.addrs) == len(current.members):
-        elsewhere = [m for m, addr in zip(rest, current.addrs[1:]) if addr != current.addrs[0]]
-        if elsewhere:
-            return (first, elsewhere[0])
-    return (first, *rest[:1])
+        seen = {current.addrs[0]}
+        for rank, addr in enumerate(current.addrs):
+            if len(chosen) == DECLARATION_FOLLOWERS:
+                break
+            if addr not in seen:
+                seen.add(addr)
+                chosen.append(rank)
+    for rank in range(1, len(current.members)):
+        if len(chosen) == DECLARATION_FOLLOWERS:
+            break
+        if rank not in chosen:
+            chosen.append(rank)
+    return tuple(current.members[rank] for rank in sorted(chosen))
 
 
 def publishes_changes(node: str, current: Round | None, claim: Claim | None) -> bool:

@@ -6,7 +6,7 @@ Two feeds, each read once and then kept current by a watch (see :mod:`elasticctl
   record. Every node follows it: O(1) events per round, so a thousand joiners cost etcd
   a thousand small notifications, not a million.
 * ``nodes/`` — every node's declaration. Followed only by the node that seals (it
-  must count who wants the round) and by two members of a sealed round
+  must count who wants the round) and by three members of a sealed round
   (:func:`~elasticctl.rendezvous.rounds.publishes_changes`), which publish a lost lease,
   a member re-joining or a newcomer waiting (what restarts the workers) in ``reform``
   for all the others. They load it in the background from their first look at it

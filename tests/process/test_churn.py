@@ -166,3 +166,26 @@ def test_a_node_with_more_workers_than_the_others_is_one_node_a_spare_beside_a_f
     assert max(r["generation"] for r in back) == full + 1, "more than one re-formation"
     check_replicas(job.steps())
     check_samples(job.steps())
+
+
+def test_restart_mode_survives_its_two_first_ranks_freezing_together(nodes, default_etcd, run_id, tmp_path):
+    """Ranks 0 and 1 frozen at once (two hosts behind one switch): a third member follows the
+    declarations too, sees their leases end and publishes the loss, so the other two re-form at
+    once; the workers' collective timeout (10 minutes here) is never what frees them."""
+    from support.jobs import TRAIN, Job, after, steps_at
+
+    job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:4", extra=["--node-ttl", "3"],
+              train=[*TRAIN, "--pg-timeout", "600"])
+    started = job.start("a", "b", "c", "d")
+    ranks = {r["rank"]: r["node"] for r in sorted(steps_at(job.records(), 4), key=lambda r: r["time"])}
+    frozen = {ranks[0], ranks[1]}
+    frozen_at = max(r["time"] for r in job.records())
+    for name in frozen:
+        started[name].signal_tree(signal.SIGSTOP)
+    try:
+        rest = {"a", "b", "c", "d"} - frozen
+        job.wait_world(2, rest, since=frozen_at, timeout=150)
+    finally:
+        for name in frozen:
+            started[name].signal_tree(signal.SIGCONT)
+    assert not [r for r in after(job.records(), frozen_at) if r.get("node") in frozen and r.get("world_size") == 2]

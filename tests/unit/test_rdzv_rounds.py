@@ -237,29 +237,32 @@ def test_a_running_member_slow_to_declare_is_waited_for_longer(live, known, last
 
 @pytest.mark.parametrize(("members", "addrs", "followers"), [
     (("a",), ("h1",), ("a",)),
-    (("a", "b", "c"), (), ("a", "b")),  # no addresses (an older record): ranks 0 and 1
-    (("a", "b", "c"), ("h1", "h1", "h1"), ("a", "b")),  # one host: ranks 0 and 1
-    # workers of one node share its address: the second follower is on another node, so that
-    # the node of rank 0 dying (all its workers with it) is still seen
-    (("a.0", "a.1", "b.0", "b.1"), ("h1", "h1", "h2", "h2"), ("a.0", "b.0")),
-    (("a.0", "a.1", "a.2"), ("h1", "h1", "h1"), ("a.0", "a.1")),
+    (("a", "b"), ("h1", "h2"), ("a", "b")),
+    (("a", "b", "c", "d"), (), ("a", "b", "c")),  # no addresses (an older record): ranks 0 to 2
+    (("a", "b", "c", "d"), ("h1", "h1", "h1", "h1"), ("a", "b", "c")),  # one host: ranks 0 to 2
+    # workers of one node share its address: the others follow from other nodes, so that the node
+    # of rank 0 dying (all its workers with it), or it and one more, is still seen
+    (("a.0", "a.1", "b.0", "b.1", "c.0", "c.1"), ("h1", "h1", "h2", "h2", "h3", "h3"), ("a.0", "b.0", "c.0")),
+    (("a.0", "a.1", "b.0", "b.1"), ("h1", "h1", "h2", "h2"), ("a.0", "a.1", "b.0")),
+    (("a.0", "a.1", "a.2", "a.3"), ("h1", "h1", "h1", "h1"), ("a.0", "a.1", "a.2")),
 ])
-def test_declaration_followers_are_rank_0_and_one_more_elsewhere(members, addrs, followers):
+def test_declaration_followers_are_rank_0_and_two_more_elsewhere(members, addrs, followers):
     assert declaration_followers(Round(number=3, members=members, addrs=addrs)) == followers
 
 
-R3 = Round(number=3, members=("a", "b", "c", "d"))
+R3 = Round(number=3, members=("a", "b", "c", "d", "e"))
 
 
 @pytest.mark.parametrize(("node", "current", "claim", "publishes"), [
     ("a", R3, None, True),
     ("b", R3, None, True),
-    ("c", R3, None, False),
+    ("c", R3, None, True),
+    ("d", R3, None, False),
     ("x", R3, None, False),
     # the holder of the claim to seal the next round follows them anyway (re-declared members stop)
-    ("c", R3, Claim("c", 4), True),
+    ("d", R3, Claim("d", 4), True),
     ("x", R3, Claim("x", 4), True),
-    ("c", R3, Claim("c", 3), False),  # a stale claim
+    ("d", R3, Claim("d", 3), False),  # a stale claim
     ("a", None, Claim("a", 1), False),  # no running round: nothing to publish
 ])
 def test_who_publishes_changes(node, current, claim, publishes):
@@ -311,7 +314,7 @@ def test_change_of_a_member_that_reads_the_reform_record(current, published, fin
 def test_what_a_follower_publishes_is_what_the_others_read():
     live = {"a": d("a", 4, 20), "b": d("b", 3, 2), "x": d("x", 4, 21)}
     seen = observed_change(R3, live, max_nodes=8)
-    assert seen == Change(lost=("c", "d"), moved_on=("a",), waiting=("x",))
+    assert seen == Change(lost=("c", "d", "e"), moved_on=("a",), waiting=("x",))
     published = reform_record(seen, R3, "b")
     assert published.seen_by == "b" and reform_due(seen, R3, published) is False
     assert change_from_reform("d", 3, R3, published) == change_for("b", 3, R3, live, 8) == seen
