@@ -1,6 +1,14 @@
 """The one exception tree of elasticctl; the CLI maps it to one-sentence errors."""
 
 
+def quote(value: object, limit: int = 80) -> str:
+    """``'value'`` for a one-line message: control characters escaped, long values shortened."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return repr(text) if not text.isprintable() else f"'{text}'"
+
+
 class ElasticctlError(Exception):
     """Base of every error elasticctl raises on purpose; its message is one sentence.
 

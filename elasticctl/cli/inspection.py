@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import signal
 import sys
 import threading
@@ -19,6 +18,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import connect
 from elasticctl.job.registry import Registry, list_jobs, resolve_job
 from elasticctl.job.spec import quote
+from elasticctl.numbers import decimal_number
 
 
 # -- doctor ----------------------------------------------------------------------------------
@@ -121,12 +121,9 @@ class _Since(click.ParamType):
         if isinstance(value, float):
             return value
         text = str(value).strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            seconds = None
+        seconds = decimal_number(text)
         if seconds is not None:
-            if not math.isfinite(seconds) or seconds < 0:
+            if seconds < 0:
                 self.fail(f"{quote(value)} is not a number of seconds ago (0 or more).", param, ctx)
             return time.time() - seconds
         try:

@@ -18,6 +18,7 @@ from elasticctl.cli.options import (
     _PORT,
     _checked_name,
     _fail,
+    _not_empty,
     _Seconds,
     _settings,
     _Whole,
@@ -40,10 +41,10 @@ log = logging.getLogger("elasticctl")
 
 
 @click.command(context_settings=_FLAT_ENV)
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, callback=_not_empty,
               help="Where etcd keeps its data (default: a temporary directory).")
 @click.option("--listen", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--advertise", default=None, help="Address other hosts use to reach this etcd.")
+@click.option("--advertise", default=None, callback=_not_empty, help="Address other hosts use to reach this etcd.")
 @click.option("--client-port", type=_PORT, default=2379, show_default=True, help="0: a free port.")
 @click.option("--peer-port", type=_PORT, default=2380, show_default=True, help="0: a free port.")
 @click.option("--name", default="elasticctl", show_default=True,
@@ -81,7 +82,8 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
 @click.option("--max-restarts", type=_Whole(), default=3, show_default=True,
               help="Failures of this node's own workers tolerated (a lost peer never counts).")
-@click.option("--checkpoint-dir", default=None, help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
+@click.option("--checkpoint-dir", default=None, callback=_not_empty,
+              help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
 @click.option("--node-ttl", type=_Whole(), default=5, show_default=True,
               help="Seconds a silent node is given before the others re-form without it "
@@ -91,29 +93,29 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
               help="restart (default): a membership change restarts every worker from the newest checkpoint; "
                    "hot: survivors re-form in process and joiners get the state from them "
                    "(scripts on elasticctl.train).")
-@click.option("--straggler-ratio", default=None, metavar="R",
-              help="Name a node a straggler when its own step time stays above R x the others' median "
-                   "(default 1.5; an event, a dashboard mark, a metric).")
-@click.option("--straggler-window", default=None, metavar="W",
-              help="... for W steps in a row (default 50).")
-@click.option("--straggler-interval", default=None, metavar="K",
+@click.option("--straggler-ratio", default=None, metavar="R", callback=_not_empty,
+              help="Name a node a straggler when its own step time is above R x the others' median "
+                   "at most of its steps (default 1.5; an event, a dashboard mark, a metric).")
+@click.option("--straggler-window", default=None, metavar="W", callback=_not_empty,
+              help="... at more than half of its newest W steps, and at W of its newest 2W (default 50).")
+@click.option("--straggler-interval", default=None, metavar="K", callback=_not_empty,
               help="Workers exchange their step times every K steps (default 10; at most W).")
-@click.option("--evict-stragglers", default=None, metavar="R",
+@click.option("--evict-stragglers", default=None, metavar="R", callback=_not_empty,
               help="Ask a node whose step time stays above R x the others' for the window to leave, "
                    "as `elasticctl leave` does (default 0: never).")
-@click.option("--spares", default=None, metavar="N",
+@click.option("--spares", default=None, metavar="N", callback=_not_empty,
               help="Hot spares the job expects: nodes beyond --nnodes MAX start their workers and wait warm, "
                    "and one takes a lost node's place at once (default 0; status shows the count).")
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
-@click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
+@click.option("--local-addr", default=None, callback=_not_empty, help="This node's address as other nodes see it.")
 @click.option("--etcd-listen", default="0.0.0.0", show_default=True, help="Embedded etcd: address to listen on.")
 @click.option("--etcd-port", type=_PORT, default=2379, show_default=True,
               help="Embedded etcd: client port (0: a free port).")
 @click.option("--etcd-peer-port", type=_PORT, default=2380, show_default=True,
               help="Embedded etcd: peer port (0: a free port).")
-@click.option("--etcd-data-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--etcd-data-dir", type=click.Path(file_okay=False), default=None, callback=_not_empty,
               help="Embedded etcd: data directory (default: temporary).")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a Python module name, as with python -m.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
@@ -139,7 +141,8 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     conf = parse_rdzv_conf(rdzv_conf)
     if recovery is not None:
         conf["recovery"] = recovery
-    # Checked with every rendezvous option when the spec is built (job.settings).
+    # Checked with every rendezvous option when the spec is built (job.settings), before anything
+    # is published; an empty one was refused by its option already.
     for key, value in (("straggler_ratio", straggler_ratio), ("straggler_window", straggler_window),
                        ("straggler_interval", straggler_interval), ("evict_stragglers", evict_stragglers),
                        ("spares", spares)):
@@ -233,7 +236,7 @@ def _start_embedded(server, job: str) -> None:
               help="Wait this long for the job to be published (nodes started before `up`).")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
-@click.option("--local-addr", default=None, help="This node's address as other nodes see it.")
+@click.option("--local-addr", default=None, callback=_not_empty, help="This node's address as other nodes see it.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None:
     """Join a running job: read its spec from etcd, register, run the same torchrun."""

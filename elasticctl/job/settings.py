@@ -13,8 +13,9 @@ import math
 import re
 from collections.abc import Callable, Mapping
 
-from elasticctl.errors import ConfigError
+from elasticctl.errors import ConfigError, quote
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
+from elasticctl.numbers import decimal_number, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,10 @@ class RdzvOptions:
     # restart: a membership change restarts every worker; hot: workers re-form in process
     # (scripts on elasticctl.train; others behave as in restart mode).
     recovery: str = "restart"
-    # Stragglers (elasticctl.train.stragglers): a node whose fastest step of every interval
-    # stays above straggler_ratio x the others' median for straggler_window steps is named;
-    # with evict_stragglers R (0: never) one above R for as long is asked to leave.
+    # Stragglers (elasticctl.train.stragglers): a node slow (above straggler_ratio x the others'
+    # median) at more than half of its newest straggler_window steps, and at straggler_window of
+    # its newest 2 x straggler_window, is named; with evict_stragglers R (0: never) the slowest
+    # the same rule names at R is asked to leave.
     straggler_ratio: float = 1.5
     straggler_window: int = 50
     straggler_interval: int = 10
@@ -94,40 +96,45 @@ class RdzvOptions:
     spares: int = 0
 
 
+# The rendezvous options that `elasticctl up` also takes as flags of their own: an error names both.
+_OPTIONS_WITH_FLAGS = frozenset({"straggler_ratio", "straggler_window", "straggler_interval",
+                                 "evict_stragglers", "spares"})
+
+
+def _named(name: str) -> str:
+    """How an error names the option ``name``: ``spares (--spares)`` where `up` has a flag for it."""
+    return f"{name} (--{name.replace('_', '-')})" if name in _OPTIONS_WITH_FLAGS else name
+
+
 def _seconds(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+    value = decimal_number(text)
+    if value is None or not 0 < value <= MAX_SECONDS:
         raise ConfigError(
-            f"The rendezvous option {name} ('{text}') must be a positive number of seconds "
+            f"The rendezvous option {_named(name)} ({quote(text)}) must be a positive number of seconds "
             f"up to {MAX_SECONDS}."
         )
     return value
 
 
-def _whole(minimum: int, maximum: int) -> Callable[[str, str], int]:
+def _whole(minimum: int, maximum: int, what: str = "whole number") -> Callable[[str, str], int]:
     def parse(name: str, text: str) -> int:
-        if not re.fullmatch(r"[0-9]+", text) or not minimum <= int(text) <= maximum:
+        value = whole_number(text)
+        if value is None or not minimum <= value <= maximum:
             raise ConfigError(
-                f"The rendezvous option {name} ('{text}') must be a whole number "
+                f"The rendezvous option {_named(name)} ({quote(text)}) must be a {what} "
                 f"from {minimum} to {maximum}."
             )
-        return int(text)
+        return value
 
     return parse
 
 
 def _ratio(allow_zero: bool) -> Callable[[str, str], float]:
     def parse(name: str, text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and (1 < value <= MAX_STRAGGLER_RATIO or (allow_zero and value == 0))):
+        value = decimal_number(text)
+        if value is None or not (1 < value <= MAX_STRAGGLER_RATIO or (allow_zero and value == 0)):
             raise ConfigError(
-                f"The rendezvous option {name} (--{name.replace('_', '-')}) ('{text}') must be a ratio above 1 and up to "
+                f"The rendezvous option {_named(name)} ({quote(text)}) must be a ratio above 1 and up to "
                 f"{MAX_STRAGGLER_RATIO:g}{' (0: never)' if allow_zero else ''}."
             )
         return value
@@ -135,16 +142,12 @@ def _ratio(allow_zero: bool) -> Callable[[str, str], float]:
     return parse
 
 
-def _steps(name: str, text: str) -> int:
-    if not re.fullmatch(r"[0-9]+", text) or not 1 <= int(text) <= MAX_STRAGGLER_STEPS:
-        raise ConfigError(f"The rendezvous option {name} (--{name.replace('_', '-')}) ('{text}') must be a whole "
-                          f"number of steps from 1 to {MAX_STRAGGLER_STEPS}.")
-    return int(text)
+_steps = _whole(1, MAX_STRAGGLER_STEPS, what="whole number of steps")
 
 
 def _protocol(name: str, text: str) -> str:
     if text.lower() not in ("http", "https"):
-        raise ConfigError(f"The rendezvous option {name} ('{text}') must be http or https.")
+        raise ConfigError(f"The rendezvous option {name} ({quote(text)}) must be http or https.")
     return text.lower()
 
 
@@ -166,7 +169,8 @@ def _key_prefix(name: str, text: str) -> str:
 
 def _recovery(name: str, text: str) -> str:
     if text.lower() not in RECOVERY_MODES:
-        raise ConfigError(f"The rendezvous option {name} ('{text}') must be one of: {', '.join(RECOVERY_MODES)}.")
+        raise ConfigError(f"The rendezvous option {name} ({quote(text)}) must be one of: "
+                          f"{', '.join(RECOVERY_MODES)}.")
     return text.lower()
 
 
@@ -230,7 +234,7 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
             continue
         if key not in _OPTIONS:
             raise ConfigError(
-                f"The rendezvous option '{key}' is unknown; known options: "
+                f"The rendezvous option {quote(key)} is unknown; known options: "
                 f"{', '.join(sorted(_OPTIONS))}."
             )
         text = "" if raw_value is None else str(raw_value).strip()
@@ -258,11 +262,11 @@ def _numbers_in(settings: type, text: str, what: str, where: str, where_when_not
         name = name.strip()
         if name not in types:
             raise ConfigError(f"The {what} {name!r} in {where} is unknown.")
-        try:
-            values[name] = int(raw) if types[name] in ("int", int) else float(raw)
-        except ValueError:
+        value = whole_number(raw) if types[name] in ("int", int) else decimal_number(raw)
+        if value is None:
             source = f" in {where}" if where_when_not_a_number else ""
-            raise ConfigError(f"The {what} {name} ({raw!r}){source} is not a number.") from None
+            raise ConfigError(f"The {what} {name} ({raw!r}){source} is not a number.")
+        values[name] = value
     return values
 
 

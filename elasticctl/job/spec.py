@@ -5,24 +5,14 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from elasticctl.errors import ConfigError
+from elasticctl.errors import ConfigError, quote
 from elasticctl.job.settings import MAX_NODE_TTL, parse_rdzv_options
+from elasticctl.numbers import whole_number
 
 # The one rule for every name that becomes part of an etcd key (job, run id, node id):
 # matched with fullmatch, so that no trailing newline slips through as it does with '$'.
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_WHOLE_NUMBER_RE = re.compile(r"[0-9]{1,18}")
-
-
-def whole_number(text: str) -> int | None:
-    """``text`` as a whole number written with the ASCII digits 0-9 only (at most 18), else None.
-
-    ``str.isdigit()`` and ``int()`` also accept other scripts' digits ('٨٠' is 80) and
-    isdigit() accepts superscripts ('²', which int() then refuses with a ValueError): neither
-    is a number a user meant to type, and the second became a traceback.
-    """
-    return int(text) if _WHOLE_NUMBER_RE.fullmatch(text) else None
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -58,14 +48,6 @@ def parse_env(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]
             raise ConfigError(f"The environment setting {quote(item)} must be of the form NAME=VALUE.")
         pairs[name] = value
     return tuple(sorted(pairs.items()))
-
-
-def quote(value: object, limit: int = 80) -> str:
-    """``'value'`` for a one-line message: control characters escaped, long values shortened."""
-    text = str(value)
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return repr(text) if not text.isprintable() else f"'{text}'"
 
 
 def validate_name(value: str, what: str) -> str:
@@ -127,6 +109,12 @@ class JobSpec:
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"The node count {self.min_nodes}:{self.max_nodes} must be 1 <= MIN <= MAX.")
         # Every rendezvous option is checked here, before anything is published or launched.
+        # An empty one too: torchrun refuses `key=` in its --rdzv-conf with a traceback, after
+        # the spec was published (parse_rdzv_options reads it as the default, as the handler may).
+        for key, value in self.rdzv_conf:
+            if not str(value).strip():
+                raise ConfigError(f"The rendezvous option {quote(key)} is empty; give it a value, "
+                                  "or leave it out for its default.")
         parse_rdzv_options(dict(self.rdzv_conf))
         if isinstance(self.node_ttl, bool) or not isinstance(self.node_ttl, int):
             raise ConfigError(f"The node liveness TTL {quote(self.node_ttl)} must be a whole number of seconds.")

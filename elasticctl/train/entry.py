@@ -9,7 +9,8 @@ rendezvous handler names in the worker environment (:mod:`elasticctl.job.environ
 
 * ``started-<LOCAL_RANK>`` before the script runs;
 * ``unrecoverable-<LOCAL_RANK>``, holding one line, when the worker ends on a failure a
-  restart would only repeat (:func:`note_unrecoverable`): its node stops instead;
+  restart would only repeat (:func:`note_unrecoverable`), such as a script that refused its own
+  arguments (:func:`refused_its_arguments`): its node stops instead;
 * ``done-<LOCAL_RANK>`` once the script ended with status 0, on its own (not stopped by
   SIGTERM, see :func:`note_stop_request`), and every ``atexit`` callback ran: the last
   thing Python does before its teardown.
@@ -30,8 +31,25 @@ import sys
 from elasticctl.job.environment import WorkerEnvironment
 
 _completed = False
+_joined = False
 _marks_dir: str | None = None  # None: not decoded yet ("": no marks, not under elasticctl)
 _stop_requested = False
+
+USAGE_ERROR_STATUS = 2  # argparse's parser.error, click's UsageError, script.run_main's user mistake
+
+
+def refused_its_arguments(exit_code: object, joined: bool) -> bool:
+    """Whether a script that ended with ``SystemExit(exit_code)`` failed on its own command line,
+    so that every restart, run with the same arguments, would fail the same way.
+
+    The rule: the status of a usage error (2), raised before the worker ``joined`` a process
+    group with its peers. Until then the script has read nothing but its arguments, its files
+    and its environment, which a restart hands it unchanged; nothing a restart changes (a
+    peer, the network, the world size) has played a part. Once joined, a 2 may come from
+    anything the training did, and the agent judges it as it judges any failure.
+    """
+    is_status = isinstance(exit_code, int) and not isinstance(exit_code, bool)
+    return is_status and exit_code == USAGE_ERROR_STATUS and not joined
 
 
 def note_stop_request() -> None:
@@ -48,6 +66,22 @@ def note_unrecoverable(reason: str) -> None:
     """The worker is about to fail in a way a restart would only repeat (its final checkpoint
     cannot be written): its node stops, saying ``reason``, instead of restarting it."""
     _mark("unrecoverable", " ".join(reason.split()))
+
+
+def note_joined() -> None:
+    """The worker has formed a process group with its peers (:func:`elasticctl.train.script.init`,
+    each generation of hot recovery): its exits are no longer taken for a refusal of its
+    arguments (:func:`refused_its_arguments`)."""
+    global _joined
+    _joined = True
+
+
+def _has_joined() -> bool:
+    # A script may form its group itself (dist.init_process_group), unnoticed by note_joined:
+    # torch is loaded then, and its group still stands unless the script destroyed it.
+    distributed = sys.modules.get("torch.distributed")
+    return _joined or bool(distributed is not None and distributed.is_available()
+                           and distributed.is_initialized())
 
 
 def _mark(kind: str, text: str = "") -> None:
@@ -95,6 +129,12 @@ def main(argv: list[str]) -> None:
         _completed = True
     except SystemExit as exc:
         _completed = exc.code is None or exc.code == 0
+        if refused_its_arguments(exc.code, _has_joined()):
+            # The script printed its usage and error already: the node stops with this line
+            # instead of restarting the workers to print them again, through a quarantine.
+            note_unrecoverable(f"its script {script} refused its arguments (exit status "
+                               f"{USAGE_ERROR_STATUS} before it joined the job), which every "
+                               "restart would repeat.")
         raise
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from elasticctl.job.records import Round
+from elasticctl.train import entry as worker_entry
 
 
 def build_generation_group(generation: Round, rank: int, backend: str, timeout: datetime.timedelta,
@@ -27,6 +28,7 @@ def build_generation_group(generation: Round, rank: int, backend: str, timeout: 
     dist.init_process_group(backend, store=dist.PrefixStore(f"generation-{generation.number}", store),
                             rank=rank, world_size=generation.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
+    worker_entry.note_joined()
     return store
 
 

@@ -88,6 +88,7 @@ def init(timeout: float = 60.0, backend: str | None = None,
                                     device_id=device if device.type == "cuda" else None)
         else:  # plain `python script.py`: a world of one, no rendezvous
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+    worker_entry.note_joined()
     return WorkerContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                          device=device, backend=backend, restart=restart_count(environment))
 

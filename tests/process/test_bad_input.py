@@ -16,7 +16,7 @@ import subprocess
 
 import psutil
 import pytest
-from support.helpers import ELASTICCTL, MLP
+from support.helpers import ELASTICCTL, MLP, REPO
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.lease import Lease
@@ -278,6 +278,66 @@ def test_up_that_fails_keeps_a_spec_it_did_not_publish(default_etcd, client, run
     finally:
         lease.stop(revoke=True)
         registry.delete_job()
+
+
+# -- the newer flags: every value is checked before anything is published -------------------------
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--spares", ""], "Invalid value for '--spares': it is empty"),
+        (["--evict-stragglers", ""], "Invalid value for '--evict-stragglers': it is empty"),
+        (["--straggler-ratio", "1_5"], "straggler_ratio (--straggler-ratio) ('1_5') must be a ratio"),
+        (["--straggler-ratio", "１.５"], "straggler_ratio (--straggler-ratio) ('１.５') must be a ratio"),
+        (["--evict-stragglers", "３"], "evict_stragglers (--evict-stragglers) ('３') must be a ratio"),
+        (["--spares", "1_0"], "spares (--spares) ('1_0') must be a whole number"),
+        (["--rdzv-conf", "spares="], "The rendezvous option 'spares' is empty"),
+    ],
+    ids=["spares-empty", "evict-empty", "ratio-underscore", "ratio-full-width", "evict-full-width",
+         "spares-underscore", "rdzv-conf-empty"],
+)
+def test_a_bad_value_of_a_newer_flag_is_one_sentence_and_publishes_nothing(default_etcd, client, run_id,
+                                                                            args, needle):
+    result = run_bounded("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1", *args,
+                         MLP, "--steps", "1", timeout=120)
+    one_error(result, needle)
+    assert "published job" not in result.stderr
+    assert client.get(Registry(client, run_id).keys.spec) is None
+    assert job_keys(default_etcd, run_id) == []
+    assert processes_mentioning(run_id) == []
+
+
+# -- a script that refuses its own arguments is not restarted --------------------------------------
+
+LM = str(REPO / "trainers" / "lm.py")
+
+
+@pytest.mark.parametrize(
+    ("recovery", "script_args", "script_error"),
+    [
+        ("restart", ["--peer-copies", "-1"], "lm.py: error: --peer-copies (-1) must be 0"),
+        ("hot", ["--shard", "hsdp", "--peer-copies", "5"], "lm.py: error: --peer-copies needs --shard fsdp"),
+    ],
+    ids=["restart-negative-copies", "hot-copies-without-fsdp"],
+)
+def test_a_script_that_refuses_its_arguments_stops_its_node_on_the_first_start(
+        default_etcd, client, run_id, recovery, script_args, script_error):
+    # Before, its workers were started again through the restart budget and a quarantine,
+    # printing the usage each time: a restart runs the same arguments.
+    result = run_bounded("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                         "--recovery", recovery, LM, *script_args, timeout=240)
+    try:
+        assert result.returncode != 0, result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.count("usage: lm.py") == 1, result.stderr
+        assert result.stderr.count(script_error) == 1, result.stderr
+        assert "quarantine" not in result.stderr, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("elasticctl: node ") and "stopped: its script" in last, result.stderr
+        assert f"{LM} refused its arguments (exit status 2 before it joined the job)" in last, last
+        assert processes_mentioning(run_id) == []
+    finally:
+        Registry(client, run_id).delete_job()
 
 
 # -- security: a warning when etcd is reachable by anyone ------------------------------------------

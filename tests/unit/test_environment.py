@@ -73,7 +73,9 @@ def test_the_default_key_prefix():
     ("ELASTICCTL_STRAGGLERS", "ratio=x", "setting ratio \\('x'\\) in ELASTICCTL_STRAGGLERS is not a number"),
     ("ELASTICCTL_STRAGGLERS", "color=red", "setting 'color' in ELASTICCTL_STRAGGLERS is unknown"),
     ("ELASTICCTL_STRAGGLERS", "window=5,interval=10", "interval \\(10 steps\\) must not be above the window"),
-    ("ELASTICCTL_STRAGGLERS", "evict=nan", "The straggler setting evict \\(nan\\)"),
+    ("ELASTICCTL_STRAGGLERS", "evict=nan", "The straggler setting evict \\('nan'\\) in ELASTICCTL_STRAGGLERS is not a number"),
+    ("ELASTICCTL_STRAGGLERS", "ratio=1_5", "The straggler setting ratio \\('1_5'\\) in ELASTICCTL_STRAGGLERS is not a number"),
+    ("ELASTICCTL_HOT", "min_nodes=１,max_nodes=2", "min_nodes \\('１'\\) is not a number"),
 ])
 def test_a_bad_value_is_one_sentence_naming_it(variable, value, message):
     with pytest.raises(ConfigError, match=message) as caught:
@@ -119,6 +121,9 @@ _VALUES = {
     environment.HOT: st.one_of(_TEXT, st.lists(st.sampled_from([
         "min_nodes=1", "max_nodes=2", "max_nodes=0", "node_ttl=5", "node_ttl=1.5", "last_call=nan",
         "join_timeout=1e9", "run_ttl=7", "x=1", "last_call=0.25", ""]), max_size=6).map(",".join)),
+    environment.STRAGGLERS: st.one_of(_TEXT, st.lists(st.sampled_from([
+        "ratio=1.5", "ratio=1_5", "ratio=１.５", "ratio=2e0", "window=20", "window=２０", "interval=5",
+        "evict=0", "evict=３", "evict=nan", "min_nodes=2", ""]), max_size=5).map(",".join)),
     environment.NODE: st.one_of(_TEXT, st.from_regex(r"[a-z0-9][a-z0-9._-]{0,70}", fullmatch=True)),
     environment.WORKER_MARKS: st.one_of(_TEXT, _TEXT.map(lambda text: "/" + text)),
 }
