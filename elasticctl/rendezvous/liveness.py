@@ -33,6 +33,10 @@ PROBE_TIMEOUT = 0.2  # seconds; a refusal comes back within a round trip, the by
 # Probes of one declaration before "no answer" stands: a process starved of CPU (the overload
 # test: every core busy) can miss one probe's 0.2 s and answer the next.
 PROBE_ATTEMPTS = 3
+# A member found running is probed again after this long while it stays silent: found running a
+# moment before it died (a host's processes are killed one by one; the first death is what made
+# the others re-declare), it would otherwise be waited for until its lease ends.
+REPROBE_ALIVE = 0.5
 ALIVE_BYTE = b"+"
 
 

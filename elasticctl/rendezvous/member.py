@@ -27,7 +27,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.lease import Lease
 from elasticctl.job.records import Claim, Declaration, Round
-from elasticctl.rendezvous.liveness import PROBE_ATTEMPTS, AlivePort, Liveness, probe
+from elasticctl.rendezvous.liveness import PROBE_ATTEMPTS, REPROBE_ALIVE, AlivePort, Liveness, probe
 from elasticctl.rendezvous.rounds import (
     Change,
     Settings,
@@ -84,6 +84,9 @@ class RoundMember:
         self._probed: dict[tuple[str, int], bool | None] = {}
         # (node, declaration revision) -> probes it left unanswered so far (fewer than PROBE_ATTEMPTS)
         self._unanswered: dict[tuple[str, int], int] = {}
+        # (node, declaration revision) -> when a probe last found it running (it is probed again
+        # after REPROBE_ALIVE while it stays silent)
+        self._found_alive_at: dict[tuple[str, int], float] = {}
         self.round: Round | None = None  # the round this node is in
         # Members known to have finished (see change_for): what this node publishes leaves them out.
         self._finished: frozenset[str] = frozenset()
@@ -201,17 +204,33 @@ class RoundMember:
                     self._seal(current, live, target)
                 elif quorum_since is not None:
                     wake_at.append(quorum_since + rounds.last_call)
+                    if self._found_alive_at:  # a silent member found running: is it still?
+                        wake_at.append(min(self._found_alive_at.values()) + REPROBE_ALIVE)
             view.wait_until(lambda seen=seen: view.progress(target) != seen,
                             max(0.0, min(wake_at) - time.monotonic()) + 0.01)
 
     def _without_gone(self, current: Round | None, live: list[Declaration]) -> list[Declaration]:
         """``live`` less the members whose process is gone although their lease lives on: the
-        few silent members of a re-formation are probed once per declaration (see
+        few silent members of a re-formation are probed once per declaration, and one found
+        running again every REPROBE_ALIVE seconds while it stays silent (see
         :mod:`elasticctl.rendezvous.liveness`), so that a crash is not waited for until
-        the last call."""
+        the last call, nor its lease's end."""
         keys = {(d.node, d.revision) for d in live}
         self._probed = {key: alive for key, alive in self._probed.items() if key in keys}
         self._unanswered = {key: count for key, count in self._unanswered.items() if key in keys}
+        self._found_alive_at = {key: at for key, at in self._found_alive_at.items() if key in keys}
+        # A member found running is asked again once REPROBE_ALIVE has passed: it may have died
+        # since. Only a refusal changes the verdict; no answer (a loaded host) leaves it running.
+        for declaration in live:
+            key = (declaration.node, declaration.revision)
+            if key in self._found_alive_at and time.monotonic() - self._found_alive_at[key] >= REPROBE_ALIVE:
+                if probe(declaration.addr, declaration.alive_port) is Liveness.GONE:
+                    self._probed[key] = False
+                    del self._found_alive_at[key]
+                    log.info("[%s] %s (pid %d) is gone since it last answered; not waiting for its lease",
+                             self.node, declaration.node, declaration.pid)
+                else:
+                    self._found_alive_at[key] = time.monotonic()
         for declaration in to_probe(current, live, self._probed):
             key = (declaration.node, declaration.revision)
             seen = probe(declaration.addr, declaration.alive_port)
@@ -221,6 +240,8 @@ class RoundMember:
                 self._unanswered[key] = self._unanswered.get(key, 0) + 1
                 continue
             self._probed[key] = {Liveness.ALIVE: True, Liveness.GONE: False}.get(seen)
+            if seen is Liveness.ALIVE:
+                self._found_alive_at[key] = time.monotonic()
             if seen is Liveness.GONE:
                 log.info("[%s] %s (pid %d) is gone (its liveness port refused a connection); not waiting "
                          "for its lease", self.node, declaration.node, declaration.pid)

@@ -39,6 +39,21 @@ class Agreed:
     world_size: int
 
 
+def checkpoint_before_leave(mode: Mode, agreed: Agreed) -> bool:
+    """Whether every worker of the generation saves a checkpoint at this boundary before some of
+    them leave (hot mode, some but not all leaving): the same answer on every worker, from the
+    agreed flags alone.
+
+    Why: the leavers trust the others to keep the state, and the others may not be able to.
+    A ``down`` reaches the workers at different moments: those told before this boundary's
+    flags went out leave now, a worker told a moment later stays, and it may be left below
+    MIN (or as half of a sharded node) where no generation forms; then it is told to stop too,
+    and the steps since the last checkpoint would be lost with it. So a partial leave costs one
+    checkpoint, and nothing the job trained is lost whatever follows it. A leave of everyone
+    (:attr:`BoundaryAction.LEAVE_WITH_JOB`) and restart mode save a final checkpoint anyway."""
+    return mode is Mode.HOT and 0 < agreed.leaving < agreed.world_size
+
+
 def at_boundary(mode: Mode, agreed: Agreed, me_leaving: bool) -> BoundaryAction:
     """``me_leaving``: this worker's own flag was in ``agreed.leaving`` (one told to stop after the
     flags went out re-forms with the others and leaves at the next boundary, so that a worker

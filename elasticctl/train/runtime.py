@@ -73,7 +73,7 @@ from elasticctl.job import environment as environment_names
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
-from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
+from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary, checkpoint_before_leave
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
@@ -134,6 +134,7 @@ class _Boundary(BaseException):
         super().__init__(f"{agreed.leaving} of {agreed.world_size} workers leaving" if agreed.leaving
                          else "membership change")
         self.action = action
+        self.agreed = agreed
         self.leaving = agreed.leaving
 
 
@@ -251,6 +252,12 @@ class Runtime:
                 if boundary.action is BoundaryAction.STOP_FOR_AGENT:
                     self._stop_for_agent()
                     return
+                if checkpoint_before_leave(self.membership.mode, boundary.agreed) and self._saved_before_leave():
+                    # The state is on disk: a worker told to stop since its flags went out need
+                    # not re-form (perhaps below MIN, where it would only wait) to hand it over.
+                    if self._leaving and boundary.action is BoundaryAction.RE_FORM:
+                        self._leave(everyone=False)
+                        return
                 if boundary.action in (BoundaryAction.LEAVE, BoundaryAction.LEAVE_WITH_JOB):
                     self._leave(everyone=boundary.action is BoundaryAction.LEAVE_WITH_JOB)
                     return
@@ -580,6 +587,15 @@ class Runtime:
         self.teardown()
         log.warning("[%s] left at step %d%s", self.worker, self.state.step,
                     " with the whole job (final checkpoint)" if everyone else "")
+
+    def _saved_before_leave(self) -> bool:
+        """Every worker of the generation, at the boundary where some of them leave: a checkpoint
+        of the step all of them trained (:func:`elasticctl.train.boundary.checkpoint_before_leave`);
+        False without a checkpoint directory."""
+        if self._checkpointer is None:
+            return False
+        self._stop_checkpoint()
+        return True
 
     def _stop_for_agent(self) -> None:
         """Restart mode, a worker was told to stop: every rank saves the same final checkpoint;

@@ -65,46 +65,82 @@ def repeated_steps(steps: list[dict]) -> dict[int, list[int]]:
             if len(gens) > 1 and any(step != last_of[g] for g in sorted(gens)[:-1])}
 
 
-@pytest.mark.parametrize("spare", [True, False], ids=["one-spare", "no-spare"])
-def test_each_of_repeated_failures_costs_one_re_formation(hot_job, spare):
+def processes_of(name: str, per_node: int) -> list[str]:
+    """The names the test gives the worker processes of node ``name`` (one: the node's own)."""
+    return [name] if per_node == 1 else [f"{name}{local_rank}" for local_rank in range(per_node)]
+
+
+def start_node(job: HotJob, name: str, per_node: int) -> None:
+    for local_rank, process in enumerate(processes_of(name, per_node)):
+        job.start(process, local_rank, env={"ELASTICCTL_NODE": name, "LOCAL_WORLD_SIZE": str(per_node)})
+
+
+def kill_node(job: HotJob, name: str, per_node: int) -> None:
+    """SIGKILL every worker of node ``name``, one after another, as a host's death reaches them."""
+    for process in processes_of(name, per_node):
+        job.workers[process].kill()
+
+
+def wait_waiting(job: HotJob, name: str, per_node: int) -> None:
+    """Until every worker process of node ``name`` now running waits in the rendezvous."""
+    for local_rank, process in enumerate(processes_of(name, per_node)):
+        pid = job.workers[process].process.pid
+        wait_for(lambda worker=f"{name}.{local_rank}", pid=pid: declared_pid(job, worker) == pid or None, 120,
+                 f"{name}'s worker {local_rank} waiting in the rendezvous")
+
+
+def wait_nodes(job: HotJob, names: set[str], per_node: int, since: float) -> dict[int, set[str]]:
+    """Until the nodes ``names`` trained a step together, all their workers, after ``since``; the
+    generations that trained since then (number -> nodes)."""
+    def reached():
+        seen = collections.defaultdict(set)
+        for r in job.steps():
+            if r["time"] > since and r["world_size"] == per_node * len(names):
+                seen[r["generation"]].add(r["node"])
+        return any(nodes == names for nodes in seen.values()) or None
+
+    wait_for(reached, 120, f"{sorted(names)} training together")
+    return generations_after(job, since)
+
+
+@pytest.mark.parametrize(("spare", "per_node"), [(True, 1), (False, 1), (True, 2)],
+                         ids=["one-spare", "no-spare", "one-spare-two-workers-a-node"])
+def test_each_of_repeated_failures_costs_one_re_formation(hot_job, spare, per_node):
     job = hot_job(HotSettings(min_nodes=1, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
     for name in ("a", "b", "c"):
-        job.start(name)
-    job.wait_world({"a", "b", "c"})
+        start_node(job, name, per_node)
+    wait_nodes(job, {"a", "b", "c"}, per_node, 0.0)
     training, waiting = ["a", "b", "c"], None
     if spare:
         waiting = "d"
-        job.start(waiting)
-        wait_for(lambda: declared_pid(job, "d.0"), 120, "the spare d waiting in the rendezvous")
+        start_node(job, waiting, per_node)
+        wait_waiting(job, waiting, per_node)
 
     for failure in range(FAILURES):
         victim = training[1 + failure % 2]  # never the first node
         before = max(r["generation"] for r in job.steps())
         killed_at = job.last_time()
-        job.workers[victim].kill()
+        kill_node(job, victim, per_node)
         survivors = [n for n in training if n != victim]
         if waiting is not None:
             training = survivors + [waiting]
-            job.wait_world(set(training), since=killed_at)
-            seen = generations_after(job, killed_at)
+            seen = wait_nodes(job, set(training), per_node, killed_at)
             # Every survivor and the spare in the generation right after the kill: nobody left out,
             # no second re-formation (a step or two of the old generation may be recorded before
             # the survivors notice).
             assert set(seen) <= {before, before + 1}, f"failure {failure}: generations {seen}"
             assert seen[before + 1] == set(training), f"failure {failure}: generations {seen}"
-            assert not [r for r in job.steps() if r["time"] > killed_at and r["world_size"] != 3], \
+            assert not [r for r in job.steps() if r["time"] > killed_at and r["world_size"] != 3 * per_node], \
                 f"failure {failure}: the world stayed short"
             waiting = victim
-            job.start(victim)  # the killed node comes back: the next spare
-            pid = job.workers[victim].process.pid
-            wait_for(lambda: declared_pid(job, f"{victim}.0") == pid or None, 120,
-                     f"{victim} waiting in the rendezvous again")
+            start_node(job, victim, per_node)  # the killed node comes back: the next spare
+            wait_waiting(job, victim, per_node)
         else:
-            job.wait_world(set(survivors), since=killed_at)
-            assert set(generations_after(job, killed_at)) <= {before, before + 1}, f"failure {failure}"
+            seen = wait_nodes(job, set(survivors), per_node, killed_at)
+            assert set(seen) <= {before, before + 1}, f"failure {failure}: generations {seen}"
             back_at = job.last_time()
-            job.start(victim)
-            job.wait_world(set(training), since=back_at)
+            start_node(job, victim, per_node)
+            wait_nodes(job, set(training), per_node, back_at)
     no_failed_formation_nor_refusal(job)
     steps = job.steps()
     check_replicas(steps)
@@ -189,3 +225,31 @@ def test_restart_mode_survives_its_two_first_ranks_freezing_together(nodes, defa
         for name in frozen:
             started[name].signal_tree(signal.SIGCONT)
     assert not [r for r in after(job.records(), frozen_at) if r.get("node") in frozen and r.get("world_size") == 2]
+
+
+def complete_checkpoint_steps(directory) -> set[int]:
+    """The steps of the complete checkpoints in ``directory`` (a digest file marks one complete)."""
+    return {int(path.name[len("step-"):-len(".pt.sha256")]) for path in directory.glob("step-*.pt.sha256")}
+
+
+def test_workers_told_to_stop_on_either_side_of_a_boundary_keep_the_last_step_trained(hot_job, tmp_path):
+    """A `down` reaches the workers at different moments: a and b stop at one boundary, c is told
+    only once they have left, below MIN (2), where no generation forms. The step they all trained
+    last is in a complete checkpoint all the same (saved by every worker before a and b left), and
+    nothing was trained after it."""
+    checkpoints = tmp_path / "checkpoints"
+    job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
+    job.env["ELASTICCTL_CHECKPOINT_DIR"] = str(checkpoints)
+    workers = {name: job.start(name) for name in ("a", "b", "c")}
+    job.wait_world({"a", "b", "c"})
+
+    for name in ("a", "b"):
+        workers[name].process.send_signal(signal.SIGTERM)
+    for name in ("a", "b"):
+        assert workers[name].wait(60) == 0, workers[name].log()
+    workers["c"].process.send_signal(signal.SIGTERM)
+    assert workers["c"].wait(60) == 0, workers["c"].log()
+
+    last_trained = max(r["step"] for r in job.steps()) + 1  # a record line comes before its step's commit
+    assert max(complete_checkpoint_steps(checkpoints), default=-1) == last_trained, \
+        (sorted(complete_checkpoint_steps(checkpoints)), last_trained)

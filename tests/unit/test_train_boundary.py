@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary
+from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary, checkpoint_before_leave
 
 A = BoundaryAction
 
@@ -35,3 +35,17 @@ A = BoundaryAction
 ])
 def test_at_boundary(mode, agreed, me_leaving, action):
     assert at_boundary(mode, agreed, me_leaving) is action
+
+
+@pytest.mark.parametrize(("mode", "agreed", "saves"), [
+    # hot, some but not all leaving: everyone saves first (the stayers may not be able to go on)
+    (Mode.HOT, Agreed(pending=0, leaving=2, world_size=3), True),
+    (Mode.HOT, Agreed(pending=1, leaving=1, world_size=4), True),
+    # nobody leaving, or everyone (the whole job saves its final checkpoint anyway)
+    (Mode.HOT, Agreed(pending=1, leaving=0, world_size=3), False),
+    (Mode.HOT, Agreed(pending=0, leaving=3, world_size=3), False),
+    # restart mode: every rank saves when anyone stops for the agent
+    (Mode.RESTART, Agreed(pending=0, leaving=1, world_size=3), False),
+])
+def test_checkpoint_before_a_partial_leave(mode, agreed, saves):
+    assert checkpoint_before_leave(mode, agreed) is saves
