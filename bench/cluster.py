@@ -128,7 +128,7 @@ class Cluster:
 
     def __init__(self, system: str, workdir: Path, trainer_args: list[str], etcd: EtcdClient,
                  nnodes: str = "1:3", shared_store: bool = False, up_args: tuple[str, ...] = (),
-                 script: str = MLP) -> None:
+                 script: str = MLP, max_restarts: int = 3) -> None:
         if system not in SYSTEMS:
             raise ValueError(f"The system '{system}' is not one of {SYSTEMS}.")
         self.system, self.workdir, self.nnodes = system, workdir, nnodes
@@ -142,13 +142,14 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
         self.up_args = list(up_args)  # elasticctl: options of `up` before the script (--recovery hot, ...)
         self.elastic = system != "torchrun"
+        self.max_restarts = max_restarts  # torchrun's --max-restarts: every lost peer spends one
         self.env = {} if self.elastic or shared_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
     def _command(self, name: str, first: bool) -> list[str]:
         if self.system == "torchrun":
             return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
                     "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{self.store_port}",
-                    f"--rdzv-id={self.job}", "--rdzv-conf=last_call_timeout=1", "--max-restarts=3",
+                    f"--rdzv-id={self.job}", "--rdzv-conf=last_call_timeout=1", f"--max-restarts={self.max_restarts}",
                     f"--local-addr={LOOPBACK}", *self.trainer]
         cli = [sys.executable, "-m", "elasticctl.cli"]
         if first:

@@ -160,6 +160,75 @@ def rows(results: dict) -> list[tuple[str, str, str, str, str, str]]:
     return out
 
 
+GOODPUT_LABELS = {"torchrun": "plain torchrun", "elasticctl": "elasticctl restart", "elasticctl-hot": "elasticctl hot",
+                  "elasticctl-hot-spare": "elasticctl hot + 1 spare"}
+
+
+def goodput_rows(results: dict) -> list[tuple[str, ...]]:
+    """(system, goodput, healthy samples/s, samples in the window, kills, kill → full world again,
+    samples lost, load before → after) per system of bench/goodput.py, in :data:`GOODPUT_LABELS`' order."""
+    systems = (results["scenarios"].get("goodput") or {}).get("systems") or {}
+    out = []
+    for system, label in GOODPUT_LABELS.items():
+        runs = systems.get(system, [])
+        measured = [run for run in runs if "error" not in run]
+        errors = sorted({run["error"] for run in runs if "error" in run})
+        if not measured:
+            why = f"failed: {'; '.join(errors)}" if errors else "not measured"
+            out.append((label, why, *("—",) * 6))
+            continue
+        failed = f"; {len(errors)} failed: {'; '.join(errors)}" if errors else ""
+        backs = [kill.get("full_world_after_s") for run in measured for kill in run.get("kills", [])]
+        missed = sum(back is None for back in backs)
+        back = _cell(backs, None, digits=2) if any(b is not None for b in backs) else "none"
+        if missed:
+            back += f"; {missed} of {len(backs)} not back before the next kill"
+        lost = [run for run in measured if run.get("samples_lost")]
+        counts = sorted({run.get("kill_count") for run in measured})
+        load = tuple(_median(_samples(measured, key)) for key in ("load_1min_before", "load_1min_after"))
+        out.append((label, _cell(_samples(measured, "goodput"), None, digits=2) + failed,
+                    _cell(_samples(measured, "healthy_samples_per_s"), None, digits=0),
+                    _cell(_samples(measured, "samples_in_window"), None, digits=0),
+                    ", ".join(str(c) for c in counts), back,
+                    f"yes ({len(lost)} of {len(measured)}): {lost[0].get('sample_check')}" if lost else "no",
+                    " → ".join("—" if v is None else f"{v:.2f}" for v in load)))
+    return out
+
+
+def goodput_section(results: dict) -> list[str]:
+    """The goodput table and how it was measured; empty for results without it."""
+    entry = results["scenarios"].get("goodput")
+    if not entry:
+        return []
+    schedule = entry.get("schedule", {})
+    window, every, back = (schedule.get(key) for key in ("window_s", "kill_every_s", "back_after_s"))
+    return [
+        (f"**Goodput under repeated node loss** (`bench/goodput.py`): for {window:g} s a training node other "
+         f"than the first is SIGKILLed every {every:g} s with its whole process tree (the launcher and its "
+         f"workers), and {back:g} s later the same node is started again (`elasticctl join`; torchrun: its "
+         "same line); the victim alternates among the nodes training (b and c; with the spare each of b, c, "
+         "d in turn), node a (`up`, torchrun's c10d store host) is never killed. 3 training nodes × 1 worker, "
+         "`--nnodes 1:3`, the event scenarios' trainer and checkpoints (below); torchrun with "
+         f"`--max-restarts={entry.get('torchrun_max_restarts', '?')}`; hot + 1 spare: `--spares 1` and a 4th "
+         "node started as the spare. Goodput = samples whose last execution (a step's newest record line: "
+         "a step re-done after a restart counts once, where it was trained last) falls in the window ÷ "
+         f"(that system's own healthy samples/s × {window:g} s); healthy samples/s: the same job's "
+         f"{schedule.get('healthy_s', 0):g} s at world 3 right before the first kill, after a "
+         f"{schedule.get('warmup_s', 0):g} s warm-up. The systems ran one after another in this run "
+         f"({entry.get('repeats', 1)} repeat(s), the order rotated per repeat). \"kill → full world\": "
+         "seconds from each kill to the first step at world 3 again (median over the kills; without a "
+         f"spare it includes the {back:g} s the node is away). \"samples lost\": the last executions do "
+         "not tile every epoch (`bench/accounting.py`). Load: the 1-minute load average before and after "
+         "each system's job."),
+        "",
+        ("| system | goodput | healthy samples/s | samples in the window | kills | kill → full world again (s) "
+         "| samples lost | load before → after |"),
+        "|---|---|---|---|---|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in goodput_rows(results)),
+        "",
+    ]
+
+
 def _median(values: list) -> float | None:
     done = [v for v in values if v is not None]
     return statistics.median(done) if done else None
@@ -720,6 +789,7 @@ def markdown(results: dict, png: str | None) -> str:
         "(the machine is shared; other jobs may have run at the same time)."),
         f"Raw samples: [`{results['json']}`]({results['json']}).",
         "",
+        *goodput_section(results),
         ("3 nodes × 1 worker, each node a process tree on 127.0.0.1, CPU, gloo, `trainers/mlp.py` "
         f"(`{' '.join(results['settings']['event_training'])}`, checkpoint every {every} steps in the "
         "event scenarios; the trainer's own `--pg-timeout` default: 60 s in restart mode and under "
@@ -868,9 +938,13 @@ def phase_table(intro: str, columns: list[tuple[str, list[dict | None]]]) -> lis
 
 
 def text_table(results: dict) -> str:
+    goodput_names = ("goodput", "healthy samples/s", "samples in the window", "kills", "kill → full world again (s)",
+                     "samples lost", "load before → after")
+    lines = [f"Goodput, {row[0]}: " + ", ".join(f"{name} {value}" for name, value in zip(goodput_names, row[1:]))
+             for row in goodput_rows(results)]
     names = ("elasticctl restart", "elasticctl hot", "torchrun", "ratio hot/torchrun", "ratio hot/restart")
-    lines = [row[0] + "".join(f"\n    {name + ':':20s}{value}" for name, value in zip(names, row[1:]))
-             for row in rows(results)]
+    lines += [row[0] + "".join(f"\n    {name + ':':20s}{value}" for name, value in zip(names, row[1:]))
+              for row in rows(results)]
     if _ran_hot(results):
         lines.append(hot_targets(results))
     lines += straggler_bench.text_lines(results)

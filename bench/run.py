@@ -2,9 +2,12 @@
 
     python -m bench.run --quick    # about 30 min on 2 cores: 1 repeat per event scenario and system, 5 of steady state
     python -m bench.run --full     # about 60 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
+    python -m bench.run --quick --only goodput   # the goodput table alone
 
 (Issue 20's sections add about 15 minutes to --quick: state transfer up to 2 GB ~3 min, HSDP and
-FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its joins fail.)
+FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its joins fail. The
+goodput section adds about 8 minutes to --quick and 16 to --full: four jobs of 60 s or 180 s
+under faults, each after its cold start and healthy phase.)
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
 job scenario in the same invocation, their order rotated per repeat: elasticctl
@@ -12,6 +15,12 @@ job scenario in the same invocation, their order rotated per repeat: elasticctl
 elasticctl-hot (`up --recovery hot`: survivors re-form in process, a joiner gets the
 state from them; the same trainer and node TTL) and plain torchrun. Writes bench/results/<date>-<mode>.json
 (every raw sample and the machine), bench/results/recovery.png and BENCHMARKS.md.
+
+``goodput`` (bench/goodput.py, run first, the first table of BENCHMARKS.md): one training node
+SIGKILLed every 30 s (``--quick``: 20 s) and back 10 s later over 180 s (``--quick``: 60 s),
+applied to plain torchrun, restart mode, hot mode and hot mode with one spare in turn;
+goodput = samples whose last execution falls in the window ÷ (that system's healthy samples/s
+x the window).
 
 Issue 20's sections, each selectable with ``--only``: ``state_transfer`` (64 MB, 512 MB, 2 GB;
 bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
@@ -38,7 +47,7 @@ from pathlib import Path
 import psutil
 
 from bench import checkpoint as checkpoint_bench
-from bench import plot, report, scenarios
+from bench import goodput, plot, report, scenarios
 from bench import stragglers as straggler_bench
 from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
@@ -67,6 +76,9 @@ class Plan:
     hsdp_rounds: int = 1  # bench/hsdp_recovery.py: SIGKILL a node of 3 x 2 HSDP workers, then a node joins
     fsdp_repeats: int = 1  # FSDP2 without copies, hot and restart mode each
     chaos_events: int = 20  # bench/chaos.py --trainer lm-hsdp
+    # bench/goodput.py: a node SIGKILLed every K s and back 10 s later, over a window, 4 systems in turn
+    goodput_schedule: goodput.Schedule = goodput.Schedule()
+    goodput_repeats: int = 1
 
 
 PLANS = {
@@ -75,19 +87,19 @@ PLANS = {
                   rendezvous_repeats=2,
                   checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2,
                   state_transfer_mb=(64, 512, 2048), state_transfer_repeats=2, hsdp_rounds=1, fsdp_repeats=1,
-                  chaos_events=20),
+                  chaos_events=20, goodput_schedule=goodput.Schedule(window_s=60, kill_every_s=20, healthy_s=10)),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "spare": 3, "steady": 5}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
                  state_transfer_mb=(64, 512, 2048), state_transfer_repeats=3, hsdp_rounds=3, fsdp_repeats=2,
-                 chaos_events=20),
+                 chaos_events=20, goodput_schedule=goodput.Schedule(window_s=180, kill_every_s=30, healthy_s=20)),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
 # Issue 20's sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
 SHARDED_SCENARIOS = ("hsdp", "fsdp", "fsdp_peer_copies")
-ALL = (*JOB_SCENARIOS, "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
+ALL = ("goodput", *JOB_SCENARIOS, "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
        "rendezvous_scale", "straggler")
 NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
 STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
@@ -328,7 +340,8 @@ def main() -> None:
         plan = dataclasses.replace(plan, repeats=dict.fromkeys(plan.repeats, args.repeats),
                                    checkpoint_repeats=args.repeats,
                                    rendezvous_repeats=args.repeats, state_transfer_repeats=args.repeats,
-                                   hsdp_rounds=args.repeats, fsdp_repeats=args.repeats)
+                                   hsdp_rounds=args.repeats, fsdp_repeats=args.repeats,
+                                   goodput_repeats=args.repeats)
 
     started, now = time.monotonic(), datetime.datetime.now()
     root = Path(tempfile.mkdtemp(prefix=f"ecbench-{now:%H%M%S}-"))
@@ -347,6 +360,9 @@ def main() -> None:
     try:
         with EmbeddedEtcd(data_dir=str(root / "etcd"), client_port=0, peer_port=0) as etcd, \
                 EtcdClient(etcd.client_settings()) as client:
+            if "goodput" in args.only:  # first: the row BENCHMARKS.md opens with
+                results["scenarios"]["goodput"] = goodput.run(plan.goodput_schedule, plan.goodput_repeats, root, client,
+                                                              plan.caps, report=log)
             jobs = [name for name in JOB_SCENARIOS if name in args.only]
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
             if "straggler" in args.only:  # issue 21.2, hot mode only: two jobs, once (bench/stragglers.py)

@@ -1,0 +1,355 @@
+"""Goodput under repeated node loss: a training node SIGKILLed every K s, back T s later, for W s.
+
+    python -m bench.run --quick --only goodput    # W 60 s, a kill every 20 s: ~8 min on 2 cores
+    python -m bench.run --full --only goodput     # W 180 s, a kill every 30 s: ~16 min
+    python -m bench.goodput --window 45 --kill-every 15 --healthy 8 --systems elasticctl-hot-spare
+                                                  # a shortened run of its own: its own etcd, the table
+
+Four systems, one after another in the same run (their order rotated per repeat): plain torchrun
+(c10d, ``--max-restarts`` large enough never to run out), elasticctl restart mode, hot mode, and
+hot mode with ``--spares 1`` and a 4th node started as the spare. Each job: 3 training nodes x 1
+worker, ``--nnodes 1:3``, trainers/mlp.py with the event scenarios' training (bench/scenarios.py,
+~15 steps/s), checkpoints every K steps, ``--record``.
+
+Per system, in one job:
+
+1. cold start of a, b, c (with the spare: then d, until it waits as a spare);
+2. a warm-up, then a healthy phase of H s: the system's own healthy samples/s are the samples
+   of the steps trained in it ÷ H (no fault yet, so nothing in it is trained twice);
+3. the window of W s (:func:`kill_schedule`): at 0, K, 2K, ... one training node other than a
+   (the first: `up`, torchrun's c10d store host) is SIGKILLed with its whole process tree, and
+   T s later the same node is started again (``elasticctl join``, torchrun's same line; with
+   the spare it becomes the next spare). The victim is the training node that has trained
+   longest since its last start (:func:`choose_victim`): b and c alternate, and with the spare
+   each kill takes a different node of b, c, d.
+4. goodput = samples whose last execution falls in the window ÷ (healthy samples/s x W). A
+   step's last execution is its newest record line (:func:`last_executions`): a step trained
+   again after a restart from a checkpoint counts once, where it was trained last.
+
+Also per system: the seconds from each kill to the first step at full world again
+(:func:`back_to_full_world`; without the spare this includes the T s the node is away), and
+whether the job lost a sample (bench/accounting.py's check on the whole record).
+
+Boundaries: steps trained just before the window and re-done in it (restart mode, torchrun: from
+the last checkpoint) count in the window, where their last execution is; steps at the window's
+end that a later fault would have thrown away count too. Both are at most one checkpoint
+interval (K steps), about one second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import accounting
+from bench.cluster import Cluster, wait_for
+from elasticctl.embedded_etcd import EmbeddedEtcd
+from bench.scenarios import EVENT_TRAINING, FIRST_NODES, Caps, _spare_waiting, _start_world3
+from elasticctl.etcd.client import EtcdClient
+
+KILL, START = "kill", "start"
+FIRST_NODE = FIRST_NODES[0]
+SPARE_NODE = "d"
+FULL_WORLD = len(FIRST_NODES)
+DATASET_SIZE = 4096  # samples per epoch (mlp's default, named here for the sample check)
+TORCHRUN_MAX_RESTARTS = 1000  # each kill and each return costs torchrun's survivors a restart
+TRAINING_LOOKBACK_S = 2.0  # a node with a step line this recent counts as training
+
+# Label -> (bench.cluster system, spare nodes); the order is the report's.
+SYSTEMS: dict[str, tuple[str, int]] = {
+    "torchrun": ("torchrun", 0),
+    "elasticctl": ("elasticctl", 0),
+    "elasticctl-hot": ("elasticctl-hot", 0),
+    "elasticctl-hot-spare": ("elasticctl-hot", 1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The fault schedule and the phases around it, in seconds."""
+
+    window_s: float = 180.0
+    kill_every_s: float = 30.0
+    back_after_s: float = 10.0
+    healthy_s: float = 20.0  # the healthy phase before the window, for the system's own rate
+    warmup_s: float = 2.0  # after world 3, before the healthy phase: DDP's bucket rebuild, warm caches
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    offset_s: float  # seconds after the window's start
+    kind: str  # KILL or START
+    kill: int  # which kill (0, 1, ...): a START brings back that kill's node
+
+
+# -- the arithmetic: pure functions ------------------------------------------------------------
+
+
+def kill_schedule(window_s: float, kill_every_s: float, back_after_s: float) -> list[Action]:
+    """A kill at 0, K, 2K, ... before the window ends, each node back T s after its kill (if that
+    is still in the window), in time order."""
+    if window_s <= 0 or kill_every_s <= 0:
+        raise ValueError(f"the window ({window_s:g} s) and the kill interval ({kill_every_s:g} s) must be positive")
+    if not 0 < back_after_s < kill_every_s:
+        # a node still away at the next kill would leave 1 training node without the spare
+        raise ValueError(f"a killed node must be back ({back_after_s:g} s) before the next kill "
+                         f"({kill_every_s:g} s)")
+    actions = []
+    kill = 0
+    while kill * kill_every_s < window_s:
+        actions.append(Action(kill * kill_every_s, KILL, kill))
+        if kill * kill_every_s + back_after_s < window_s:
+            actions.append(Action(kill * kill_every_s + back_after_s, START, kill))
+        kill += 1
+    return actions
+
+
+def choose_victim(start_order: dict[str, int], first: str, training: set[str]) -> str:
+    """The node to kill: of the nodes seen training other than ``first``, the one whose latest
+    start is the oldest (``start_order``: higher is later). Without a spare that alternates
+    between the two others; with one, the spare is always the node started last, so it is never
+    chosen while it waits. When no other node is seen training (the job is between worlds), the
+    same rule over every node but ``first``."""
+    others = [node for node in start_order if node != first]
+    if not others:
+        raise ValueError(f"no node to kill but the first ({first})")
+    candidates = [node for node in others if node in training] or others
+    return min(candidates, key=lambda node: start_order[node])
+
+
+def _as_one_generation(lines: list[dict]) -> list[dict]:
+    """The step lines with one generation for all, so that bench.accounting orders each step's
+    executions by time alone: in restart mode and under torchrun a line's generation is its
+    node's own restart count, which other nodes' counts do not follow. Here every execution of
+    a step ends (SIGKILL, re-formation, restart) before the next one starts, so the newest line
+    is the last execution."""
+    return [{**r, "generation": 0} for r in lines]
+
+
+def last_executions(lines: list[dict]) -> dict[int, dict]:
+    """Per step number, the line of its last execution (the newest)."""
+    return accounting.lineage(_as_one_generation(lines))
+
+
+def step_samples(line: dict) -> int:
+    """The samples one execution of the step trained: every rank trained as many as this one."""
+    return len(line["indices"]) * line["world_size"]
+
+
+def samples_last_executed(lines: list[dict], start: float, end: float) -> int:
+    """Samples of the steps whose last execution falls in [start, end)."""
+    return sum(step_samples(r) for r in last_executions(lines).values() if start <= r["time"] < end)
+
+
+def samples_trained(lines: list[dict], start: float, end: float) -> int:
+    """Samples of the steps trained in [start, end), each step once, whatever happens to it later
+    (the healthy phase's: a step re-done after the first kill was trained healthy once)."""
+    trained = {r["step"]: r for r in lines if start <= r["time"] < end}
+    return sum(step_samples(r) for r in trained.values())
+
+
+def goodput(samples_in_window: int, healthy_samples_per_s: float | None, window_s: float) -> float | None:
+    """The window's samples as a fraction of what the healthy job trains in as long; None
+    without a healthy rate."""
+    if not healthy_samples_per_s or window_s <= 0:
+        return None
+    return samples_in_window / (healthy_samples_per_s * window_s)
+
+
+def back_to_full_world(lines: list[dict], killed_at: float, until: float, since: float,
+                       full_world: int = FULL_WORLD) -> float | None:
+    """Seconds from ``killed_at`` to the first step at ``full_world`` again, before ``until``
+    (the next kill, or the window's end); None if none.
+
+    The first step of a new full world is the first full-world line of a worker (node, pid) that
+    did not train at full world between ``since`` (the previous kill) and the kill: a new world
+    of 3 has one, the returning node's or the promoted spare's (restart mode and torchrun: every
+    worker is new). This leaves out lines of the old world written after the signal (a step in
+    flight)."""
+    def worker(r: dict) -> tuple[str, int]:
+        return r["node"], r["pid"]
+
+    before = {worker(r) for r in lines if r["world_size"] == full_world and since <= r["time"] <= killed_at}
+    after = [r["time"] for r in lines if r["world_size"] == full_world and killed_at < r["time"] < until
+             and worker(r) not in before]
+    return min(after) - killed_at if after else None
+
+
+def sample_check(lines: list[dict], dataset_size: int = DATASET_SIZE) -> str | None:
+    """None if the last executions tile every epoch (no sample lost or trained twice), else why not."""
+    try:
+        accounting.check_samples(_as_one_generation(lines), dataset_size=dataset_size)
+    except accounting.AccountingError as exc:
+        return str(exc)
+    return None
+
+
+def rotated(systems: list[str], repeat: int) -> list[str]:
+    """The systems' order in ``repeat``: rotated, so that no system always runs first."""
+    shift = repeat % len(systems)
+    return systems[shift:] + systems[:shift]
+
+
+def median(values: list[float | None]) -> float | None:
+    done = [v for v in values if v is not None]
+    return statistics.median(done) if done else None
+
+
+# -- one job under the schedule ----------------------------------------------------------------
+
+
+def _sleep_until(wall_time: float) -> None:
+    """The schedule runs on the wall clock by design: the faults' times are the measurement's input."""
+    time.sleep(max(0.0, wall_time - time.time()))
+
+
+def _training_nodes(cluster: Cluster) -> set[str]:
+    return {r["node"] for r in cluster.record.steps(time.time() - TRAINING_LOOKBACK_S)}
+
+
+def measure(system: str, workdir: Path, etcd: EtcdClient, schedule: Schedule, caps: Caps) -> dict:
+    """One job of ``system`` (a key of :data:`SYSTEMS`) through the healthy phase and the window."""
+    cluster_system, spares = SYSTEMS[system]
+    trainer = [*EVENT_TRAINING, "--dataset-size", str(DATASET_SIZE), "--checkpoint-dir", str(workdir / "checkpoints"),
+               "--checkpoint-every", str(caps.checkpoint_every)]
+    cluster = Cluster(cluster_system, workdir, trainer, etcd, up_args=("--spares", str(spares)) if spares else (),
+                      max_restarts=TORCHRUN_MAX_RESTARTS)
+    result: dict = {"system": system, "load_1min_before": os.getloadavg()[0]}
+    try:
+        result["cold_start_s"] = _start_world3(cluster, caps)
+        if result["cold_start_s"] is None:
+            result["error"] = f"no world of {FULL_WORLD} within {caps.start:g} s"
+            return result
+        if spares:
+            added = time.time()
+            cluster.start(SPARE_NODE)
+            if not wait_for(lambda: _spare_waiting(cluster, SPARE_NODE, added), caps.start):
+                result["error"] = f"node {SPARE_NODE} did not wait as a spare within {caps.start:g} s"
+                return result
+        time.sleep(schedule.warmup_s)  # an intended pause before the healthy phase, not a synchronisation
+        healthy_start = time.time()
+        window_start = healthy_start + schedule.healthy_s
+        kills = _apply_schedule(cluster, schedule, window_start)
+        _sleep_until(window_start + schedule.window_s)
+        result["first_node_exit_code"] = cluster.nodes[FIRST_NODE].process.poll()  # None: still running
+    finally:
+        cluster.close()
+        result["load_1min_after"] = os.getloadavg()[0]
+    return {**result, **_outcome(cluster.record.steps(), schedule, healthy_start, window_start, kills)}
+
+
+def _apply_schedule(cluster: Cluster, schedule: Schedule, window_start: float) -> list[dict]:
+    """The kills and returns of the window (wall-clock times); each kill's node, time and return."""
+    start_order = {name: order for order, name in enumerate(cluster.nodes)}  # a, b, c (, d): as started
+    kills: list[dict] = []
+    for action in kill_schedule(schedule.window_s, schedule.kill_every_s, schedule.back_after_s):
+        _sleep_until(window_start + action.offset_s)
+        if action.kind == KILL:
+            training = _training_nodes(cluster)
+            victim = choose_victim(start_order, FIRST_NODE, training)
+            node = cluster.nodes[victim]
+            killed_at = time.time()
+            node.signal_tree(signal.SIGKILL)
+            node.process.wait(10)
+            kills.append({"node": victim, "at": killed_at, "training": sorted(training)})
+        else:
+            victim = kills[action.kill]["node"]
+            start_order[victim] = max(start_order.values()) + 1
+            kills[action.kill]["back_at"] = time.time()
+            cluster.start(victim)
+    return kills
+
+
+def _outcome(lines: list[dict], schedule: Schedule, healthy_start: float, window_start: float,
+             kills: list[dict]) -> dict:
+    """The measurements from the record: times relative to the window's start."""
+    window_end = window_start + schedule.window_s
+    healthy_samples = samples_trained(lines, healthy_start, window_start)
+    healthy_rate = healthy_samples / schedule.healthy_s
+    in_window = samples_last_executed(lines, window_start, window_end)
+    described = []
+    for number, kill in enumerate(kills):
+        since = kills[number - 1]["at"] if number else healthy_start
+        until = kills[number + 1]["at"] if number + 1 < len(kills) else window_end
+        back = back_to_full_world(lines, kill["at"], until, since)
+        described.append({"node": kill["node"], "at_s": round(kill["at"] - window_start, 3),
+                          "back_at_s": round(kill["back_at"] - window_start, 3) if "back_at" in kill else None,
+                          "training": kill["training"], "full_world_after_s": back})
+    lost = sample_check(lines)
+    return {"healthy_s": schedule.healthy_s, "healthy_samples": healthy_samples,
+            "healthy_samples_per_s": healthy_rate,
+            "healthy_world_sizes": sorted({r["world_size"] for r in lines
+                                           if healthy_start <= r["time"] < window_start}),
+            "window_s": schedule.window_s, "samples_in_window": in_window,
+            "goodput": goodput(in_window, healthy_rate, schedule.window_s),
+            "kills": described, "kill_count": len(kills),
+            "full_world_after_s_median": median([k["full_world_after_s"] for k in described]),
+            "not_full_again": sum(k["full_world_after_s"] is None for k in described),
+            "samples_lost": lost is not None, "sample_check": lost or "no sample lost or trained twice"}
+
+
+def run(schedule: Schedule, repeats: int, root: Path, etcd: EtcdClient, caps: Caps,
+        report: Callable[[str], None] = print, systems: tuple[str, ...] = tuple(SYSTEMS)) -> dict:
+    """Every system ``repeats`` times, one job after another, the order rotated per repeat
+    (bench/run.py's `goodput` scenario); ``root``: the run's directory (job names hold its name)."""
+    samples: dict[str, list[dict]] = {system: [] for system in systems}
+    for repeat in range(repeats):
+        for system in rotated(list(systems), repeat):
+            try:
+                sample = measure(system, root / f"goodput-{system}-{repeat}", etcd, schedule, caps)
+            except Exception as exc:  # noqa: BLE001 - one system's broken job must not cost the others
+                sample = {"system": system, "error": f"{type(exc).__name__}: {exc}"}
+            samples[system].append(sample)
+            report(f"goodput {system} #{repeat + 1}: " + ", ".join(
+                f"{key} {sample.get(key)}" for key in ("goodput", "healthy_samples_per_s", "samples_in_window",
+                                                       "kill_count", "full_world_after_s_median", "samples_lost",
+                                                       "error") if key in sample))
+    return {"schedule": dataclasses.asdict(schedule), "repeats": repeats,
+            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS, "systems": samples}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A goodput run of its own, with its own etcd and schedule (a shortened one for a smoke run);
+    prints the report's table and, with --output, writes the samples."""
+    from bench import report  # the report imports nothing of this module: no cycle at import time
+
+    default = Schedule()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=float, default=default.window_s, help="seconds of the fault schedule")
+    parser.add_argument("--kill-every", type=float, default=default.kill_every_s, help="seconds between kills")
+    parser.add_argument("--back-after", type=float, default=default.back_after_s,
+                        help="seconds from a kill to the same node's start")
+    parser.add_argument("--healthy", type=float, default=default.healthy_s, help="seconds of the healthy phase")
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=None, help="write the samples as JSON here")
+    args = parser.parse_args(argv)
+    schedule = Schedule(window_s=args.window, kill_every_s=args.kill_every, back_after_s=args.back_after,
+                        healthy_s=args.healthy)
+    try:
+        kill_schedule(schedule.window_s, schedule.kill_every_s, schedule.back_after_s)
+    except ValueError as exc:
+        parser.error(str(exc))
+    root = Path(tempfile.mkdtemp(prefix="goodput-"))
+    try:
+        with EmbeddedEtcd(data_dir=str(root / "etcd"), client_port=0, peer_port=0) as server, \
+                EtcdClient(server.client_settings()) as etcd:
+            entry = run(schedule, args.repeats, root, etcd, Caps(), systems=tuple(args.systems))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.output:
+        args.output.write_text(json.dumps(entry, indent=1))
+    print("\n".join(report.goodput_section({"scenarios": {"goodput": entry}})))
+
+
+if __name__ == "__main__":
+    main()
