@@ -10,6 +10,12 @@ workers' pause (rank 0's last step at world 4 to its first at world 6) and the j
 transfer (its workers' ``state_restored`` seconds). A join that does not complete is reported as
 ``failed`` with its reason, and the next round starts a fresh job.
 
+HSDP freeze (:func:`hsdp_freezes`): the same job, a fresh one per repeat; SIGSTOP node b's whole
+tree (its elasticctl, torchrun and workers) and time the first step the survivors record at world
+4 (its target: the node TTL + 1 s), with the steps re-done and the survivors' processes kept; then
+SIGCONT it: it comes back as a newcomer, timed to every worker at world 6 as a join is. Last, the
+whole record's lineage: no sample lost or trained twice (a step in flight may be re-done once).
+
 FSDP2 without copies (:func:`fsdp_round`): 3 nodes x 1 worker, ``--shard fsdp`` (no replica),
 checkpoints every 10 steps, the nodes started one at a time once the job checkpointed at the
 world before (a hot job that grows restores the checkpoint, resharded: before the first one a
@@ -22,6 +28,7 @@ FSDP2 with peer copies every 10 steps (:func:`fsdp_peer_copy_round`): 3 nodes x 
 checkpoint, SIGKILL a node between two copy rounds, the first step at world 2 and the steps re-done.
 
     python -m bench.hsdp_recovery --rounds 3          # HSDP rounds
+    python -m bench.hsdp_recovery --freeze --rounds 1 # HSDP freezes
     python -m bench.hsdp_recovery --fsdp              # FSDP2 without copies, hot and restart mode
 """
 
@@ -33,9 +40,10 @@ import signal
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from bench.accounting import AccountingError, check_replicas
+from bench.accounting import AccountingError, check_replicas, check_samples
 from bench.cluster import REPO, Cluster, wait_for
 from bench.scenarios import _phases, _recovery
 from elasticctl.embedded_etcd import EmbeddedEtcd
@@ -43,6 +51,7 @@ from elasticctl.etcd.client import EtcdClient
 
 LM = str(REPO / "trainers" / "lm.py")
 NODES = ("a", "b", "c")
+WORKERS_PER_NODE = 2  # --nproc-per-node of every HSDP job here
 NODE_TTL = 3  # 6 lm workers on 2 cores: the bench's 2 s leaves too little margin for a busy step
 HSDP_TRAINING = ("--shard", "hsdp", "--steps", "10000000", "--step-sleep", "0.05", "--log-every", "0",
                  "--record-params")
@@ -55,15 +64,37 @@ class ScenarioFailed(Exception):
     """The job did not get where a measurement starts; the message says where."""
 
 
-def workers_at(cluster: Cluster, world: int, nodes: set[str], since: float, timeout: float,
-               give_up=lambda: False) -> list[dict] | None:
-    """The step lines at ``world`` since ``since`` once both workers of every node in ``nodes`` wrote one."""
-    def reached():
-        recent = cluster.record.steps(since, world)
-        pids = {(r["node"], r["pid"]) for r in recent if r["node"] in nodes}
-        return recent if len(pids) == 2 * len(nodes) else None
+def together_at(steps: list[dict], world: int, nodes: set[str], since: float,
+                after_generation: int = -1) -> list[dict] | None:
+    """The step lines at ``world`` after ``since`` (of generations after ``after_generation``) once
+    both workers of every node in ``nodes`` wrote one there, else None.
 
-    return wait_for(reached, timeout, give_up=give_up)
+    ``after_generation`` keeps out a thawed node's lines of the generation it was frozen in: it may
+    still write one at the old world after the SIGCONT, which is no sign of the new world."""
+    recent = [r for r in steps if r["time"] > since and r["world_size"] == world
+              and r.get("generation", 0) > after_generation]
+    pids = {(r["node"], r["pid"]) for r in recent if r["node"] in nodes}
+    return recent if len(pids) == WORKERS_PER_NODE * len(nodes) else None
+
+
+def seconds_to_world(steps: list[dict], event: float, world: int, nodes: set[str],
+                     after_generation: int = -1) -> float | None:
+    """Seconds from ``event`` (when the bench sent a signal or started a node, wall clock) to the
+    first step line at ``world`` after it, once every worker of ``nodes`` trained there; else None."""
+    together = together_at(steps, world, nodes, event, after_generation)
+    return round(min(r["time"] for r in together) - event, 3) if together else None
+
+
+def newest_generation(steps: list[dict]) -> int:
+    """The newest generation in these step lines (-1: none): a later world forms in a later one."""
+    return max((r.get("generation", -1) for r in steps), default=-1)
+
+
+def workers_at(cluster: Cluster, world: int, nodes: set[str], since: float, timeout: float,
+               give_up=lambda: False, after_generation: int = -1) -> list[dict] | None:
+    """:func:`together_at` on the record, waited for up to ``timeout`` s."""
+    return wait_for(lambda: together_at(cluster.record.steps(), world, nodes, since, after_generation), timeout,
+                    give_up=give_up)
 
 
 def replicas_identical(steps: list[dict]) -> bool | str:
@@ -107,36 +138,54 @@ def start_hsdp(workdir: Path, etcd: EtcdClient, cap: float, lm_args: tuple[str, 
 
 
 def kill_node(cluster: Cluster, victim: str, cap: float) -> dict:
-    """SIGKILL ``victim``'s tree: seconds to the survivors' first step at world 4, steps re-done,
-    survivors restarted, the shards' replicas identical."""
+    """SIGKILL ``victim``'s tree: :func:`lose_node`'s measurement."""
+    return lose_node(cluster, victim, cap, signal.SIGKILL)
+
+
+def lose_node(cluster: Cluster, victim: str, cap: float, sig: int) -> dict:
+    """Send ``sig`` to ``victim``'s whole tree (SIGKILL: the node is then forgotten; SIGSTOP: it
+    stays frozen and in ``cluster.nodes``, for a SIGCONT later): seconds to the survivors' first step
+    at world 4, steps re-done, survivors restarted, the shards' replicas identical."""
     survivors = set(cluster.nodes) - {victim}
     before = {(r["node"], r["pid"]) for r in cluster.record.steps() if r["node"] in survivors}
-    killed = time.time()
-    cluster.nodes[victim].signal_tree(signal.SIGKILL)
-    cluster.nodes.pop(victim).stop()
-    shrunk = workers_at(cluster, 4, survivors, killed, cap)
+    lost = time.time()
+    cluster.nodes[victim].signal_tree(sig)
+    if sig == signal.SIGKILL:
+        cluster.nodes.pop(victim).stop()
+    shrunk = workers_at(cluster, 4, survivors, lost, cap)
     if shrunk is None:
         return {"seconds": None, "cap_s": cap, "outcome": f"none within {cap:g} s"}
     first = min(r["time"] for r in shrunk)
     steps = cluster.record.steps()
-    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["time"] > killed]
-    return {"seconds": round(first - killed, 3), "cap_s": cap, "outcome": "recovered",
+    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["time"] > lost]
+    return {"seconds": seconds_to_world(shrunk, lost, 4, survivors), "cap_s": cap, "outcome": "recovered",
             "redone_steps": max(r["step"] for r in steps if r["time"] < first) + 1 - min(r["step"] for r in shrunk),
             "survivors_restarted": len({(r["node"], r["pid"]) for r in shrunk} - before),
             "restored_sources": sorted({r["source"] for r in restored}),
             "replicas_identical": replicas_identical(steps),
             # rank 0 reports its timeline after its first step at world 4: wait for that line
-            **(wait_for(lambda: _phases(cluster, killed, 4), 10) or {})}
+            **(wait_for(lambda: _phases(cluster, lost, 4), 10) or {})}
 
 
 def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
-    """Start ``joiner``: seconds to every worker at world 6, the running workers' pause, the
-    joiner's shards' transfer; ``failed`` with a reason when it does not get there."""
+    """Start ``joiner``: :func:`node_joins`' measurement."""
+    return node_joins(cluster, joiner, cap, lambda: cluster.start(joiner))
+
+
+def node_joins(cluster: Cluster, joiner: str, cap: float, bring_in: Callable[[], object]) -> dict:
+    """``bring_in()`` adds ``joiner`` (starts a new node, or SIGCONTs a frozen one the job dropped):
+    seconds to every worker at world 6, the running workers' pause, the joiner's shards' transfer;
+    ``failed`` with a reason when it does not get there."""
     members = set(cluster.nodes) | {joiner}
-    running = {(r["node"], r["pid"]) for r in cluster.record.steps() if r["node"] in cluster.nodes}
+    steps = cluster.record.steps()
+    running = {(r["node"], r["pid"]) for r in steps if r["node"] in members - {joiner}}
+    # world 6 must form in a later generation: a thawed node's lines of the one it was frozen in do not count
+    generation = newest_generation(steps)
     joined = time.time()
-    node = cluster.start(joiner)
-    grown = workers_at(cluster, 6, members, joined, cap, give_up=lambda: node.process.poll() is not None)
+    bring_in()
+    node = cluster.nodes[joiner]
+    grown = workers_at(cluster, 6, members, joined, cap, give_up=lambda: node.process.poll() is not None,
+                       after_generation=generation)
     if grown is None:
         why = (f"node {joiner} exited with status {node.process.poll()}" if node.process.poll() is not None
                else f"no step at world 6 within {cap:g} s")
@@ -153,11 +202,13 @@ def join_node(cluster: Cluster, joiner: str, cap: float) -> dict:
     rank0 = sorted(r["time"] for r in steps
                    if r["rank"] == 0 and r["world_size"] == 4 and joined - 60 < r["time"] < first)
     joiner_pids = {r["pid"] for r in grown if r["node"] == joiner}
-    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored" and r["pid"] in joiner_pids]
+    # after ``joined``: a thawed node's workers may have kept their processes, and their first restore
+    restored = [r for r in cluster.record.read() if r.get("event") == "state_restored"
+                and r["pid"] in joiner_pids and r["time"] > joined]
     transfer = max((r.get("seconds") or 0.0 for r in restored), default=None)
     first0 = min((r["time"] for r in grown if r["rank"] == 0), default=None)
     intervals = [b - a for a, b in zip(rank0[-11:], rank0[-10:])]  # rank 0's last 10 steps at world 4
-    return {"seconds": round(first - joined, 3), "cap_s": cap, "outcome": "joined",
+    return {"seconds": seconds_to_world(grown, joined, 6, members, generation), "cap_s": cap, "outcome": "joined",
             # the gap in rank 0's steps across the change (one ordinary step included: step_interval_s)
             "pause_s": round(first0 - max(rank0), 3) if rank0 and first0 else None,
             "step_interval_s": round(statistics.median(intervals), 3) if intervals else None,
@@ -199,6 +250,64 @@ def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_arg
     finally:
         if cluster is not None:
             cluster.close()
+    return results
+
+
+FROZEN = "b"  # not the first node (it ran `up`), nor the last: the survivors are not a prefix of the ranks
+# trainers/lm.py's default, passed explicitly: the sample check needs the epoch's length
+FREEZE_DATASET_SIZE = 2048
+
+
+def sample_accounting(steps: list[dict], dataset_size: int) -> dict:
+    """Whether the record's lineage (a re-done step counts where it was applied last) trained every
+    sample once: ``samples_ok`` with the steps and re-done steps counted, or the check's reason."""
+    try:
+        counted = check_samples(steps, dataset_size=dataset_size)
+    except AccountingError as exc:
+        return {"samples_ok": False, "samples_check": str(exc)}
+    return {"samples_ok": True, "steps_counted": counted.steps, "steps_redone": counted.redone}
+
+
+def freeze_node(cluster: Cluster, victim: str, cap: float) -> dict:
+    """SIGSTOP ``victim``'s whole tree and time the survivors' first step at world 4 (``freeze``:
+    :func:`lose_node`'s keys); then SIGCONT it and time every worker back at world 6 (``thaw``:
+    :func:`node_joins`' keys, with ``thawed_restarted``: how many of the thawed node's workers are
+    new processes); ``samples``: :func:`sample_accounting` of the whole record."""
+    earlier = {r["pid"] for r in cluster.record.steps() if r["node"] == victim}
+    result: dict = {"node": victim, "node_ttl_s": NODE_TTL,
+                    "freeze": lose_node(cluster, victim, cap, signal.SIGSTOP)}
+    if result["freeze"]["seconds"] is not None:
+        # the job dropped the frozen node: after the SIGCONT it comes back as a newcomer
+        thaw = node_joins(cluster, victim, cap, lambda: cluster.nodes[victim].signal_tree(signal.SIGCONT))
+        if thaw["seconds"] is not None:
+            thaw["thawed_restarted"] = len({r["pid"] for r in cluster.record.steps(0, 6)
+                                            if r["node"] == victim} - earlier)
+        result["thaw"] = thaw
+    # else the node stays frozen: the caller's cluster.close() sends it SIGCONT before stopping it
+    result["samples"] = sample_accounting(cluster.record.steps(), FREEZE_DATASET_SIZE)
+    return result
+
+
+def hsdp_freezes(workdir: Path, etcd: EtcdClient, repeats: int, cap: float,
+                 report=lambda line: None) -> list[dict]:
+    """``repeats`` jobs of 3 nodes x 2 workers, each with one :func:`freeze_node` of node b; a job
+    that cannot start is {"error": reason}. Each job is closed (every tree stopped) before the next."""
+    results: list[dict] = []
+    for number in range(1, repeats + 1):
+        try:
+            cluster = start_hsdp(workdir / f"hsdp-freeze-{number}", etcd, cap,
+                                 ("--dataset-size", str(FREEZE_DATASET_SIZE)))
+        except ScenarioFailed as exc:
+            results.append({"error": str(exc)})
+            report(f"hsdp freeze {number}: {exc}")
+            continue
+        try:
+            results.append(freeze_node(cluster, FROZEN, cap))
+        except Exception as exc:  # noqa: BLE001 - a broken measurement must not cost bench.run the sections after it
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            cluster.close()
+        report(f"hsdp freeze {number}: {json.dumps(results[-1], default=str)}")
     return results
 
 
@@ -309,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="HSDP rounds (a kill and a join each)")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 without copies instead, hot and restart mode")
+    parser.add_argument("--freeze", action="store_true",
+                        help="HSDP freezes instead (SIGSTOP node b, then SIGCONT), --rounds jobs")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds a recovery or a join may take")
     parser.add_argument("--lm-args", nargs=argparse.REMAINDER, default=[],
                         help="more trainers/lm.py flags for HSDP (e.g. --hidden 256 --layers 4)")
@@ -321,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                 for system in ("elasticctl-hot", "elasticctl"):
                     print(json.dumps({system: fsdp_round(system, workdir / system, client, args.cap)}), flush=True)
                 return 0
+            if args.freeze:
+                freezes = hsdp_freezes(workdir, client, args.rounds, args.cap, report=print)
+                return 0 if all((r.get("thaw") or {}).get("seconds") is not None for r in freezes) else 1
             rounds = hsdp_rounds(workdir, client, args.rounds, args.cap, tuple(args.lm_args), report=print)
     kills = [r["kill"]["seconds"] for r in rounds if r.get("kill", {}).get("seconds") is not None]
     joins = [r["join"]["seconds"] for r in rounds if (r.get("join") or {}).get("seconds") is not None]

@@ -44,6 +44,7 @@ HOT_STEADY_TARGET = 0.98     # steady steps/s, fraction of restart mode's
 HOT_SPARE_TARGET = 1.0       # issue 21: SIGKILL with one spare -> first step back at world 3
 # Issue 20's targets: sharded models, 2-core CPU, gloo.
 HSDP_KILL_TARGET = 2.0        # HSDP 3 x 2: SIGKILL of a node -> first step at the smaller world
+HSDP_FREEZE_MARGIN = 1.0      # HSDP 3 x 2: SIGSTOP of a node -> first step at the smaller world, beyond the node TTL
 HSDP_JOIN_MARGIN = 0.3        # a joining node's pause of the others <= its shards' transfer + this
 PEER_COPY_TARGET = (3.0, 10)  # FSDP2 with peer copies every 10 steps: seconds, steps re-done at most
 TRANSFER_TARGET = 0.7         # state transfer >= this x the raw gloo broadcast of the same bytes
@@ -549,6 +550,104 @@ def _failures(runs: list[dict]) -> str:
     return "; ".join(reasons)
 
 
+def freeze_target_s(node_ttl: float) -> float:
+    """An HSDP freeze's target: the survivors' first step at the smaller world within the node TTL
+    (when the frozen node's lease ends) and a margin for the re-formation."""
+    return node_ttl + HSDP_FREEZE_MARGIN
+
+
+def seconds_verdict(value: float | None, target: float) -> str:
+    """"1.50 s (met)", "4.20 s (missed)", or "no value (missed)" for an event that never completed."""
+    return "no value (missed)" if value is None else f"{value:.2f} s ({_met(value <= target)})"
+
+
+def _freeze_ttl(runs: list[dict]) -> float | None:
+    ttls = [run["node_ttl_s"] for run in runs if run.get("node_ttl_s") is not None]
+    return max(ttls) if ttls else None
+
+
+def _freeze_target_label(runs: list[dict]) -> str:
+    ttl = _freeze_ttl(runs)
+    return f"≤ node TTL + {HSDP_FREEZE_MARGIN:g} s" + (f" ({freeze_target_s(ttl):g} s)" if ttl is not None else "")
+
+
+def survivors_kept(runs: list[dict]) -> str:
+    """Whether the survivors of each HSDP freeze kept their worker processes (the same pids) through
+    the freeze and the thaw: "yes (n of n)", "no: ..." or "not measured"."""
+    measured = [run for run in runs if (run.get("freeze") or {}).get("survivors_restarted") is not None]
+    if not measured:
+        return "not measured"
+    at_freeze = sum(run["freeze"]["survivors_restarted"] for run in measured)
+    at_thaw = sum((run.get("thaw") or {}).get("running_restarted") or 0 for run in measured)
+    if not at_freeze and not at_thaw:
+        return f"yes ({len(measured)} of {len(measured)})"
+    return f"no: {at_freeze} restarted at the freeze, {at_thaw} at the thaw"
+
+
+def samples_verdict(runs: list[dict]) -> str:
+    """The freezes' sample checks (the whole record's lineage): "none (...)", "yes: reason" or "not measured"."""
+    checks = [run["samples"] for run in runs if run.get("samples")]
+    if not checks:
+        return "not measured"
+    wrong = [check for check in checks if not check.get("samples_ok")]
+    if wrong:
+        return f"yes ({len(wrong)} of {len(checks)}): {wrong[0].get('samples_check')}"
+    return (f"none ({len(checks)} of {len(checks)}; {sum(c.get('steps_counted') or 0 for c in checks)} steps, "
+            f"{sum(c.get('steps_redone') or 0 for c in checks)} re-done in all)")
+
+
+def hsdp_freeze_rows(runs: list[dict]) -> list[tuple[str, str, str]]:
+    """(measurement, this run, target) of the HSDP freezes: SIGSTOP → world 4 against the node TTL
+    + 1 s, the survivors' processes, the steps re-done, the samples, and the thaw back to world 6."""
+    freezes = [run["freeze"] for run in runs if "freeze" in run]
+    errors = "; ".join(sorted({f"failed: {run['error']}" for run in runs if "error" in run}))
+    cell = _cell(_samples(freezes, "seconds"), _cap(freezes, "cap_s"), digits=2) if freezes else ""
+    failures = "; ".join(part for part in (_failures(freezes), errors) if part)
+    cell = (f"{cell} ({failures})" if cell and failures else cell or failures) or "not measured"
+    redone = [v for v in _samples(freezes, "redone_steps") if v is not None]
+    out = [("HSDP 3 × 2: SIGSTOP a node's whole tree → first step at world 4 (s)", cell,
+            _freeze_target_label(runs)),
+           ("HSDP freeze: survivors' worker processes kept (same pids)", survivors_kept(runs), "yes"),
+           ("HSDP freeze: steps re-done after the SIGSTOP", f"at most {max(redone)}" if redone else "not measured",
+            "≤ 1 (the step in flight)")]
+    out.append(("HSDP freeze: samples lost or trained twice (the job's lineage)", samples_verdict(runs), "none"))
+    thaws = [run["thaw"] for run in runs if "thaw" in run]
+    out.append(("HSDP freeze: shards' digests identical across replicas before every step",
+                _identical(freezes + thaws), "identical"))
+    if thaws:
+        back = [thaw for thaw in thaws if thaw.get("seconds") is not None]
+        cell = _cell(_samples(thaws, "seconds"), None, digits=2)  # "failed (n/n)" when none came back
+        restarted = [v for v in _samples(back, "thawed_restarted") if v is not None]
+        if restarted:
+            cell += (f"; the thawed node's workers: {sum(restarted)} new process(es)" if any(restarted)
+                     else "; the thawed node's workers kept their processes")
+        if _failures(thaws):
+            cell += f" ({_failures(thaws)})"
+        out.append(("HSDP freeze: SIGCONT → the node back, every worker at world 6 (s)", cell,
+                    "back at world 6, as a newcomer"))
+    return out
+
+
+def hsdp_freeze_targets(runs: list[dict] | None) -> list[str]:
+    """The parts of the sharded targets' line for the HSDP freezes (``runs`` None: not run)."""
+    label = f"HSDP SIGSTOP → first step {_freeze_target_label(runs or [])}"
+    if runs is None:
+        return [f"{label}: not measured in this run"]
+    freezes = [run["freeze"] for run in runs if "freeze" in run]
+    ttl = _freeze_ttl(runs)
+    value = _median(_samples(freezes, "seconds"))
+    parts = [f"{label}: " + ("no value (missed)" if ttl is None else seconds_verdict(value, freeze_target_s(ttl)))]
+    for what, verdict, good in (("survivors kept their processes", survivors_kept(runs), "yes"),
+                                ("no sample lost or trained twice", samples_verdict(runs), "none")):
+        judged = "" if verdict == "not measured" else f" ({_met(verdict.startswith(good))})"
+        parts.append(f"{what}: {verdict}{judged}")
+    if freezes:
+        back = sum(1 for run in runs if (run.get("thaw") or {}).get("seconds") is not None)
+        parts.append(f"the frozen node back at world 6 after SIGCONT: {back} of {len(freezes)} "
+                     f"({_met(back == len(freezes))})")
+    return parts
+
+
 def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
     """(measurement, this run, target) of issue 20's sharded scenarios that ran."""
     scenarios = results["scenarios"]
@@ -587,6 +686,9 @@ def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
                             "from replicas"))
                 out.append(("HSDP: a node joins → every worker at world 6 (s)",
                             _cell(_samples(joined, "seconds"), None, digits=2), "—"))
+    freezes = scenarios.get("hsdp_freeze")
+    if freezes is not None:
+        out += hsdp_freeze_rows(freezes)
     fsdp = scenarios.get("fsdp")
     if fsdp:
         for system, label in ((HOT, "hot: survivors in process, checkpoint resharded"),
@@ -655,8 +757,7 @@ def sharded_targets(results: dict) -> str:
     value = _median(_samples(kills, "seconds"))
     redone = [v for v in _samples(kills, "redone_steps") if v is not None]
     parts.append(f"HSDP SIGKILL → first step ≤ {HSDP_KILL_TARGET:g} s: " + (
-        "not measured in this run" if rounds is None else "no value (missed)" if value is None
-        else f"{value:.2f} s ({_met(value <= HSDP_KILL_TARGET)})"))
+        "not measured in this run" if rounds is None else seconds_verdict(value, HSDP_KILL_TARGET)))
     if redone:
         parts.append(f"nothing re-done: at most {max(redone)} ({_met(max(redone) == 0)})")
     identical = _identical(kills + joins)
@@ -673,6 +774,7 @@ def sharded_targets(results: dict) -> str:
                      f"no join completed ({_failures(joins)}) (missed)")
     elif rounds is not None:
         parts.append("a joining node's pause: not measured (no node was killed first)")
+    parts += hsdp_freeze_targets(scenarios.get("hsdp_freeze"))
     peer = scenarios.get("fsdp_peer_copies")
     seconds, most = PEER_COPY_TARGET
     label = f"FSDP2 with peer copies ≤ {seconds:g} s and ≤ {most} steps re-done"
@@ -716,7 +818,7 @@ def sharded_targets(results: dict) -> str:
 
 def sharded_section(results: dict) -> list[str]:
     if not any(results["scenarios"].get(name) is not None
-               for name in ("hsdp", "fsdp", "fsdp_peer_copies", "chaos_hsdp")):
+               for name in ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies", "chaos_hsdp")):
         return []
     chaos = results["scenarios"].get("chaos_hsdp") or {}
     return [
@@ -726,7 +828,12 @@ def sharded_section(results: dict) -> list[str]:
          "(`--nproc-per-node 2`, `--shard hsdp --record-params`: replicated across nodes, sharded within), "
          "each round SIGKILLs a node's whole tree, then starts a new node; the pause is rank 0's last step "
          "at world 4 to its first at world 6, the transfer the joiner's workers' `state_restored` seconds "
-         "(the larger). FSDP2 without copies: 3 nodes × 1 worker, `--shard fsdp`, checkpoints every 10 "
+         "(the larger). HSDP freeze: the same job, a fresh one per repeat, node b's whole tree (its "
+         "`elasticctl`, torchrun and workers) SIGSTOPped until the survivors train at world 4, then "
+         "SIGCONTed: the job dropped it, so it comes back as a newcomer, timed to every worker at world 6; "
+         "then the whole record's lineage is checked: no sample lost or trained twice "
+         "(`bench/accounting.py`; a step in flight may be re-done once). "
+         "FSDP2 without copies: 3 nodes × 1 worker, `--shard fsdp`, checkpoints every 10 "
          "steps, the nodes started one at a time once the job checkpointed at the world before, node c "
          "SIGKILLed 5 steps after a checkpoint at world 3, hot mode and restart mode in the same run. "
          "A join is `failed` when it did not reach world 6 or made a running worker restart. "
@@ -746,13 +853,17 @@ def sharded_section(results: dict) -> list[str]:
 
 
 def hsdp_phase_section(results: dict) -> list[str]:
-    """Where the HSDP kill's and join's seconds go (rank 0's timelines, medians over rounds)."""
+    """Where the HSDP kill's, join's, freeze's and thaw's seconds go (rank 0's timelines, medians over rounds)."""
     rounds = results["scenarios"].get("hsdp") or []
+    freezes = results["scenarios"].get("hsdp_freeze") or []
     return phase_table("Where the HSDP rounds' seconds go (rank 0's timeline; medians over rounds; each cell is "
-                       "the end of a phase, seconds after the SIGKILL or after the joining node was started; "
-                       "the join's \"fault seen\" is the boundary at which the running workers agreed to admit it):",
+                       "the end of a phase, seconds after the SIGKILL or SIGSTOP, or after the joining node was "
+                       "started or the frozen one SIGCONTed; a join's \"fault seen\" is the boundary at which the "
+                       "running workers agreed to admit it):",
                        [("SIGKILL a node", [(r.get("kill") or {}).get("phases") for r in rounds]),
-                        ("a node joins", [(r.get("join") or {}).get("phases") for r in rounds])])
+                        ("a node joins", [(r.get("join") or {}).get("phases") for r in rounds]),
+                        ("SIGSTOP a node", [(r.get("freeze") or {}).get("phases") for r in freezes]),
+                        ("the frozen node SIGCONTed", [(r.get("thaw") or {}).get("phases") for r in freezes])])
 
 
 def machine_line(results: dict) -> str:

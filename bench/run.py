@@ -24,7 +24,9 @@ x the window).
 
 Issue 20's sections, each selectable with ``--only``: ``state_transfer`` (64 MB, 512 MB, 2 GB;
 bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
-trainers/lm.py --shard hsdp; FSDP2 without copies in hot and restart mode), ``fsdp_peer_copies``
+trainers/lm.py --shard hsdp; FSDP2 without copies in hot and restart mode), ``hsdp_freeze`` (the
+same HSDP job, node b's tree SIGSTOPped, the first step at world 4 against the node TTL + 1 s, then
+SIGCONT and back at world 6; about 2 minutes in --quick), ``fsdp_peer_copies``
 (FSDP2 with peer copies every 10 steps, no checkpoint) and
 ``chaos_hsdp`` (bench/chaos.py --trainer lm-hsdp, 20 events).
 """
@@ -74,6 +76,7 @@ class Plan:
     light_agents: tuple[int, ...] = (1000, 10000)  # bench/rendezvous.py etcd3-light: one round each
     hot_workers: tuple[int, ...] = (1000,)  # bench/rendezvous.py --hot: both policies each
     hsdp_rounds: int = 1  # bench/hsdp_recovery.py: SIGKILL a node of 3 x 2 HSDP workers, then a node joins
+    hsdp_freezes: int = 1  # the same job SIGSTOPs a node, then SIGCONTs it: a fresh job each
     fsdp_repeats: int = 1  # FSDP2 without copies, hot and restart mode each
     chaos_events: int = 20  # bench/chaos.py --trainer lm-hsdp
     # bench/goodput.py: a node SIGKILLed every K s and back 10 s later, over a window, 4 systems in turn
@@ -86,19 +89,21 @@ PLANS = {
                   rendezvous_agents=(2, 8, 64, 256), rendezvous_max_agents={"etcd3-dynamic": 8, "c10d": 64},
                   rendezvous_repeats=2,
                   checkpoint_hidden=(64,), checkpoint_steps=100, checkpoint_repeats=2,
-                  state_transfer_mb=(64, 512, 2048), state_transfer_repeats=2, hsdp_rounds=1, fsdp_repeats=1,
+                  state_transfer_mb=(64, 512, 2048), state_transfer_repeats=2, hsdp_rounds=1, hsdp_freezes=1,
+                  fsdp_repeats=1,
                   chaos_events=20, goodput_schedule=goodput.Schedule(window_s=60, kill_every_s=20, healthy_s=10)),
     "full": Plan(repeats={"lifecycle": 3, "crash_host": 3, "spare": 3, "steady": 5}, caps=Caps(recover=90, freeze=120, steady_window=20),
                  rendezvous_agents=(8, 64, 128, 256, 1000),
                  rendezvous_max_agents={"etcd3-dynamic": 64, "c10d": 128}, rendezvous_repeats=3,
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
-                 state_transfer_mb=(64, 512, 2048), state_transfer_repeats=3, hsdp_rounds=3, fsdp_repeats=2,
+                 state_transfer_mb=(64, 512, 2048), state_transfer_repeats=3, hsdp_rounds=3, hsdp_freezes=3,
+                 fsdp_repeats=2,
                  chaos_events=20, goodput_schedule=goodput.Schedule(window_s=180, kill_every_s=30, healthy_s=20)),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
 # Issue 20's sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
-SHARDED_SCENARIOS = ("hsdp", "fsdp", "fsdp_peer_copies")
+SHARDED_SCENARIOS = ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies")
 ALL = ("goodput", *JOB_SCENARIOS, "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
        "rendezvous_scale", "straggler")
 NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
@@ -243,7 +248,8 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
 
 def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
     """Issue 20's sharded scenarios (bench/hsdp_recovery.py), each under its own name:
-    ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers; ``fsdp``: FSDP2 without copies,
+    ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers; ``hsdp_freeze``: jobs of the same
+    shape, each {freeze, thaw, samples} of one node SIGSTOPped, then SIGCONTed; ``fsdp``: FSDP2 without copies,
     hot and restart mode interleaved; ``fsdp_peer_copies``: FSDP2 with peer copies every 10
     steps, a node SIGKILLed between two copy rounds (fsdp_round's keys and the copies' own)."""
     from bench import hsdp_recovery
@@ -253,6 +259,8 @@ def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> d
     if "hsdp" in names:
         # workdirs root/hsdp-N: the job names hold the run's directory name (the leftover check)
         out["hsdp"] = hsdp_recovery.hsdp_rounds(root, etcd, plan.hsdp_rounds, cap, report=log)
+    if "hsdp_freeze" in names:  # workdirs root/hsdp-freeze-N: the job names hold the run's directory name too
+        out["hsdp_freeze"] = hsdp_recovery.hsdp_freezes(root, etcd, plan.hsdp_freezes, cap, report=log)
     if "fsdp" in names:
         out["fsdp"] = {system: [] for system in ("elasticctl-hot", "elasticctl")}
         for repeat in range(plan.fsdp_repeats):
@@ -340,7 +348,7 @@ def main() -> None:
         plan = dataclasses.replace(plan, repeats=dict.fromkeys(plan.repeats, args.repeats),
                                    checkpoint_repeats=args.repeats,
                                    rendezvous_repeats=args.repeats, state_transfer_repeats=args.repeats,
-                                   hsdp_rounds=args.repeats, fsdp_repeats=args.repeats,
+                                   hsdp_rounds=args.repeats, hsdp_freezes=args.repeats, fsdp_repeats=args.repeats,
                                    goodput_repeats=args.repeats)
 
     started, now = time.monotonic(), datetime.datetime.now()

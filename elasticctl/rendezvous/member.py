@@ -54,6 +54,14 @@ from elasticctl.rendezvous.view import RoundView
 log = logging.getLogger(__name__)
 
 
+# How long, in node TTLs, a re-formation waits for a silent member that answers its probe: such a
+# member runs, and a gloo collective that no peer's death reached directly (it waits on a live
+# neighbour) ends only at its timeout, the node TTL, after which the member tears its group down
+# and re-declares. Sealed at exactly one TTL, it would miss it by that margin and cost a second
+# re-formation at once; the wait ends as soon as it re-declares.
+RUNNING_WAIT_TTLS = 2
+
+
 class JoinCancelled(ElasticctlError):
     """:meth:`RoundMember.cancel` ended a join: the node (or worker) was told to stop."""
 
@@ -197,9 +205,9 @@ class RoundMember:
                 live = list(declarations.values()) if view.nodes_followed else []
                 live = self._without_gone(current, live)
                 quorum_since = (quorum_since or now) if has_quorum(current, live, settings.min_nodes, counted) else None
-                # A running member slow to re-declare is waited for up to its lease's length.
+                # A running member slow to re-declare is waited for up to twice its lease's length.
                 rounds = dataclasses.replace(settings, last_call=last_call_for(
-                    current, live, self._probed, settings.last_call, self.node_ttl))
+                    current, live, self._probed, settings.last_call, RUNNING_WAIT_TTLS * self.node_ttl))
                 if seal_due(current, live, rounds, quorum_since, now, len(view.unreadable)):
                     self._seal(current, live, target)
                 elif quorum_since is not None:

@@ -590,11 +590,20 @@ class Runtime:
 
     def _saved_before_leave(self) -> bool:
         """Every worker of the generation, at the boundary where some of them leave: a checkpoint
-        of the step all of them trained (:func:`elasticctl.train.boundary.checkpoint_before_leave`);
-        False without a checkpoint directory."""
+        of the step all of them trained (:func:`elasticctl.train.boundary.checkpoint_before_leave`),
+        agreed on by every rank. False without a checkpoint directory, or when the write failed on
+        any rank: one attempt, not the final checkpoint's retries, since the state lives on in the
+        workers that stay (a full disk must not end them); the leave goes on as without it."""
         if self._checkpointer is None:
             return False
-        self._stop_checkpoint()
+        saved = self._checkpointer.last_step == self.state.step or self._save(blocking=True)
+        failure = self._agree_on_failure(None if saved else str(self._checkpointer.failure or "the write failed"))
+        if failure is not None:
+            log.warning("[%s] the checkpoint of step %d before %s leave failed (%s); the workers that stay "
+                        "keep the state", self.worker, self.state.step, "it and others" if self._leaving
+                        else "others", failure)
+            return False
+        self._emit("final_checkpoint", step=self.state.step, signalled=self._leaving)
         return True
 
     def _stop_for_agent(self) -> None:

@@ -76,9 +76,12 @@ def start_node(job: HotJob, name: str, per_node: int) -> None:
 
 
 def kill_node(job: HotJob, name: str, per_node: int) -> None:
-    """SIGKILL every worker of node ``name``, one after another, as a host's death reaches them."""
+    """SIGKILL every worker of node ``name`` at once, as a host's death does (killed one by one with
+    a wait between, a worker could notice the first death and re-declare before its own)."""
     for process in processes_of(name, per_node):
-        job.workers[process].kill()
+        job.workers[process].signal_tree(signal.SIGKILL)
+    for process in processes_of(name, per_node):
+        job.workers[process].process.wait(10)
 
 
 def wait_waiting(job: HotJob, name: str, per_node: int) -> None:

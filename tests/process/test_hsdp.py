@@ -104,6 +104,46 @@ def test_hsdp_a_frozen_node_costs_the_survivors_its_ttl_not_the_mesh_groups_defa
     check_shard_replicas(steps_of(j.records()), 4)
 
 
+def test_hsdp_with_a_spare_each_of_repeated_failures_costs_one_re_formation(job):
+    """Churn on a sharded model: a training node (never the first) SIGKILLed, the spare node admitted
+    whole at the survivors' own re-formation, the killed node back as the next spare; twice. Each
+    failure is back at world 6 in the generation right after the one the kill ended, with no
+    generation that fails to form and no member's state refused."""
+    from elasticctl.job.keys import JobKeys
+
+    j = job(nnodes="1:3", extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2",
+                                 "--spares", "1"], train=HSDP)
+    started = {"a": j.up("a")}
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    started.update({name: j.join(name) for name in ("b", "c")})
+    wait_workers(j, 6, {"a", "b", "c"})
+    keys = JobKeys(j.name).generations()
+
+    def spare_waits(name: str) -> None:
+        wait_for(lambda: all(j.client.get(keys.rdzv_node(f"{name}.{local}")) for local in (0, 1)) or None,
+                 180, f"both of {name}'s workers waiting as a spare")
+
+    started["d"] = j.join("d")
+    spare_waits("d")
+    training, spare = ["a", "b", "c"], "d"
+    for failure in range(2):
+        victim = training[1 + failure % 2]
+        before = max(r["generation"] for r in steps_of(j.records()))
+        killed_at = max(r["time"] for r in j.records())
+        started[victim].kill()
+        training = [n for n in training if n != victim] + [spare]
+        wait_workers(j, 6, set(training), since=killed_at)
+        after_kill = [r for r in steps_of(j.records()) if r["time"] > killed_at]
+        assert {r["generation"] for r in after_kill} <= {before, before + 1}, f"failure {failure}"
+        assert {r["world_size"] for r in after_kill} == {6}, f"failure {failure}: the world stayed short"
+        wait_for(lambda: victim not in j.registry.live_nodes() or None, 60, f"{victim}'s node record gone")
+        started[victim], spare = j.join(victim), victim
+        spare_waits(victim)
+    for name, node in started.items():
+        assert "did not form" not in node.log() and "far ahead" not in node.log(), f"{name}: {node.log()[-3000:]}"
+    check_shard_replicas(steps_of(j.records()), 6)
+
+
 GPUS_FOR_HSDP = 6  # 3 nodes x 2 workers on one host, each node on GPUs of its own
 
 
