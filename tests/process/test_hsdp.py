@@ -13,8 +13,10 @@ worker (no replica): after a node is lost the survivor restores the sharded chec
 from __future__ import annotations
 
 import collections
+import json
 import signal
 
+import psutil
 import pytest
 import torch
 from support.helpers import REPO, wait_for
@@ -120,8 +122,14 @@ def test_hsdp_with_a_spare_each_of_repeated_failures_costs_one_re_formation(job)
     keys = JobKeys(j.name).generations()
 
     def spare_waits(name: str) -> None:
-        wait_for(lambda: all(j.client.get(keys.rdzv_node(f"{name}.{local}")) for local in (0, 1)) or None,
-                 180, f"both of {name}'s workers waiting as a spare")
+        """Until both workers of the node ``name`` now running declared (a killed node's declarations
+        stay until their leases end: the pids tell the new workers')."""
+        def declared() -> bool | None:
+            tree = {p.pid for p in psutil.Process(started[name].process.pid).children(recursive=True)}
+            found = [j.client.get(keys.rdzv_node(f"{name}.{local}")) for local in (0, 1)]
+            return all(kv is not None and json.loads(kv.value)["pid"] in tree for kv in found) or None
+
+        wait_for(declared, 180, f"both of {name}'s workers waiting as a spare")
 
     started["d"] = j.join("d")
     spare_waits("d")
