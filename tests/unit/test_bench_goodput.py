@@ -164,7 +164,7 @@ def _results(samples: dict) -> dict:
                                       "repeats": 1, "torchrun_max_restarts": 1000, "systems": samples}}}
 
 
-def test_goodput_rows_one_per_system_in_the_issue_order():
+def test_goodput_rows_one_per_system_in_the_schedules_order():
     results = _results({"elasticctl-hot-spare": [_sample("elasticctl-hot-spare", 0.97, [0.2, 0.3, 0.25])],
                         "torchrun": [_sample("torchrun", 0.41, [25.0, None, 24.0], lost=True)],
                         "elasticctl": [], "elasticctl-hot": [{"system": "elasticctl-hot", "error": "boom"}]})
