@@ -19,8 +19,10 @@ _WHOLE_RE = re.compile(r"[0-9]{1,18}")
 # Python's own bound on the digits int() converts (sys.int_info.str_digits_check_threshold's default).
 _INTEGER_RE = re.compile(r"[-+]?[0-9]{1,4300}")
 # A sign, digits with an optional fraction, and an optional exponent: what people write, and
-# what str() of a float gives back ('1e-05', '1e+20'), which is how a YAML float arrives.
-_DECIMAL_RE = re.compile(r"[-+]?(?:[0-9]{1,18}(?:\.[0-9]{0,18})?|\.[0-9]{1,18})(?:[eE][-+]?[0-9]{1,3})?")
+# what str() of a float gives back ('1e-05', '1e+20'), which is how a YAML float arrives. str()
+# writes up to 17 significant digits after up to 3 zeros ('0.0032208093663442087') before it
+# turns to an exponent, so a fraction has room for 24.
+_DECIMAL_RE = re.compile(r"[-+]?(?:[0-9]{1,18}(?:\.[0-9]{0,24})?|\.[0-9]{1,24})(?:[eE][-+]?[0-9]{1,3})?")
 
 
 def whole_number(text: object) -> int | None:

@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 from support.helpers import MLP
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from elasticctl.errors import ConfigError
@@ -195,6 +195,8 @@ def test_any_text_is_an_ascii_finite_number_or_none(text):
 
 @FUZZ
 @given(st.integers(0, 10**18 - 1), st.floats(allow_nan=False, allow_infinity=False))
+@example(0, 0.0032208093663442087)  # the longest fraction str() writes: 3 zeros, 17 digits
+@example(10**18 - 1, 1e16 - 2)  # the longest whole part before str() turns to an exponent
 def test_what_python_writes_reads_back(whole, real):
     # str() of a float is how a YAML float and an encoded setting arrive: every finite one reads back.
     assert whole_number(str(whole)) == whole
