@@ -53,6 +53,9 @@ STRAGGLERS = "ELASTICCTL_STRAGGLERS"      # straggler detection's settings (sett
 # Read outside the node -> agent -> worker chain (typed readers below).
 ETCD_BINARY = "ELASTICCTL_ETCD_BINARY"
 STATE_DIR = "ELASTICCTL_STATE_DIR"
+# "1": a hot-mode worker builds a new process group per generation even where it could
+# reconfigure its one in place (train/reconfigure.py): the benchmark's baseline, and a way out.
+REBUILD_GROUPS = "ELASTICCTL_REBUILD_GROUPS"
 
 MAX_RESTARTS = 10**9 - 1
 _RESTARTS_RE = re.compile(r"[0-9]{1,9}")
@@ -198,6 +201,15 @@ def export(environment: WorkerEnvironment, environ: MutableMapping[str, str] = o
 def etcd_binary(environ: Mapping[str, str] = os.environ) -> str | None:
     """The etcd server binary the user named, if any (checked by elasticctl.embedded_etcd)."""
     return environ.get(ETCD_BINARY) or None
+
+
+def rebuild_groups(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``REBUILD_GROUPS`` asks for a new process group per generation ("1"; unset, "" or
+    "0": no; anything else is a ConfigError naming it)."""
+    value = environ.get(REBUILD_GROUPS, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{REBUILD_GROUPS} must be 0 or 1, got {quote(value)}.")
+    return value == "1"
 
 
 def state_dir(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -25,7 +25,10 @@ from elasticctl.job.settings import HotSettings
 from elasticctl.train import script as worker_env
 from elasticctl.train.boundary import Mode
 from elasticctl.train.loss_abort import LossAbort
-from elasticctl.train.process_group import build_control_group, build_generation_group, reset_group_counter
+from elasticctl.train import entry as worker_env_entry
+from elasticctl.train.process_group import (build_control_group, build_generation_group, generation_store,
+                                            reset_group_counter)
+from elasticctl.train.reconfigure import GroupStrategy, ReconfigurableGroup, handles_of, next_group
 from elasticctl.train.state import StateError
 
 if TYPE_CHECKING:
@@ -64,8 +67,9 @@ class Membership(abc.ABC):
         control group: ``process_group.build_control_group``) and the state in sync."""
 
     @abc.abstractmethod
-    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
-        """Leave the current generation and train in the next (``why``: for the log)."""
+    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None, failed: bool = False) -> Group:
+        """Leave the current generation and train in the next (``why``: for the log; ``failed``:
+        a step failed, rather than a change agreed at a boundary)."""
 
     def change_pending(self) -> bool:
         """Whether the generation must re-form (no etcd request: asked at every boundary)."""
@@ -96,7 +100,7 @@ class RestartMembership(Membership):
         runtime.control_group = build_control_group(runtime.backend, runtime.pg_timeout)
         return runtime.start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
 
-    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
+    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None, failed: bool = False) -> Group:
         # Never asked: a restart-mode boundary stops for the agent, a failure ends the worker.
         raise ElasticctlError(f"A restart-mode worker does not re-form in process ({why}).")
 
@@ -120,20 +124,26 @@ class HotMembership(Membership):
                                                   lambda: (runtime.phase, runtime.running_generation)).on_lost)
         return self.re_form(runtime, "", None)
 
-    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None) -> Group:
+    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None, failed: bool = False) -> Group:
         """A generation that fails while it forms (a peer lost while the group connects or the
-        state is sent) is formed again, up to FORM_ATTEMPTS times."""
+        state is sent) is formed again, up to FORM_ATTEMPTS times. The group is reconfigured in
+        place where train/reconfigure.py's rule says so, else built anew."""
         for attempt in range(1, FORM_ATTEMPTS + 1):
-            runtime.teardown()
+            step = next_group(runtime.group_choice.strategy, group_alive=runtime.reconfigurable is not None,
+                              failed=failed or attempt > 1)
+            runtime.teardown(keep_group=step is GroupStrategy.RECONFIGURE)
             runtime.mark_recovery("torn_down")
             generation = self.generations.join()
             runtime.mark_recovery("sealed")
             rank = generation.rank_of(runtime.worker)
             try:
-                runtime.store = build_generation_group(generation, rank, runtime.backend, runtime.pg_timeout,
-                                                       runtime.device)
+                if runtime.group_choice.strategy is GroupStrategy.RECONFIGURE:
+                    runtime.store = self._reconfigure(runtime, generation, rank)
+                else:
+                    runtime.store = build_generation_group(generation, rank, runtime.backend, runtime.pg_timeout,
+                                                           runtime.device)
                 runtime.control_group = build_control_group(runtime.backend, runtime.pg_timeout)
-                runtime.mark_recovery("group_built")
+                runtime.mark_recovery("group_reconfigured" if step is GroupStrategy.RECONFIGURE else "group_built")
                 return runtime.start_generation(generation, rank, generation.world_size,
                                                 noticed_at if why else None)
             except StateError:
@@ -145,6 +155,19 @@ class HotMembership(Membership):
                             generation.number, attempt, FORM_ATTEMPTS, " ".join(str(exc).split())[:300])
         raise ElasticctlError(f"The worker '{runtime.worker}' could not form a generation in "
                               f"{FORM_ATTEMPTS} attempts; its node restarts it.")
+
+    @staticmethod
+    def _reconfigure(runtime: Runtime, generation: Round, rank: int):
+        """This worker's reconfigurable group (made now if it has none) re-formed over
+        ``generation``; returns the generation's store, kept alive with the group."""
+        store = generation_store(generation, rank, runtime.pg_timeout)
+        if runtime.reconfigurable is None:
+            runtime.reconfigurable = ReconfigurableGroup(runtime.backend, runtime.pg_timeout)
+        group = runtime.reconfigurable
+        prefixed = dist.PrefixStore(f"generation-{generation.number}", store)
+        group.reconfigure(generation.number, handles_of(prefixed, rank, generation.world_size, group.handle), prefixed)
+        worker_env_entry.note_joined()
+        return store
 
     def change_pending(self) -> bool:
         return self.generations is not None and self.generations.change_pending()

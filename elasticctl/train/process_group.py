@@ -23,13 +23,18 @@ def build_generation_group(generation: Round, rank: int, backend: str, timeout: 
     Every key lives under ``generation-<number>`` of that generation's own TCPStore (rank 0's
     port from the sealed record), so that nothing of an earlier attempt can meet it.
     """
-    store = dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
-                          is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = generation_store(generation, rank, timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"generation-{generation.number}", store),
                             rank=rank, world_size=generation.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     worker_entry.note_joined()
     return store
+
+
+def generation_store(generation: Round, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """``generation``'s own store: a TCPStore on its rank 0's port from the sealed record."""
+    return dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
+                         is_master=rank == 0, timeout=timeout, wait_for_workers=False)
 
 
 def reset_group_counter() -> None:

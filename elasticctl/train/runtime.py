@@ -77,6 +77,7 @@ from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary,
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
+from elasticctl.train.reconfigure import ReconfigurableGroup, group_strategy, torch_can_reconfigure
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
 from elasticctl.train.shards import ShardedModel, is_sharded
 from elasticctl.train.state import State
@@ -216,6 +217,13 @@ class Runtime:
         self._peer_copies = (PeerCopies(state.peer_copies, worker=self.worker, timeout=self.pg_timeout,
                                         bucket_bytes=self.transfer_bucket_bytes, emit=self._emit)
                              if state.peer_copies else None)
+        # Whether this worker's generations reconfigure one process group or build one each
+        # (train/reconfigure.py); restart mode has one generation per process either way.
+        self.group_choice = group_strategy(self.backend, torch_can_reconfigure(), sharded=sharded,
+                                           default_wrap=wrap is None,
+                                           forced_rebuild=environment_names.rebuild_groups())
+        self.reconfigurable: ReconfigurableGroup | None = None  # the group kept across generations
+        self._wrapped: tuple[Any, torch.nn.Module] | None = None  # (the group it was wrapped on, the DDP)
         self._state_sync = GenerationStateSync(state, device=self.device, transport=self._training_group_device(),
                                                bucket_bytes=self.transfer_bucket_bytes,
                                                restore_from_checkpoint=self._restore_from_checkpoint,
@@ -262,12 +270,12 @@ class Runtime:
                     self._leave(everyone=boundary.action is BoundaryAction.LEAVE_WITH_JOB)
                     return
                 group = self._re_form(f"{boundary.leaving} leaving" if boundary.leaving
-                                      else self.membership.describe_change())
+                                      else self.membership.describe_change(), failed=False)
                 continue
             except Exception as exc:
                 if not self.membership.recovers_in_process or not self._recoverable(exc):
                     raise
-                group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", failed=True)
                 continue
             if self.state.step == 0:
                 self._warn_no_step("its training function returned at step 0: nothing was trained "
@@ -346,15 +354,16 @@ class Runtime:
                            self.membership.settings, self.environment.secret_bytes(),
                            sharded=self._sharded is not None)
 
-    def _re_form(self, why: str) -> Group:
-        """Leave the current generation and train in the next (the membership forms it)."""
+    def _re_form(self, why: str, failed: bool) -> Group:
+        """Leave the current generation and train in the next (the membership forms it);
+        ``failed``: a step failed (a peer lost), rather than a change agreed at a boundary."""
         noticed_at = self._noticed_at or time.time()
         if why:
             log.warning("[%s] generation %s ends at step %d: %s", self.worker,
                         self._group.number if self._group else "-", self.state.step, why)
         self.phase = Phase.RE_FORMING
         self._recovery_marks = {}
-        return self.membership.re_form(self, why, noticed_at)
+        return self.membership.re_form(self, why, noticed_at, failed=failed)
 
     @property
     def running_generation(self) -> int | None:
@@ -413,12 +422,20 @@ class Runtime:
         self._samples_since = (time.monotonic(), 0)
         return group
 
-    def teardown(self) -> None:
-        """Take the process groups down, bounded: one that will not come down ends the worker."""
+    def teardown(self, keep_group: bool = False) -> None:
+        """Take the process groups down, bounded: one that will not come down ends the worker.
+        ``keep_group``: the next generation reconfigures this worker's group in place
+        (train/reconfigure.py: only after a change agreed at a boundary, when nothing is pending)."""
         self._flags_sent = None
         self._group = None
         if self._peer_copies is not None:
             self._peer_copies.freeze()  # a copy round still out commits nothing now
+        if keep_group and self.reconfigurable is not None:
+            # The group stays; the generation's store goes (its port may be the next one's).
+            self.reconfigurable.release_store()
+            self.store = None
+            return
+        self.reconfigurable = None
         # destroy_process_group() below takes the side group down with the training group; the
         # last reference goes here, so that its gloo threads and sockets go with it (a gloo
         # collective still waiting on a lost peer ends by its timeout, the node TTL: gloo has no abort).
@@ -540,8 +557,20 @@ class Runtime:
 
     def _ddp(self, model: torch.nn.Module, group: Group) -> torch.nn.Module:
         """The default wrapping (DDP), timing this worker's own part of each step when the job
-        watches for stragglers (the hook's why: elasticctl.train.stragglers)."""
-        return self._stragglers.time_steps_of(_ddp(model, group))
+        watches for stragglers (the hook's why: elasticctl.train.stragglers). On a group
+        reconfigured in place the DDP it was wrapped on goes on: its reducer follows the group's
+        live size (tests/process/test_torch_reconfigure.py), as long as no newcomer joined: a
+        DDP's first steps run collectives of their own (the bucket order is agreed from rank 0
+        after the first), so with a newcomer every member wraps anew, on the same group."""
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if (self._wrapped is not None and world is not None and self._wrapped[0] is world
+                and self._state_sync.continued):
+            return self._wrapped[1]
+        # On a reconfigurable group no collective at the wrap: the state sync already made every
+        # replica equal.
+        wrapped = self._stragglers.time_steps_of(_ddp(model, group, init_sync=self.reconfigurable is None))
+        self._wrapped = (world, wrapped) if self.reconfigurable is not None else None
+        return wrapped
 
     def _record_first_step(self, group: Group) -> None:
         """The first step of a generation formed after a fault or change ends that recovery: its
@@ -772,10 +801,11 @@ class Runtime:
             self._events.record_later(kind, node or self.node, **fields)
 
 
-def _ddp(model: torch.nn.Module, group: Group) -> torch.nn.Module:
+def _ddp(model: torch.nn.Module, group: Group, init_sync: bool = True) -> torch.nn.Module:
     if group.world_size == 1 and not dist.is_initialized():
         return model
-    return DistributedDataParallel(model, device_ids=[group.local_rank] if group.device.type == "cuda" else None)
+    return DistributedDataParallel(model, device_ids=[group.local_rank] if group.device.type == "cuda" else None,
+                                   init_sync=init_sync)
 
 
 def _exit_stuck(worker: str) -> None:
@@ -801,7 +831,7 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
     worker was the one told to stop); ``"recovery_timeline"`` on every rank at the first step
     after a fault or change (round, noticed: the wall time the fault was seen, then the seconds
-    from it to the end of each phase: torn_down, sealed, group_built, rewrapped (sharded models),
+    from it to the end of each phase: torn_down, sealed, group_built or group_reconfigured, rewrapped (sharded models),
     state_synced, first_step;
     see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
     (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`).

@@ -55,12 +55,16 @@ class GenerationStateSync:
     # what it reports, so that the members agree on who trained together until now
     # (:func:`elasticctl.train.sync.previous_members`).
     in_sync: int = -1
+    # Whether every member of the generation last synced trained in the previous one together
+    # (no newcomer): a DDP wrapped on a group reconfigured in place may then go on (the runtime's _ddp).
+    continued: bool = False
 
     def sync_state(self, rank: int, world_size: int, generation: int) -> tuple[int, ...]:
         """Bring every member of ``generation`` to the most advanced state it can trust
         (:mod:`elasticctl.train.sync`); the ranks that sent it (none: nothing was sent)."""
         if world_size == 1 and self.state.live:
             self.in_sync = generation
+            self.continued = True  # alone: whatever its DDP did before, it agrees with itself
             return ()
         mine = torch.tensor([self.state.step if self.state.live else -1, self.in_sync], dtype=torch.int64,
                             device=self.transport)
@@ -69,6 +73,7 @@ class GenerationStateSync:
         rows = [[int(v) for v in report.tolist()] for report in reports]
         steps = [row[0] for row in rows]
         survivors = previous_members([row[1] for row in rows], generation)
+        self.continued = all(survivors)
         plan = plan_state_sync(steps, survivors)
         for refused in plan.refused:
             log.warning("[%s] rank %d reported step %d, far ahead of the members it trained with; "

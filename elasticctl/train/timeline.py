@@ -13,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 # In the order they happen; a phase a recovery skipped is left out (``rewrapped``: only a sharded
-# model is wrapped anew on each generation's mesh before its state moves; DDP wraps after).
-RECOVERY_PHASES = ("torn_down", "sealed", "group_built", "rewrapped", "state_synced", "first_step")
+# model is wrapped anew on each generation's mesh before its state moves; DDP wraps after; the
+# group is either built anew or reconfigured in place: train/reconfigure.py).
+RECOVERY_PHASES = ("torn_down", "sealed", "group_built", "group_reconfigured", "rewrapped", "state_synced",
+                   "first_step")
 PHASE_NAMES = {"torn_down": "group torn down", "sealed": "generation sealed", "group_built": "group built",
+               "group_reconfigured": "group reconfigured in place",
                "rewrapped": "model re-wrapped", "state_synced": "state synced", "first_step": "first step"}
 
 

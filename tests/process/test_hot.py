@@ -321,9 +321,9 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
 
 
 def test_a_hot_recovery_reports_its_timeline_to_the_script_and_the_history(nodes, default_etcd, run_id, tmp_path):
-    """Issue 21.3: where a recovery's seconds go. The survivor's script hears a
-    ``recovery_timeline`` (fault seen, then each phase's end, in order) and the job's history
-    says the same in its ``recovery_finished``."""
+    """Where a recovery's seconds go. The survivor's script hears a ``recovery_timeline`` (fault
+    seen, then each phase's end, in order) and the job's history says the same in its
+    ``recovery_finished``. A failure builds the group anew (train/reconfigure.py: next_group)."""
     from test_orchestrator import Job
 
     from elasticctl.job.events import EventLog
@@ -339,12 +339,36 @@ def test_a_hot_recovery_reports_its_timeline_to_the_script_and_the_history(nodes
     timelines = wait_for(lambda: [r for r in job.records() if r.get("event") == "recovery_timeline"
                                   and r["noticed"] > killed_at], 60, "the survivor's recovery timeline")
     timeline = timelines[0]
-    # every phase ran (the state is in sync at world 1) but the re-wrap, which only a sharded model has
-    ends = [timeline[phase] for phase in RECOVERY_PHASES if phase != "rewrapped"]
-    assert "rewrapped" not in timeline, timeline
+    # every phase ran (the state is in sync at world 1) but the re-wrap, which only a sharded model
+    # has, and the reconfigure in place, which a failure does not do
+    ends = [timeline[phase] for phase in RECOVERY_PHASES if phase not in ("rewrapped", "group_reconfigured")]
+    assert "rewrapped" not in timeline and "group_reconfigured" not in timeline, timeline
     assert ends == sorted(ends) and 0 <= ends[0], timeline
     history = EventLog(job.client, JobKeys(run_id))
     finished = wait_for(lambda: [e for e in history.read(since=killed_at) if e.kind is EventKind.RECOVERY_FINISHED],
                         30, "recovery_finished in the history")
     assert "generation sealed +" in finished[0].reason and finished[0].reason.endswith(
         f"first step +{timeline['first_step']:.3f} s"), finished[0].reason
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["reconfigured", "rebuilt-as-asked"])
+def test_a_join_reconfigures_the_survivors_group_in_place(nodes, default_etcd, run_id, tmp_path, rebuild):
+    """A change every member agreed on at a boundary (here a join) re-forms the survivors' one
+    process group in place (train/reconfigure.py); ELASTICCTL_REBUILD_GROUPS=1 builds one anew,
+    as a failure does. The survivor's timeline names which; the training goes on either way."""
+    from support.jobs import TRAIN
+    from test_orchestrator import Job
+
+    env = {"ELASTICCTL_REBUILD_GROUPS": "1"} if rebuild else None
+    job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:2", extra=["--recovery", "hot", "--node-ttl", "3"],
+              train=[*TRAIN, "--record-params"])
+    job.up("a", env)
+    job.wait_world(1, {"a"})
+    joined_at = time.time()
+    job.join("b", env)
+    job.wait_world(2, {"a", "b"}, since=joined_at)
+    timeline = wait_for(lambda: [r for r in job.records() if r.get("event") == "recovery_timeline"
+                                 and r.get("node") == "a" and r["noticed"] > joined_at], 60,
+                        "the survivor's timeline of the join")[0]
+    assert ("group_built" in timeline) is rebuild and ("group_reconfigured" in timeline) is not rebuild, timeline
+    check_replicas([r for r in job.records() if "event" not in r])

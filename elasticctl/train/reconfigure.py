@@ -1,0 +1,227 @@
+"""One process group for a worker's whole life, reconfigured in place for each generation.
+
+torch (2.14 on) can reconfigure a default process group in place: created with
+``init_process_group(..., enable_reconfigure=True)``, each member hands its peers an opaque
+handle (``_get_reconfigure_handle``), and ``_reconfigure(uuid, handles)`` re-forms the same
+group object over exactly those peers, a fresh ``uuid`` per re-formation. A member that left
+is simply not among the handles; a brand-new process joins with the group of its own it made
+at start. The communicator, and everything built on the group object (a
+``DistributedDataParallel`` module, its reducer and buckets), outlives the generation:
+nothing is torn down or re-wrapped, and on a GPU no communicator is created per generation.
+``abort()`` on such a group revokes it: a collective pending on a lost peer raises at once
+(a plain gloo group has no abort), and the next reconfigure recovers it.
+
+The API is experimental (underscored, "subject to change or removal"). This module is the
+only place elasticctl touches it; ``tests/process/test_torch_reconfigure.py`` pins every
+behaviour relied on here and fails loudly on a torch that changes one. Where it is missing
+or not yet trusted, :func:`group_strategy` (pure) chooses today's rebuild of a new group per
+generation, and says why; the recovery timeline names which one ran.
+
+Why a :class:`GenerationStore`: a reconfigure exchanges the members' addresses through the
+store the group was created with, so that store must outlive every member, yet a generation's
+TCPStore is hosted by its rank 0 and dies with it. The group is created on a store whose
+target each generation replaces with that generation's own store (rank 0's TCPStore under the
+generation's prefix, as a rebuilt group uses): every member of a generation points at the same
+store before it reconfigures, and a member that died takes only its own generation's store with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import inspect
+import re
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+# The longest handle a peer may hand over: torch's are a few dozen bytes (an address and a port
+# for gloo); anything longer, or not printable ASCII, is refused before torch parses it.
+MAX_HANDLE_BYTES = 4096
+_HANDLE_RE = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_HANDLE_BYTES)
+
+
+class GroupStrategy(enum.Enum):
+    RECONFIGURE = "reconfigured"  # the worker's one group, reconfigured in place
+    REBUILD = "rebuilt"           # a new process group (and store) per generation
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+    strategy: GroupStrategy
+    why: str
+
+
+def torch_can_reconfigure() -> bool:
+    """Whether this torch has the in-place reconfiguration API (the three calls, and the flag)."""
+    return (all(hasattr(dist, name) for name in ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure"))
+            and "enable_reconfigure" in inspect.signature(dist.init_process_group).parameters)
+
+
+def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap: bool,
+                   forced_rebuild: bool = False) -> StrategyChoice:
+    """How a hot-mode worker's generations get their process group, for its whole life.
+
+    Reconfigure only where every piece is known to hold: torch has the API; the backend is gloo
+    alone (``nccl2`` has it too, but nothing here can pin it: no machine with several GPUs); the
+    model is replicated and wrapped by the runtime's own DDP (built once, without the
+    collectives of its start, which a joiner would run alone: the state sync does their work).
+    A sharded model's mesh groups come from ``new_group``, which cannot be made reconfigurable,
+    and a script's own wrap may run collectives of its own whenever it is called."""
+    if forced_rebuild:
+        return StrategyChoice(GroupStrategy.REBUILD, "asked for")
+    if not torch_can:
+        return StrategyChoice(GroupStrategy.REBUILD, f"torch {torch.__version__} cannot reconfigure a group")
+    backends = {name.lower() for name in dist.BackendConfig(backend).get_device_backend_map().values()}
+    if backends != {dist.Backend.GLOO}:
+        return StrategyChoice(GroupStrategy.REBUILD, f"the {backend} backend is not pinned here")
+    if sharded:
+        return StrategyChoice(GroupStrategy.REBUILD, "a sharded model's mesh groups cannot be reconfigured")
+    if not default_wrap:
+        return StrategyChoice(GroupStrategy.REBUILD, "the script wraps the model itself")
+    return StrategyChoice(GroupStrategy.RECONFIGURE, "gloo, the runtime's DDP")
+
+
+def next_group(strategy: GroupStrategy, *, group_alive: bool, failed: bool) -> GroupStrategy:
+    """What the next generation does with the worker's group: reconfigure the one it has, or
+    build a new one (a reconfigurable one where ``strategy`` reconfigures).
+
+    After a failure the group is rebuilt even where it could be reconfigured: on gloo a peer's
+    death reaches only the collectives that wait on it directly, and only destroying a group
+    closes its connections, so a survivor that reconfigured at once would leave another one
+    waiting in its collective for the whole timeout (pinned in tests/process/test_torch_reconfigure.py).
+    A change every member agreed on at a step boundary has no collective pending: reconfigure."""
+    if strategy is GroupStrategy.REBUILD or failed or not group_alive:
+        return GroupStrategy.REBUILD
+    return GroupStrategy.RECONFIGURE
+
+
+def checked_handle(text: object) -> str:
+    """A peer's handle, as torch may parse it: printable ASCII, bounded; else ValueError."""
+    if not isinstance(text, str) or not _HANDLE_RE.fullmatch(text):
+        raise ValueError(f"a reconfigure handle must be 1 to {MAX_HANDLE_BYTES} printable ASCII characters, "
+                         f"got {str(text)[:80]!r}")
+    return text
+
+
+class GenerationStore(dist.Store):
+    """A c10d store that forwards to the current generation's store (see the module docstring).
+
+    Written by the training thread (:meth:`point_at`, before the generation's reconfigure) and
+    read by gloo's threads during it; the target is replaced whole under a lock."""
+
+    def __init__(self, timeout: datetime.timedelta) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._lock = threading.Lock()
+        self._target: dist.Store = dist.HashStore()  # until the first generation: the group of one
+        self.set_timeout(timeout)
+
+    def point_at(self, store: dist.Store) -> None:
+        with self._lock:
+            self._target = store
+
+    @property
+    def target(self) -> dist.Store:
+        with self._lock:
+            return self._target
+
+    def set(self, key, value) -> None:
+        self.target.set(key, value)
+
+    def get(self, key) -> bytes:
+        return self.target.get(key)
+
+    def add(self, key, amount) -> int:
+        return self.target.add(key, amount)
+
+    def compare_set(self, key, expected_value, desired_value) -> bytes:
+        return self.target.compare_set(key, expected_value, desired_value)
+
+    def wait(self, keys, timeout=None) -> None:
+        if timeout is None:
+            self.target.wait(keys)
+        else:
+            self.target.wait(keys, timeout)
+
+    def check(self, keys) -> bool:
+        return self.target.check(keys)
+
+    def delete_key(self, key) -> bool:
+        return self.target.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.target.num_keys()
+
+    # The pybind trampoline looks these two up by their C++ names.
+    getNumKeys = num_keys
+    deleteKey = delete_key
+
+    def multi_get(self, keys) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys, values) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+
+# The uuid of the group of one each worker starts with: drawn from a range no generation number
+# reaches, so that it never meets a generation's uuid (its number) nor, in practice, another's.
+_SOLO_UUIDS = (1 << 40, 1 << 62)
+
+
+class ReconfigurableGroup:
+    """This worker's default process group, made once and reconfigured for each generation.
+
+    It starts as a group of this worker alone, reconfigured once under a random uuid: a gloo
+    handle names the member's rank and the uuid of its last reconfigure, so two workers that
+    never reconfigured would hand over the same handle (rank 0, none), which torch refuses.
+    """
+
+    def __init__(self, backend: str, timeout: datetime.timedelta) -> None:
+        self.store = GenerationStore(timeout)
+        self.timeout = timeout
+        dist.init_process_group(backend, store=self.store, rank=0, world_size=1, timeout=timeout,
+                                enable_reconfigure=True)
+        self.group = dist.distributed_c10d._get_default_group()
+        if not dist._supports_reconfigure(self.group):
+            dist.destroy_process_group()
+            raise RuntimeError(f"the {backend} process group does not support reconfiguration")
+        solo = secrets.SystemRandom().randrange(*_SOLO_UUIDS)
+        dist._reconfigure(solo, [dist._get_reconfigure_handle(self.group)], group=self.group,
+                          timeout=timeout).wait()
+
+    @property
+    def handle(self) -> str:
+        """What this worker's peers pass to the next reconfigure (it changes with each one)."""
+        return dist._get_reconfigure_handle(self.group)
+
+    def reconfigure(self, uuid: int, handles: list[str], store: dist.Store) -> None:
+        """Re-form the group over ``handles`` (rank = position), exchanging addresses through
+        ``store`` (every member of the generation passes the same one); raises on failure."""
+        handles = [checked_handle(handle) for handle in handles]
+        self.store.point_at(store)
+        dist._reconfigure(uuid, handles, group=self.group, timeout=self.timeout).wait()
+
+    def release_store(self) -> None:
+        """Let go of the generation's store (until the next reconfigure points at another)."""
+        self.store.point_at(dist.HashStore())
+
+    def revoke(self) -> None:
+        """Make a collective pending on this group raise now (a lost peer); the next
+        :meth:`reconfigure` recovers the group."""
+        self.group.abort()
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def handles_of(store: dist.Store, rank: int, world_size: int, handle: str) -> list[str]:
+    """Every member's handle in rank order, exchanged through the generation's store; each one
+    checked before torch parses it."""
+    store.set(f"reconfigure-handle/{rank}", handle)
+    return [checked_handle(store.get(f"reconfigure-handle/{peer}").decode("ascii", errors="replace"))
+            for peer in range(world_size)]

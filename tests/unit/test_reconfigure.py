@@ -1,0 +1,79 @@
+"""The pure choices of elasticctl.train.reconfigure: whether a hot-mode worker reconfigures one
+process group in place or builds one per generation, and what it takes from a peer as a handle.
+What torch does underneath is pinned in tests/process/test_torch_reconfigure.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elasticctl.errors import ConfigError
+from elasticctl.job.environment import REBUILD_GROUPS, rebuild_groups
+from elasticctl.train.reconfigure import (MAX_HANDLE_BYTES, GroupStrategy, checked_handle, group_strategy,
+                                          next_group, torch_can_reconfigure)
+
+R, B = GroupStrategy.RECONFIGURE, GroupStrategy.REBUILD
+
+
+@pytest.mark.parametrize(("backend", "torch_can", "sharded", "default_wrap", "forced", "expected", "why"), [
+    ("gloo", True, False, True, False, R, "gloo"),
+    ("cpu:gloo", True, False, True, False, R, "gloo"),
+    ("gloo", False, False, True, False, B, "cannot reconfigure"),
+    ("nccl", True, False, True, False, B, "not pinned"),
+    ("cpu:gloo,cuda:nccl", True, False, True, False, B, "not pinned"),
+    ("gloo", True, True, True, False, B, "mesh"),
+    ("gloo", True, False, False, False, B, "wraps the model itself"),
+    ("gloo", True, False, True, True, B, "asked for"),
+])
+def test_which_workers_reconfigure(backend, torch_can, sharded, default_wrap, forced, expected, why):
+    choice = group_strategy(backend, torch_can, sharded=sharded, default_wrap=default_wrap, forced_rebuild=forced)
+    assert choice.strategy is expected and why in choice.why
+
+
+@pytest.mark.parametrize(("strategy", "alive", "failed", "expected"), [
+    (R, True, False, R),   # a change agreed at a boundary: in place
+    (R, True, True, B),    # a failure: destroyed, so that every survivor's collective raises
+    (R, False, False, B),  # no group yet (the first generation) or destroyed by a failure
+    (B, True, False, B),
+    (B, False, True, B),
+])
+def test_what_the_next_generation_does_with_the_group(strategy, alive, failed, expected):
+    assert next_group(strategy, group_alive=alive, failed=failed) is expected
+
+
+def test_this_torch_can_reconfigure():
+    # The torch the project pins has it; a torch without it is refused nothing, it rebuilds.
+    assert torch_can_reconfigure()
+
+
+@pytest.mark.parametrize("handle", ["gloo:0:5:0:", "gloo:1:1099511627776:0:127.0.0.1:2379", "x" * MAX_HANDLE_BYTES])
+def test_handles_as_torch_writes_them_are_taken(handle):
+    assert checked_handle(handle) == handle
+
+
+@pytest.mark.parametrize("handle", ["", "x" * (MAX_HANDLE_BYTES + 1), "gloo:0 5", "gloo:\n", "gl\u00f6o", None, b"gloo"])
+def test_anything_else_is_refused(handle):
+    with pytest.raises(ValueError):
+        checked_handle(handle)
+
+
+@given(st.text(max_size=64))
+def test_any_text_is_a_handle_only_if_printable_ascii(text):
+    try:
+        assert checked_handle(text) == text
+    except ValueError:
+        assert not text or not all(0x21 <= ord(c) <= 0x7e for c in text)
+    else:
+        assert text and all(0x21 <= ord(c) <= 0x7e for c in text)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", False), ("0", False), ("1", True)])
+def test_rebuild_groups_reads_0_or_1(value, expected):
+    assert rebuild_groups({REBUILD_GROUPS: value}) is expected
+
+
+@pytest.mark.parametrize("value", ["yes", "2", " 1", "１"])
+def test_rebuild_groups_refuses_anything_else_naming_it(value):
+    with pytest.raises(ConfigError, match=REBUILD_GROUPS):
+        rebuild_groups({REBUILD_GROUPS: value})
