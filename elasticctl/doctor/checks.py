@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
+
+from elasticctl.errors import quote
 
 MIN_PYTHON = (3, 10)
 # The rendezvous does a few etcd round trips per heartbeat and per round; on a LAN
@@ -20,6 +23,13 @@ CLOCK_FAIL_S = 30.0
 # transport need far more (NCCL fails with "unhandled system error" when it runs out).
 SHM_WARN_BYTES = 1 << 30
 GPU_HOT_CELSIUS = 90
+# etcd 3.5.0 to 3.5.2 stored a member's applied index ahead of the writes it stood for: a member
+# restarted after a crash under load could skip committed writes, and its data then silently
+# differed from the other members' (etcd's v3.5 data-inconsistency postmortem). Fixed in 3.5.3.
+INCONSISTENT_ETCD = ((3, 5, 0), (3, 5, 2))
+# An etcd server version as a member reports it: '3.5.1', '3.6.0-rc.3'. A pre-release counts as
+# its release. ASCII digits only, bounded: the text comes from the network.
+_ETCD_VERSION_RE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})\.([0-9]{1,4})(?:[-+][0-9A-Za-z.+-]{1,40})?")
 
 GIB = float(1 << 30)
 
@@ -249,6 +259,59 @@ def decide_etcd(endpoints: str, latencies_ms: Sequence[float], error: str | None
         return Check(name, Status.WARN, f"{detail} (above {ETCD_LATENCY_WARN_MS:g} ms)",
                      "Run etcd close to the nodes (same network, not across regions).")
     return passed(name, detail)
+
+
+def parse_etcd_version(text: object) -> tuple[int, int, int] | None:
+    """``text`` as an etcd server version (major, minor, patch), else None."""
+    match = _ETCD_VERSION_RE.fullmatch(text) if isinstance(text, str) else None
+    return (int(match[1]), int(match[2]), int(match[3])) if match else None
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdMember:
+    """A member of the job's etcd cluster: its name and the version it reported, both text from
+    the network; ``version`` None: not read, and ``error`` says why."""
+
+    name: str
+    version: str | None
+    error: str | None = None
+
+
+def _member(member: EtcdMember) -> str:
+    return quote(member.name, 40) if member.name else "an unnamed member"
+
+
+def _why_unknown(member: EtcdMember) -> str:
+    why = (member.error or "not asked").rstrip(".")[:200]
+    return why if why.isprintable() else repr(why)[1:-1]  # control characters escaped: one line
+
+
+def decide_etcd_members(members: Sequence[EtcdMember], error: str | None = None) -> Check:
+    """Warn when the job's etcd has several members and any runs 3.5.0-3.5.2 (``error``: why the
+    member list could not be read). One member has no other to disagree with."""
+    name = "etcd-version"
+    if error is not None:
+        return Check(name, Status.WARN, f"cannot list the etcd members to check their versions: {error}",
+                     "Let this etcd user list the cluster's members (etcdctl member list).")
+    if not members:
+        return passed(name, "etcd listed no member: nothing to check")
+    low, high = INCONSISTENT_ETCD
+    read = {m: parse_etcd_version(m.version) for m in members}
+    shown = ", ".join(
+        f"{_member(m)} {m.version}" if read[m] else
+        f"{_member(m)} unknown ({_why_unknown(m)})" if m.version is None else
+        f"{_member(m)} unreadable version {quote(m.version, 40)}"
+        for m in sorted(members, key=lambda m: m.name))
+    if len(members) == 1:
+        return passed(name, f"1 member ({shown}): the etcd 3.5.0-3.5.2 data-inconsistency bug needs "
+                            "several members to disagree")
+    affected = [m for m in members if read[m] and low <= read[m] <= high]
+    if affected:
+        return Check(name, Status.WARN,
+                     f"{len(affected)} of the {len(members)} etcd members run 3.5.0-3.5.2 ({shown}): a member "
+                     "restarted after a crash under load can silently lose committed writes the others keep",
+                     "Upgrade the etcd members to 3.5.3 or later.")
+    return passed(name, f"{len(members)} members ({shown})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,18 +25,21 @@ from elasticctl.doctor.checks import (
     NVIDIA_SMI_QUERY,
     Check,
     DateSample,
+    EtcdMember,
     InterfaceFacts,
     RemoteNode,
     clock_offset_bounds,
     decide_checkpoint_marker,
     decide_clock,
+    decide_etcd_members,
     decide_gpus,
     decide_port,
     decide_shm,
     decide_torch_build,
     parse_nvidia_smi,
 )
-from elasticctl.etcd.client import EtcdSettings
+from elasticctl.errors import ElasticctlError
+from elasticctl.etcd.client import EtcdClient, EtcdSettings, member_versions
 from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.registry import Registry
 
@@ -281,6 +284,15 @@ def gather_etcd_latency(read: Callable[[], object], reads: int) -> list[float]:
         read()
         latencies.append((time.perf_counter() - start) * 1000)
     return latencies
+
+
+def gather_etcd_members(client: EtcdClient, timeout: float = 2.0) -> Check:
+    """The job's etcd members and the version each reports (``timeout``: per member)."""
+    try:
+        members = member_versions(client, timeout)
+    except ElasticctlError as exc:
+        return decide_etcd_members([], str(exc)[:1].lower() + str(exc)[1:].rstrip("."))
+    return decide_etcd_members([EtcdMember(m.name, m.version, m.error) for m in members])
 
 
 def _http_context(settings: EtcdSettings) -> ssl.SSLContext | None:

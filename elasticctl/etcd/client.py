@@ -12,6 +12,7 @@ compatible). This module adds what a training job needs on top of it:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import re
@@ -411,6 +412,60 @@ class EtcdClient:
         return self._call(
             "list its members", lambda c: [url for m in c.members for url in m.client_urls]
         )
+
+    def members(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(name, client URLs) of every member of the cluster, as etcd lists them (a member added
+        but not started yet has neither)."""
+        return self._call(
+            "list its members", lambda c: [(m.name, tuple(m.client_urls)) for m in c.members]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberVersion:
+    """One member of the etcd cluster and the server version it reported, as text from the
+    network (unvalidated); ``version`` None: it could not be asked, ``error`` says why."""
+
+    name: str
+    version: str | None
+    error: str | None = None
+
+
+def member_versions(client: EtcdClient, timeout: float = 2.0) -> list[MemberVersion]:
+    """Every member's etcd version, each asked of that member: etcd's Status call answers for
+    the member it reaches, so one client per member, at the client URLs it advertises (with
+    this client's TLS and credentials), each given ``timeout`` seconds, all at once.
+
+    A single member is the one ``client`` reaches already: no second connection. The other
+    members' URLs come from etcd's member list, which only etcd's own configuration (or its
+    root user) sets: whoever controls that controls the job already.
+    """
+    members = client.members()
+    if len(members) == 1:
+        return [MemberVersion(members[0][0], client.server_version())]
+
+    def ask(name: str, urls: tuple[str, ...]) -> MemberVersion:
+        if not urls:
+            return MemberVersion(name, None, "it has not started (no client URL)")
+        try:
+            endpoints, scheme = parse_endpoints(",".join(urls))
+            settings = dataclasses.replace(
+                client.settings, endpoints=endpoints, protocol=scheme or client.settings.protocol,
+                read_timeout=min(client.settings.read_timeout, timeout), retry_timeout=timeout,
+            )
+        except ConfigError as exc:
+            return MemberVersion(name, None, f"its client URLs are unusable: {exc}")
+        probe = EtcdClient(settings)
+        try:
+            return MemberVersion(name, probe.server_version())
+        except ElasticctlError as exc:
+            return MemberVersion(name, None, str(exc))
+        finally:
+            probe.close()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(members)) or 1,
+                                               thread_name_prefix="elasticctl-member") as pool:
+        return list(pool.map(lambda member: ask(*member), members))
 
 
 def _bytes(value: bytes | str) -> bytes:

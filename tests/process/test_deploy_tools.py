@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 from support.deploy import (
@@ -75,7 +76,15 @@ def test_k8s_kustomize_renders(variant):
     result = subprocess.run([kubectl, "kustomize", str(K8S / variant)], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     rendered = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout) if d}
-    cont = container(rendered[("Deployment", "trainer")], "trainer")
+    # What kustomize makes of the manifests (labels added, images set, patches applied) is what
+    # the cluster gets: every object must fit the schemas of a current Kubernetes, strictly.
+    version = kubernetes_validate.latest_version()
+    for (kind, name), obj in rendered.items():
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{kind}/{name} at {'.'.join(map(str, exc.path))}: {exc.message} (Kubernetes {version})")
+    cont = container(rendered[("Job", "trainer")], "trainer")
     args = cont["args"]
     if variant == "gpu":
         assert cont["resources"]["limits"]["nvidia.com/gpu"] >= 1
@@ -98,7 +107,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def recipe_up_lines() -> dict[str, list[str]]:
     """Every `elasticctl up` line the recipes run, with deploy-time values filled in."""
     lines = {f"compose:{name}": svc["command"][1:] for name, svc in trainer_services(load_compose()).items()}
-    trainer = k8s_objects(K8S)[("Deployment", "trainer")]
+    trainer = k8s_objects(K8S)[("Job", "trainer")]
     k8s_args = [a.replace("$(POD_IP)", "127.0.0.1") for a in container(trainer, "trainer")["args"][1:]]
     lines["k8s"] = k8s_args
     lines["k8s-gpu"] = ["--nproc-per-node=auto", *k8s_args]
@@ -115,10 +124,23 @@ def test_recipe_up_lines_are_accepted_by_the_cli(recipe):
     assert f"--nnodes={option(args, '--nnodes')}" in result.stdout
 
 
+def test_a_usage_error_exits_with_the_code_the_k8s_job_fails_at_once_for():
+    """The Job's podFailurePolicy fails the whole job on exit code 2 and retries any other failure:
+    `up` must exit 2 for a flag value it refuses (here a recovery mode it does not have)."""
+    trainer = k8s_objects(K8S)[("Job", "trainer")]
+    fail_job = [rule["onExitCodes"]["values"] for rule in trainer["spec"]["podFailurePolicy"]["rules"]
+                if rule["action"] == "FailJob"]
+    assert fail_job == [[2]]
+    args = recipe_up_lines()["k8s"]
+    result = _cli("up", "--dry-run", "--recovery=sideways", *args)
+    assert result.returncode == 2, result.stderr
+    assert "sideways" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_health_checks_call_status_with_flags_it_has():
     help_text = _cli("status", "--help")
     assert help_text.returncode == 0, help_text.stderr
-    probe = container(k8s_objects(K8S)[("Deployment", "trainer")], "trainer")["readinessProbe"]["exec"]["command"]
+    probe = container(k8s_objects(K8S)[("Job", "trainer")], "trainer")["readinessProbe"]["exec"]["command"]
     for flag in [a.split("=")[0] for a in probe[2:]] + ["--etcd", "--job"]:
         assert flag in help_text.stdout, f"`elasticctl status` has no {flag}"
 

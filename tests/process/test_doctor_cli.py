@@ -67,10 +67,11 @@ def test_a_healthy_host_passes_every_check(default_etcd, job, tmp_path):
     assert code == 0, checks
     assert [c for c in checks.values() if c["status"] == "fail"] == []
     for name in ("job", "versions", "torch-agreement", "gpus", "interface", "etcd", "clock", "ports", "shm",
-                 "checkpoint-dir", "checkpoint-shared"):
+                 "checkpoint-dir", "checkpoint-shared", "etcd-version"):
         assert name in checks, name
-    for name in ("interface", "ports", "checkpoint-dir", "checkpoint-shared"):
+    for name in ("interface", "ports", "checkpoint-dir", "checkpoint-shared", "etcd-version"):
         assert checks[name]["status"] == "pass", checks[name]
+    assert checks["etcd-version"]["detail"].startswith("1 member ('elasticctl' 3."), checks["etcd-version"]
     for name in ("etcd", "clock"):  # a latency warning is what a loaded machine (the suite) earns
         assert checks[name]["status"] in ("pass", "warn"), checks[name]
     assert checks["etcd"]["detail"].startswith(f"{default_etcd.endpoint} answers, median ")

@@ -18,6 +18,8 @@ import shlex
 import sys
 from pathlib import Path
 
+import click
+import kubernetes_validate
 import pytest
 import yaml
 from support.deploy import (
@@ -304,9 +306,13 @@ def test_k8s_etcd_statefulset_service_and_probes():
 
 def test_k8s_trainer_is_scalable_with_grace_pod_ip_pvc_shm_and_readiness():
     objects = k8s_objects(K8S)
-    trainer = objects.get(("Deployment", "trainer")) or objects[("StatefulSet", "trainer")]
+    trainer = objects[("Job", "trainer")]
     spec = pod_spec(trainer)
-    assert isinstance(trainer["spec"]["replicas"], int)
+    # An elastic Indexed Job resizes by changing both counts together, within --nnodes MIN:MAX.
+    nodes = trainer["spec"]["completions"]
+    assert isinstance(nodes, int) and trainer["spec"]["parallelism"] == nodes
+    low, high = map(int, option(container(trainer, "trainer")["args"], "--nnodes").split(":"))
+    assert low <= nodes <= high
     assert spec["terminationGracePeriodSeconds"] >= 60
     assert spec["securityContext"]["runAsNonRoot"] is True and "fsGroup" in spec["securityContext"]
     cont = container(trainer, "trainer")
@@ -338,11 +344,78 @@ def test_k8s_trainer_is_scalable_with_grace_pod_ip_pvc_shm_and_readiness():
     assert volumes[shm]["emptyDir"]["medium"] == "Memory"
 
 
+# The oldest Kubernetes the trainer Job is written for (backoffLimitPerIndex is GA from 1.33), and
+# the newest whose schemas the kubernetes-validate package ships.
+K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", sorted(p.relative_to(K8S).as_posix() for p in K8S.rglob("*.yaml")
+                                        if p.name != "kustomization.yaml"))
+def test_k8s_manifests_match_the_kubernetes_schemas(path, version):
+    """Strict: a misspelt or misplaced field fails, as `kubectl apply --validate=strict` would.
+    (tests/process/test_deploy_tools.py validates what kustomize renders from them too.)"""
+    for doc in k8s_docs(K8S / path):
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path}: {doc['kind']}/{doc['metadata']['name']} at {'.'.join(map(str, exc.path))}: "
+                        f"{exc.message}")
+
+
+def job_controller_verdict(job: dict, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
+    """What the Job controller does with a pod of ``job`` whose trainer exited with ``exit_code``:
+    its podFailurePolicy read as Kubernetes reads it (the first matching rule wins; no match
+    counts against the index's retries; a pod that exited 0 Succeeded and is never judged)."""
+    if exit_code == 0:
+        return "index complete"
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes is not None:
+            if codes.get("containerName", "trainer") != "trainer":
+                continue
+            listed = exit_code in codes["values"]
+            if listed == (codes["operator"] == "In"):
+                return rule["action"]
+        elif any(c["type"] in conditions and c.get("status", "True") == "True" for c in rule["onPodConditions"]):
+            return rule["action"]
+    return "Count"
+
+
+@pytest.mark.parametrize(("what", "exit_code", "conditions", "verdict"), [
+    # elasticctl/node.py: a finished job, `down`, `leave` and SIGTERM all end the node with 0.
+    ("training finished or elasticctl down", 0, (), "index complete"),
+    ("elasticctl leave", 0, (), "index complete"),
+    ("drained or evicted, left within the grace period", 0, ("DisruptionTarget",), "index complete"),
+    # click's usage errors (elasticctl.cli.main keeps their code): every pod would fail alike.
+    ("usage error", click.UsageError("").exit_code, (), "FailJob"),
+    ("its workers failed past --max-restarts, or etcd out of reach", 1, (), "Count"),
+    ("OOM-killed", 137, (), "Count"),
+    ("its node lost, preempted, or killed past the grace period", 137, ("DisruptionTarget",), "Ignore"),
+])
+def test_k8s_trainer_job_never_restarts_a_node_that_finished_or_left(what, exit_code, conditions, verdict):
+    trainer = k8s_objects(K8S)[("Job", "trainer")]
+    assert job_controller_verdict(trainer, exit_code, conditions) == verdict, what
+
+
+def test_k8s_trainer_job_retries_a_failed_index_alone_and_replaces_only_stopped_pods():
+    trainer = k8s_objects(K8S)[("Job", "trainer")]
+    spec = trainer["spec"]
+    # Indexed, with retries per index: one node that keeps failing does not end the others.
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimitPerIndex"] >= 1
+    assert spec.get("maxFailedIndexes") is None, "a node failed for good leaves the others training"
+    # A replacement only once the old pod stopped: never more pods than --nnodes MAX.
+    assert spec["podReplacementPolicy"] == "Failed"
+    # The kubelet restarting the container in place would bypass the failure policy.
+    assert pod_spec(trainer)["restartPolicy"] == "Never"
+    assert ("Deployment", "trainer") not in k8s_objects(K8S), "a Deployment restarts a pod that exited 0"
+
+
 def test_k8s_etcd_network_policy_admits_the_trainer_pods():
     objects = k8s_objects(K8S)
     policy = objects[("NetworkPolicy", "etcd")]
     etcd_labels = objects[("StatefulSet", "etcd")]["spec"]["template"]["metadata"]["labels"]
-    trainer = objects.get(("Deployment", "trainer")) or objects[("StatefulSet", "trainer")]
+    trainer = objects[("Job", "trainer")]
     trainer_labels = trainer["spec"]["template"]["metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= etcd_labels.items()
     client_rules = [r for r in policy["spec"]["ingress"] if {"port": 2379} in r.get("ports", [])]

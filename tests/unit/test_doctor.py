@@ -8,10 +8,12 @@ tests/contract/test_doctor_clock.py, tests/process/test_doctor_cli.py.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from elasticctl import doctor
 from elasticctl.doctor import Report, checks, gather
-from elasticctl.doctor.checks import Check, DateSample, Gpu, InterfaceFacts, RemoteNode, Status
+from elasticctl.doctor.checks import Check, DateSample, EtcdMember, Gpu, InterfaceFacts, RemoteNode, Status
 from elasticctl.job.registry import NODE_FIELDS, typed_record
 
 
@@ -154,6 +156,72 @@ def test_socket_ifname_values_select_interfaces_as_gloo_and_nccl_do(value, exact
 def test_etcd(latencies, error, status, needle):
     check = checks.decide_etcd("h:1", latencies, error)
     assert check.status is status and needle in check.detail, check
+
+
+def members(*versions: str | None) -> list[EtcdMember]:
+    return [EtcdMember(f"m{i}", v, None if v else "no answer") for i, v in enumerate(versions)]
+
+
+UPGRADE = "Upgrade the etcd members to 3.5.3 or later."
+
+
+@pytest.mark.parametrize(("found", "status", "needle"), [
+    # One member has no other to disagree with, whatever its version.
+    (members("3.5.1"), PASS, "1 member ('m0' 3.5.1): the etcd 3.5.0-3.5.2 data-inconsistency bug needs"),
+    (members("3.5.0"), PASS, "1 member ('m0' 3.5.0)"),
+    # Several members: any one on 3.5.0, 3.5.1 or 3.5.2 is worth the warning.
+    (members("3.5.1", "3.5.1", "3.5.1"), WARN, "3 of the 3 etcd members run 3.5.0-3.5.2 ('m0' 3.5.1, 'm1' 3.5.1"),
+    (members("3.5.0", "3.5.4", "3.5.4"), WARN, "1 of the 3 etcd members run 3.5.0-3.5.2"),
+    (members("3.5.4", "3.5.2"), WARN, "1 of the 2 etcd members"),
+    (members("3.5.2-rc.0", "3.5.21"), WARN, "1 of the 2"),  # a pre-release counts as its release
+    # Before and after the bug.
+    (members("3.4.23", "3.4.23", "3.4.23"), PASS, "3 members ('m0' 3.4.23, 'm1' 3.4.23, 'm2' 3.4.23)"),
+    (members("3.5.3", "3.5.3", "3.5.3"), PASS, "3 members"),
+    (members("3.6.0", "3.6.0", "3.5.21"), PASS, "3 members"),
+    (members("3.5.10", "3.5.20"), PASS, "2 members"),  # compared as numbers, not as text
+    # Unknown or unreadable versions are named, and cannot raise a warning on their own.
+    (members("3.5.4", None, "3.5.4"), PASS, "'m1' unknown (no answer)"),
+    (members("3.5.4", "３.5.1"), PASS, "'m1' unreadable version '３.5.1'"),
+    (members("3.5.1", None), WARN, "'m1' unknown (no answer)"),
+    ([EtcdMember("", "3.5.1"), EtcdMember("b", "3.5.1")], WARN, "an unnamed member 3.5.1"),
+    ([], PASS, "etcd listed no member"),
+])
+def test_etcd_members(found, status, needle):
+    check = checks.decide_etcd_members(found)
+    assert check.name == "etcd-version" and check.status is status and needle in check.detail, check
+    assert check.fix == (UPGRADE if status is WARN else "")
+
+
+def test_etcd_members_unlisted_is_a_warning_saying_why():
+    check = checks.decide_etcd_members([], "etcd at h:1 refused to list its members: permission denied")
+    assert check.status is WARN and check.detail.endswith("refused to list its members: permission denied")
+    assert "member list" in check.fix
+
+
+@pytest.mark.parametrize(("text", "version"), [
+    ("3.5.1", (3, 5, 1)), ("3.4.23", (3, 4, 23)), ("3.6.0-rc.3", (3, 6, 0)), ("3.5.3+git", (3, 5, 3)),
+    ("3.5", None), ("v3.5.1", None), (" 3.5.1", None), ("3.5.1\n", None), ("3.5.1-", None), ("3.٥.1", None),
+    ("", None), (None, None), (351, None), ("99999.0.0", None),
+])
+def test_etcd_version_is_read_strictly(text, version):
+    assert checks.parse_etcd_version(text) == version
+
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+VERSION_LIKE = st.one_of(st.none(), st.text(max_size=60),
+                         st.from_regex(r"[0-9]{1,5}\.[0-9]{1,5}\.[0-9]{1,5}([-+][A-Za-z0-9.]{0,45})?", fullmatch=True))
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.text(max_size=80), VERSION_LIKE, st.none() | st.text(max_size=80)), max_size=6))
+def test_fuzz_etcd_members_from_the_network_never_raise_and_warn_only_on_an_affected_member(found):
+    """Names and versions come from etcd's member list and each member's status: any text."""
+    listed = [EtcdMember(*member) for member in found]
+    check = checks.decide_etcd_members(listed)
+    assert check.detail.isprintable(), check
+    versions = [checks.parse_etcd_version(m.version) for m in listed]
+    bad = [v for v in versions if v is not None and (3, 5, 0) <= v <= (3, 5, 2)]
+    assert (check.status is WARN) == (len(listed) > 1 and bool(bad)), check
 
 
 def samples_with_offset(offset: float, start: float = 1_000_000.25, count: int = 6) -> list[DateSample]:
