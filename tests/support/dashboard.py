@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import urllib.request
+from collections.abc import Mapping, Sequence
 
 from support.helpers import ELASTICCTL
 
@@ -28,11 +29,14 @@ MEMBER = b'{"node": "a", "state": "training", "round": 3, "rank": 0, "restarts":
 class Dashboard:
     """`elasticctl dashboard` as a process on a free loopback port; stopped by ``stop``."""
 
-    def __init__(self, endpoint: str, *args: str) -> None:
+    def __init__(self, endpoint: str, *args: str, program: Sequence[str] = ELASTICCTL,
+                 env: Mapping[str, str] | None = None) -> None:
+        """``program``: the elasticctl to run (another installation's, with its ``env``)."""
         self.process = subprocess.Popen(
-            [*ELASTICCTL, "dashboard", "--etcd", endpoint, "--listen", "127.0.0.1:0", *args],
+            [*program, "dashboard", "--etcd", endpoint, "--listen", "127.0.0.1:0", *args],
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         line = self.process.stderr.readline()  # the first line says where it listens
         found = re.search(r"http://127\.0\.0\.1:\d+/", line)
