@@ -187,6 +187,13 @@ def test_the_planted_job_has_a_value_for_every_metric_the_dashboard_declares():
     assert {f.name for f in families if f.samples and not f.name.endswith("_created")} == declared
 
 
+def test_the_docs_name_every_metric_the_dashboard_declares_and_no_other():
+    docs = (RULES.parents[2] / "docs" / "operations.md").read_text()
+    documented = {name.removesuffix("_total") for name in re.findall(r"`(elasticctl_\w+)", docs)}
+    declared = set(re.findall(r'"(elasticctl_\w+)"', Path(server.__file__).read_text()))
+    assert documented == declared, (documented - declared, declared - documented)
+
+
 def test_every_metric_in_the_rules_and_the_grafana_panels_is_exported():
     exported = exported_sample_names()
     recorded = {rule["record"] for group in rule_groups() for rule in group["rules"] if "record" in rule}
