@@ -187,12 +187,14 @@ def events(job, follow, as_json, since, **etcd_params) -> None:
 @click.command(context_settings=_FLAT_ENV)
 @etcd_options
 @click.option("--job", default=None, callback=_checked_name("job name"),
-              help="The job (default: the only job in etcd); a job that is down keeps its history for an hour.")
+              help="Serve this job only (default: every job in etcd, each metric labelled with its job; "
+                   "the page shows the only one or lets you pick); a job that is down keeps its history "
+                   "for an hour.")
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, metavar="HOST:PORT",
               help="Address of the page and /metrics (port 0: a free port). Loopback by default.")
 def dashboard(job, listen, **etcd_params) -> None:
-    """A read-only live web page of the job (nodes, world size, steps/s, loss, events) and
-    Prometheus metrics at /metrics, from etcd alone."""
+    """A read-only live web page of the jobs (nodes, world size, steps/s, loss, events) and
+    Prometheus metrics of every job at /metrics, from etcd alone."""
     from elasticctl.dashboard.server import parse_listen, serve
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.registry import job_has_keys
@@ -200,15 +202,14 @@ def dashboard(job, listen, **etcd_params) -> None:
     host, port = parse_listen(listen)  # before etcd: a typo is reported at once
     client = connect(_settings(etcd_params))
     keys = JobKeys(job, etcd_params["key_prefix"]) if job else None
-    if keys is None:
-        keys = JobKeys(resolve_job(client, None, etcd_params["key_prefix"]), etcd_params["key_prefix"])
-    elif not job_has_keys(client, keys):  # neither running nor a history left
+    if keys is not None and not job_has_keys(client, keys):  # neither running nor a history left
         resolve_job(client, job, etcd_params["key_prefix"])  # raises: names the job and the known ones
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request, once a second
-    server = serve(client, keys, host, port)
+    server = serve(client, keys, host, port, key_prefix=etcd_params["key_prefix"])
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"elasticctl: dashboard of job {keys.job} at http://{shown}:{server.port}/ "
+    what = f"job {keys.job}" if keys else "every job in etcd"
+    click.echo(f"elasticctl: dashboard of {what} at http://{shown}:{server.port}/ "
                "(metrics at /metrics); Ctrl-C stops it.", err=True)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     try:

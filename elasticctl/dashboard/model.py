@@ -1,6 +1,11 @@
 """The dashboard's pure part: what one look at etcd found (:class:`Reading`, raw and untrusted)
 becomes the page's JSON (:func:`job_view`) and the values of ``/metrics`` (:func:`job_metrics`).
 
+Totals (recoveries, restarts spent, events by kind) come from the job's counters
+(:mod:`elasticctl.job.counters`), never from the bounded history: a total recounted from it would
+go down when the history forgets an old event. Label values come from closed sets (a node's state,
+an event kind, a checkpoint error's kind), never from free text read from etcd.
+
 No I/O and no clock here (``now`` comes in the reading), so every rule is testable with planted
 bytes. A record that does not parse is skipped, a field of the wrong type reads as absent: a
 malformed or hostile key can blank a cell, never break the page.
@@ -9,9 +14,11 @@ malformed or hostile key can blank a cell, never break the page.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterable, Mapping, Sequence
 
 from elasticctl.errors import ConfigError
+from elasticctl.job.counters import JobCounters, total
 from elasticctl.job.events import describe, parse_events
 from elasticctl.job.records import (
     MEMBER_FIELDS,
@@ -29,9 +36,6 @@ from elasticctl.job.registry import spare_nodes, spares_expected
 from elasticctl.job.snapshot import JobSnapshot
 from elasticctl.job.spec import JobSpec, validate_name
 
-# Upper bounds (seconds) of the recovery-time histogram: from a free in-place re-form to a slow
-# restart with a checkpoint load.
-RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 # Seconds a time written by another host's clock may be ahead of (or before) ours and still count.
 CLOCK_SKEW = 60.0
 
@@ -54,6 +58,7 @@ class Reading:
     samples: Sequence[bytes] = ()  # history/progress/, in key (= time) order
     spec: JobSpec | None = None  # validated when read; None: none, or unreadable
     generation: Round | None = None  # the workers' current generation (hot recovery)
+    counters: Sequence[bytes] = ()  # history/counters/: the shards of the job's counters
 
     @classmethod
     def of(cls, snapshot: JobSnapshot, now: float) -> Reading:
@@ -70,6 +75,7 @@ class Reading:
             samples=snapshot.samples,
             spec=snapshot.spec,
             generation=snapshot.generation,
+            counters=snapshot.counters,
         )
 
 
@@ -246,22 +252,15 @@ def world_series(events: Sequence[Event], lifetime: tuple[float, float] | None =
     return {"time": [e.time for e in formed], "world_size": [e.world_size for e in formed]}
 
 
-def totals(events: Sequence[Event]) -> dict:
-    """What the recoveries cost: their count and seconds (``recovery_finished``: each from the first
-    fault or change to the first training step after it; ``round_formed``'s duration is only the
-    rendezvous part of that, so it is not added), restarts spent (``failure_judged`` that charged
-    one)."""
-    durations = [
-        e.duration
-        for e in events
-        if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
-    ]
+def totals(counters: JobCounters) -> dict:
+    """What the recoveries cost over the job's life: their count and seconds (``recovery_finished``:
+    each from the first fault or change to the first training step after it; ``round_formed``'s
+    duration is only the rendezvous part of that, so it is not added), restarts spent
+    (``failure_judged`` that charged one). From the job's counters, not its bounded history."""
     return {
-        "recoveries": len(durations),
-        "recovery_seconds": round(sum(durations), 3),
-        "restarts_spent": sum(
-            1 for e in events if e.kind is EventKind.FAILURE_JUDGED and e.charged
-        ),
+        "recoveries": counters.recoveries,
+        "recovery_seconds": round(counters.recovery_seconds, 3),
+        "restarts_spent": counters.restarts_spent,
     }
 
 
@@ -321,7 +320,7 @@ def job_view(reading: Reading) -> dict:
         "samples": samples_series(reading.samples, lifetime),
         "world": world_series(events, lifetime),
         "events": [event_row(e) for e in reversed(events)],  # newest first
-        "totals": totals(events),
+        "totals": totals(total(reading.counters)),
     }
 
 
@@ -339,17 +338,54 @@ def _age(now: float, then: float | None) -> float | None:
     return None if then is None else max(0.0, round(now - then, 3))
 
 
+class CheckpointErrorKind(str, enum.Enum):
+    """Why checkpoint writes fail, as a metric label: a closed set, so an error's text (a path, a
+    message from the file system, anything written in etcd) never becomes a label value."""
+
+    DISK_FULL = "disk_full"    # no space left, or the quota exhausted: free space, or move the directory
+    PERMISSION = "permission"  # the storage refuses writes: permissions, ownership, a read-only mount
+    OTHER = "other"            # anything else: `elasticctl status` quotes the sentence
+
+
+# What the checkpointer's sentence says, for each kind: its own words for the storage's state
+# (elasticctl.train.checkpoint_files.write_failure_reason) and the system's (strerror), lower case.
+_ERROR_WORDS = (
+    (CheckpointErrorKind.DISK_FULL, ("the disk is full", "no space left on device", "the disk quota is exhausted",
+                                     "disk quota exceeded")),
+    (CheckpointErrorKind.PERMISSION, ("permission denied", "operation not permitted", "the file system is read-only",
+                                      "read-only file system", "is not readable and writable by this user")),
+)
+
+
+def checkpoint_error_kind(error: str) -> CheckpointErrorKind:
+    """The kind of a checkpoint failure, from its sentence (``Writing the checkpoint of step N to
+    'DIR' failed: REASON.``): only the reason is read, so a directory whose name holds such words
+    does not decide it."""
+    _, failed, reason = error.rpartition(" failed: ")
+    said = (reason if failed else error).lower()
+    for kind, words in _ERROR_WORDS:
+        if any(word in said for word in words):
+            return kind
+    return CheckpointErrorKind.OTHER
+
+
+# The values of the `state` label of the nodes by state: what a node's records can say, and
+# `spare`; a state no version of elasticctl writes (a planted record) counts as `unknown`.
+NODE_STATES = frozenset({*(s.value for s in NodeState), *(s.value for s in MemberState), "spare", "unknown"})
+
+
+def state_label(state: str) -> str:
+    return state if state in NODE_STATES else "unknown"
+
+
 @dataclasses.dataclass(frozen=True)
 class JobMetrics:
     """The values ``/metrics`` exposes for one job (None: not known, the metric is left out)."""
 
     world_size: int
     round: int | None
-    nodes_by_state: dict[str, int]
-    restarts_spent: int
-    recovery_buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count), +Inf last
-    recovery_seconds: float
-    recoveries: int
+    nodes_by_state: dict[str, int]  # by :func:`state_label`
+    counters: JobCounters  # the job's totals for its life: recoveries, restarts, events by kind
     steps_per_s: float | None
     samples_per_s: float | None
     step: int | None
@@ -359,7 +395,7 @@ class JobMetrics:
     last_checkpoint_age: float | None = None  # the newest checkpoint_written event
     checkpoint_write_seconds: float | None = None  # that event's write duration
     checkpoint_failures: int | None = None  # writes failed in a row (0: the newest succeeded)
-    checkpoint_error: str = ""  # the newest failure's sentence while they fail
+    checkpoint_error: CheckpointErrorKind | None = None  # the newest failure's kind while they fail
     # From the job's spec (None without one: a plain torchrun job, or after `down`)
     nnodes_min: int | None = None
     nnodes_max: int | None = None
@@ -371,17 +407,30 @@ class JobMetrics:
     finished_nodes: int = 0
     # Live nodes named stragglers now: their step time over the others' median
     straggler_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
-    straggler_events: int = 0  # `straggler` events in the history (named or evicted)
     spares: int = 0  # live nodes waiting warm beside a full world (hot spares)
     spares_expected: int | None = None  # the spec's --spares N (None without a spec)
 
+    @property
+    def restarts_spent(self) -> int:
+        return self.counters.restarts_spent
 
-def histogram(values: Sequence[float], bounds: Sequence[float]) -> tuple[tuple[float, int], ...]:
-    """Cumulative counts of ``values`` for upper ``bounds``, +Inf last (Prometheus' form)."""
-    return (
-        *((bound, sum(1 for v in values if v <= bound)) for bound in bounds),
-        (float("inf"), len(values)),
-    )
+    @property
+    def recoveries(self) -> int:
+        return self.counters.recoveries
+
+    @property
+    def recovery_seconds(self) -> float:
+        return self.counters.recovery_seconds
+
+    @property
+    def recovery_buckets(self) -> tuple[tuple[float, int], ...]:
+        """(upper bound, cumulative count), +Inf last."""
+        return self.counters.histogram()
+
+    @property
+    def straggler_events(self) -> int:
+        """Nodes named (or evicted as) stragglers over the job's life."""
+        return self.counters.count(EventKind.STRAGGLER)
 
 
 def job_metrics(reading: Reading) -> JobMetrics:
@@ -393,28 +442,22 @@ def job_metrics(reading: Reading) -> JobMetrics:
     node_restarts: dict[str, int] = {}
     straggler_ratios: dict[str, float] = {}
     for row in nodes_table(reading):
-        by_state[row["state"]] = by_state.get(row["state"], 0) + 1
+        state = state_label(row["state"])
+        by_state[state] = by_state.get(state, 0) + 1
         node_restarts[row["id"]] = row["restarts"]
         if row["straggler"] is not None:
             straggler_ratios[row["id"]] = row["straggler"]
-    durations = [
-        e.duration
-        for e in events
-        if e.kind is EventKind.RECOVERY_FINISHED and e.duration is not None
-    ]
     progress = _progress(reading)
     rates = [r for r in samples_series(reading.samples, job_lifetime(events, reading.now))["steps_per_s"]
              if r is not None]
     checkpoint = newest_checkpoint(events, reading.now) or {}
+    error = progress.get("checkpoint_error")
     spec = reading.spec
     return JobMetrics(
         world_size=_world_size(members, current),
         round=current,
         nodes_by_state=by_state,
-        restarts_spent=totals(events)["restarts_spent"],
-        recovery_buckets=histogram(durations, RECOVERY_BUCKETS),
-        recovery_seconds=sum(durations),
-        recoveries=len(durations),
+        counters=total(reading.counters),
         steps_per_s=rates[-1] if rates else None,
         samples_per_s=progress.get("samples_per_s"),
         step=progress.get("step"),
@@ -424,14 +467,13 @@ def job_metrics(reading: Reading) -> JobMetrics:
         last_checkpoint_age=checkpoint.get("age"),
         checkpoint_write_seconds=checkpoint.get("duration"),
         checkpoint_failures=progress.get("checkpoint_failures", 0) if progress else None,
-        checkpoint_error=progress.get("checkpoint_error", ""),
+        checkpoint_error=checkpoint_error_kind(error) if error else None,
         nnodes_min=spec.min_nodes if spec else None,
         nnodes_max=spec.max_nodes if spec else None,
         restart_budget=spec.restart_budget if spec else None,
         node_restarts=node_restarts,
         finished_nodes=sum(1 for m in members.values() if m.get("state") == MemberState.DONE),
         straggler_ratios=straggler_ratios,
-        straggler_events=sum(1 for e in events if e.kind is EventKind.STRAGGLER),
         spares=by_state.get("spare", 0),
         spares_expected=spares_expected(spec) if spec else None,
     )

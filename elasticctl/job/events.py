@@ -8,6 +8,10 @@ over ``max_events`` deletes the oldest. Every event is bound to one shared lease
 live node (:meth:`EventLog.keep_alive`): the history expires ``EVENTS_TTL`` seconds
 after the job's last node and last event, and survives ``elasticctl down`` until then.
 
+Each event recorded also adds to the job's counters (:mod:`elasticctl.job.counters`), by
+compare-and-swap on the shard of the node it is about: totals that the history's bound never
+makes go down, for Prometheus.
+
 Writing never raises: an etcd error is logged and the event is lost, so a history
 problem can never stop a node or its agent.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from elasticctl.errors import ElasticctlError
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.etcd.watch import PrefixWatch
+from elasticctl.job.counters import JobCounters, shard_of, total
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.history import HISTORY_TTL, HistoryLease, trim_oldest
 from elasticctl.job.keys import JobKeys
@@ -31,6 +37,11 @@ from elasticctl.job.records import Event, EventKind
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 1000
+# Compare-and-swap tries to add an event to its counter shard. A shard is written by the writers
+# of one node's events only, so a conflict is rare; writers that do race back off for a random
+# time that grows with each conflict, so that none of them starves.
+COUNT_ATTEMPTS = 50
+COUNT_BACKOFF = 0.002  # seconds: the mean wait after the first conflict, then 2x, 3x ... (at most 50 ms)
 EVENTS_TTL = HISTORY_TTL  # seconds the history outlives its job's last writer
 
 # Frequent events, kept to a tenth of the history so that they never push the membership
@@ -63,6 +74,10 @@ class EventLog:
         event = Event(time=round(time.time() if at is None else at, 6), kind=kind, node=node, **fields)
         try:
             self._put(event)
+            try:
+                self._count(event)
+            except ElasticctlError as exc:  # the event is recorded; only the totals missed it
+                log.warning("cannot count the event %s of node %s: %s", kind.value, node or "-", exc)
             self._trim(kind)
         except ElasticctlError as exc:
             log.warning("cannot record the event %s of node %s: %s", kind.value, node or "-", exc)
@@ -144,6 +159,22 @@ class EventLog:
     def _put(self, event: Event) -> None:
         self._shared.put(self._keys.event(event.time, event.node, event.kind.value), event.to_json())
 
+    def _count(self, event: Event) -> JobCounters:
+        """Add ``event`` to its counter shard, by compare-and-swap; the shard's new totals."""
+        key = self._keys.counter_shard(shard_of(event))
+        current = self._client.get(key)
+        for attempt in range(1, COUNT_ATTEMPTS + 1):
+            counters = JobCounters.from_json(None if current is None else current.value).add(event)
+            revision = 0 if current is None else current.mod_revision
+            ok, current, _ = self._shared.bound(lambda lease, revision=revision, counters=counters:
+                                                self._client.compare_and_swap(key, counters.to_json(), revision,
+                                                                              lease=lease))
+            if ok:
+                return counters
+            time.sleep(random.uniform(0, 2 * min(COUNT_BACKOFF * attempt, 0.025)))  # a backoff, not a wait for anything
+        raise ElasticctlError(f"The counters of job {self._keys.job} kept changing under {COUNT_ATTEMPTS} tries "
+                              f"to count the event {event.kind.value}.")
+
     def _trim(self, kind: EventKind) -> None:
         if kind in ROUTINE:
             suffix = f"-{kind.value}".encode()
@@ -158,6 +189,11 @@ class EventLog:
         """The events in time order (from ``since``, epoch seconds); malformed ones are skipped."""
         return [e for e in parse_events(kv.value for kv in self._client.get_prefix(self._keys.events))
                 if since is None or e.time >= since]
+
+
+def read_counters(client: EtcdClient, keys: JobKeys) -> JobCounters:
+    """The job's counters: its shards added up (:func:`elasticctl.job.counters.total`)."""
+    return total(kv.value for kv in client.get_prefix(keys.counters))
 
 
 def event_records(client: EtcdClient, keys: JobKeys) -> list[tuple[bytes, bytes]]:

@@ -18,7 +18,11 @@ Under ``<key_prefix>/<job>/``::
                               is time order), bound to history/lease; kept after `down`
     history/progress/<time>   samples of rank 0's progress over time (time: microseconds,
                               zero-padded), bound to history/lease; for the dashboard's curves
-    history/lease             the id of the lease the events and samples are bound to
+    history/counters/<node>   totals of the job's events for the life of the job (job/counters.py),
+                              one shard per node the events are about (``_``: the job's own),
+                              updated by compare-and-swap as each event is recorded; bound to
+                              history/lease
+    history/lease             the id of the lease the events, samples and counters are bound to
     rdzv/nodes/<node>         rendezvous declarations, bound to each node's lease
     rdzv/ctl/round            the sealed round
     rdzv/ctl/closed           the job is done: no round after it
@@ -129,8 +133,16 @@ class JobKeys:
 
     @property
     def events_lease(self) -> str:
-        """The shared lease of everything under ``history/`` (events and progress samples)."""
+        """The shared lease of everything under ``history/`` (events, progress samples, counters)."""
         return self.history + "lease"
+
+    @property
+    def counters(self) -> str:
+        """The shards of the job's counters (job/counters.py): monotonic totals of its events."""
+        return self.history + "counters/"
+
+    def counter_shard(self, shard: str) -> str:
+        return self.counters + shard
 
     @property
     def progress_samples(self) -> str:

@@ -372,6 +372,8 @@ class Registry:
             if history else [],
             samples=[kv.value for kv in timed("range", lambda: self.client.get_prefix(self.keys.progress_samples))]
             if history else [],
+            counters=[kv.value for kv in timed("range", lambda: self.client.get_prefix(self.keys.counters))]
+            if history else [],
         )
 
     def withdraw_spec(self, spec: JobSpec) -> bool:
@@ -417,6 +419,29 @@ def list_jobs(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> dict[
         elif key.startswith(keys.nodes) and "/" not in keys.node_of(key):
             nodes[job] = nodes.get(job, 0) + 1
     return {job: nodes.get(job, 0) for job in sorted(specs)}
+
+
+def shown_jobs(keys: Iterable[bytes | str], key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
+    """The jobs the dashboard shows, from the keys under :func:`jobs_root`: those with a spec (a
+    run) or a history (a run that is down keeps it for an hour), by name. A key under a name
+    that no job can have (planted) names no job."""
+    shown = set()
+    for key in keys:
+        job = job_of(key, key_prefix)
+        try:
+            validate_name(job, "job name")
+        except ConfigError:
+            continue
+        job_keys = JobKeys(job, key_prefix)
+        text = key.decode(errors="replace") if isinstance(key, bytes) else key
+        if text == job_keys.spec or text.startswith(job_keys.history):
+            shown.add(job)
+    return sorted(shown)
+
+
+def jobs_to_show(client: EtcdClient, key_prefix: str = DEFAULT_KEY_PREFIX) -> list[str]:
+    """:func:`shown_jobs` of what etcd holds now (one read of the keys alone)."""
+    return shown_jobs(client.keys_prefix(jobs_root(key_prefix)), key_prefix)
 
 
 def resolve_job(client: EtcdClient, job: str | None, key_prefix: str = DEFAULT_KEY_PREFIX) -> str:

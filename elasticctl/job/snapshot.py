@@ -22,7 +22,7 @@ class Part(enum.Flag):
     REQUESTS = enum.auto()    # whether `down` was requested
     GENERATION = enum.auto()  # the workers' current generation (hot recovery)
     HEARTBEATS = enum.auto()  # the nodes' lease ages: one lease request per node
-    HISTORY = enum.auto()     # the event history and the progress samples
+    HISTORY = enum.auto()     # the event history, the progress samples and the counters
     STATUS = SPEC | REQUESTS | GENERATION
     DASHBOARD = HEARTBEATS | HISTORY | GENERATION
 
@@ -45,3 +45,4 @@ class JobSnapshot:
     # node's lease was last renewed (granted TTL - remaining TTL), for the first nodes by id
     events: list[bytes] = dataclasses.field(default_factory=list)   # history/events/, time order
     samples: list[bytes] = dataclasses.field(default_factory=list)  # history/progress/, time order
+    counters: list[bytes] = dataclasses.field(default_factory=list)  # history/counters/, the shards

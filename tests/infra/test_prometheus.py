@@ -1,7 +1,9 @@
 """Prometheus for real (issue 22): deploy/prometheus's alert rules pass `promtool check rules` and
 their unit tests (`promtool test rules`), the example config passes `promtool check config`, every
-metric the rules and the Grafana dashboard (deploy/grafana) name is one `elasticctl dashboard`
-exports, and a real Prometheus scraping a real dashboard every second during a 3-node job (a
+alert links a runbook section of docs/operations.md, every metric the rules and the Grafana
+dashboard (deploy/grafana) name is one `elasticctl dashboard` exports, a live scrape passes
+`promtool check metrics` and survives a restart of the dashboard with every counter still
+monotonic, and a real Prometheus scraping a real dashboard every second during a 3-node job (a
 worker's own failure, a node SIGKILLed, a node joining) answers in PromQL: world size over time,
 the recovery histogram, the restarts spent, every Grafana panel, and the node-lost alert.
 
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -47,8 +50,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elasticctl.dashboard import server
 from elasticctl.dashboard.server import Dashboard as DashboardApp
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.counters import JobCounters
+from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
-from elasticctl.job.records import Event, EventKind
+from elasticctl.job.records import Event, EventKind, record_json
 from elasticctl.job.snapshot import JobSnapshot
 from elasticctl.job.spec import JobSpec
 
@@ -99,18 +105,46 @@ def test_every_alert_has_a_for_a_severity_and_a_summary_with_labels():
             assert "{{ $labels." in rule["annotations"]["summary"], rule["alert"]
 
 
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces to '-'."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)}
+
+
+def test_every_alert_links_a_runbook_section_of_the_docs():
+    docs = RULES.parents[2] / "docs" / "operations.md"
+    anchors = github_anchors(docs.read_text())
+    assert "elasticctlnodelost" in anchors  # the anchor rule finds the headings: not vacuous
+    for group in rule_groups():
+        for rule in group["rules"]:
+            if "alert" in rule:
+                page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+                assert page == "docs/operations.md" and anchor in anchors, (rule["alert"], anchor)
+
+
 # -- the metric names, against what the dashboard exports -----------------------------------------
 
 
 class PlantedRegistry:
     """What the dashboard's Registry answers, planted: a job with every record a metric comes from."""
 
+    job = "j"
     spec = JobSpec("j", "train.py", min_nodes=1, max_nodes=3, max_restarts=3)
 
     def snapshot(self, _parts, timed) -> JobSnapshot:
-        def event(t: float, kind: EventKind, **fields) -> bytes:
-            return Event(time=NOW - t, kind=kind, node="a", **fields).to_json().encode()
+        def event(t: float, kind: EventKind, **fields) -> Event:
+            return Event(time=NOW - t, kind=kind, node="a", **fields)
 
+        events = [
+            event(60, EventKind.NODE_JOINED),
+            event(50, EventKind.RECOVERY_FINISHED, duration=3.0),
+            event(40, EventKind.FAILURE_JUDGED, charged=True),
+            event(30, EventKind.CHECKPOINT_WRITTEN, step=40, duration=0.5),
+            event(20, EventKind.STRAGGLER, ratio=2.5, step=45),
+        ]
+        counters = JobCounters()
+        for e in events:  # what recording them added to the job's counters
+            counters = counters.add(e)
         timed("lease", lambda: None)  # one request of each kind: the latency histogram has both
         return timed("range", lambda: JobSnapshot(
             job="j",
@@ -119,14 +153,9 @@ class PlantedRegistry:
             members={"a": MEMBER},
             progress=b'{"step": 50, "loss": 0.5, "samples_per_s": 90.0, "last_checkpoint_step": 40, '
             b'"time": 1700000099, "checkpoint_failures": 1, "checkpoint_error": "the disk is full"}',
-            events=[
-                event(60, EventKind.NODE_JOINED),
-                event(50, EventKind.RECOVERY_FINISHED, duration=3.0),
-                event(40, EventKind.FAILURE_JUDGED, charged=True),
-                event(30, EventKind.CHECKPOINT_WRITTEN, step=40, duration=0.5),
-                event(20, EventKind.STRAGGLER, ratio=2.5, step=45),
-            ],
+            events=[e.to_json().encode() for e in events],
             samples=[sample(4, 10), sample(2, 30)],
+            counters=[counters.to_json().encode()],
         ))
 
     def read_spec(self) -> JobSpec:
@@ -135,8 +164,8 @@ class PlantedRegistry:
 
 def planted_metrics() -> list:
     """The metric families of /metrics for a planted job on which every metric has a value."""
-    dashboard = DashboardApp(client=None, keys=JobKeys("j"))
-    dashboard.reader.registry = PlantedRegistry()
+    dashboard = DashboardApp(client=None, keys=JobKeys("j"))  # narrowed to j: no etcd to list jobs
+    dashboard.reader.registry = lambda _job: PlantedRegistry()
     generate_latest(dashboard.registry)  # the latency histogram shows the requests of the scrape before
     return list(text_string_to_metric_families(generate_latest(dashboard.registry).decode()))
 
@@ -156,6 +185,13 @@ def test_the_planted_job_has_a_value_for_every_metric_the_dashboard_declares():
     families = planted_metrics()
     # prometheus_client adds a *_created series (the time a metric was created) to its own metrics
     assert {f.name for f in families if f.samples and not f.name.endswith("_created")} == declared
+
+
+def test_the_docs_name_every_metric_the_dashboard_declares_and_no_other():
+    docs = (RULES.parents[2] / "docs" / "operations.md").read_text()
+    documented = {name.removesuffix("_total") for name in re.findall(r"`(elasticctl_\w+)", docs)}
+    declared = set(re.findall(r'"(elasticctl_\w+)"', Path(server.__file__).read_text()))
+    assert documented == declared, (documented - declared, declared - documented)
 
 
 def test_every_metric_in_the_rules_and_the_grafana_panels_is_exported():
@@ -200,8 +236,99 @@ def test_the_grafana_dashboard_is_well_formed():
     for what in ("elasticctl_world_size", "elasticctl_steps_per_second", "elasticctl_samples_per_second",
                  "elasticctl_training_loss", "elasticctl_restarts_spent_total", "elasticctl_nodes{",
                  "histogram_quantile(0.9, sum by (le) (elasticctl_recovery_seconds_bucket",
-                 "elasticctl_last_checkpoint_age_seconds"):
+                 "elasticctl_last_checkpoint_age_seconds", "elasticctl_spares{", "elasticctl_spares_expected{",
+                 "elasticctl_stragglers{", "elasticctl_straggler_events_total{", "elasticctl_events_total{"):
         assert what in covered, f"no panel shows {what}"
+
+
+# -- a live scrape: by the book, and monotonic across a restart ------------------------------------
+
+
+@pytest.fixture
+def recorded_job(default_etcd, run_id):
+    """A job whose events were recorded for real (each adding to its counters in etcd), under a key
+    prefix of its own, with a history bounded to 5 events: it has forgotten most of them.
+    Yields (client, keys, the --key-prefix option)."""
+    prefix = f"/t-{run_id}"
+    keys = JobKeys(run_id, prefix)
+    client = EtcdClient(default_etcd.client_settings())
+    lease = client.grant_lease(60)
+    client.put(keys.spec, record_json(JobSpec(run_id, "train.py", min_nodes=1, max_nodes=3).to_dict()))
+    client.put(keys.node("a"), NODE, lease=lease)
+    client.put(keys.member("a"), MEMBER)
+    client.put(keys.progress, json.dumps({
+        "step": 50, "time": time.time(), "checkpoint_failures": 2,
+        "checkpoint_error": f"Writing the checkpoint of step 40 to '{run_id}' failed: Permission denied."}))
+    log = EventLog(client, keys, max_events=5)
+    for i in range(4):
+        record_round_of_faults(log, i)
+    yield client, keys, ["--key-prefix", prefix]
+    client.revoke_lease(lease)
+    client.delete_prefix(prefix + "/")
+    client.close()
+
+
+def record_round_of_faults(log: EventLog, i: int) -> None:
+    log.record(EventKind.MEMBER_LOST, "c", round=i)
+    log.record(EventKind.FAILURE_JUDGED, "a", round=i, charged=True)
+    log.record(EventKind.STRAGGLER, "b", ratio=2.0, step=i)
+    log.record(EventKind.RECOVERY_FINISHED, "a", round=i + 1, duration=0.5 + 40 * i)
+
+
+def counter_samples(text: str) -> dict[tuple, float]:
+    """Every sample of a counter or a histogram in a scrape, by name and labels. The dashboard's own
+    request latency is left out: it measures the dashboard process, which starts it from 0 like
+    any process's own counters (process_cpu_seconds_total ...); the job's totals are what must
+    survive the process."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            if family.type in ("counter", "histogram")
+            and family.name != "elasticctl_dashboard_etcd_request_duration_seconds"
+            for s in family.samples if not s.name.endswith("_created")}
+
+
+@needs_promtool
+def test_a_live_scrape_passes_promtool_check_metrics(default_etcd, recorded_job):
+    _, _, prefix = recorded_job
+    dashboard = Dashboard(default_etcd.endpoint, *prefix)
+    try:
+        scrape = dashboard.get("metrics").decode()
+    finally:
+        assert dashboard.stop() == 0
+    assert 'error="permission"' in scrape and "elasticctl_build_info{" in scrape  # the scrape is a full one
+    checked = subprocess.run([PROMTOOL, "check", "metrics"], input=scrape, capture_output=True, text=True,
+                             timeout=60, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # the check would catch a counter without _total: it is not vacuous
+    bad = subprocess.run([PROMTOOL, "check", "metrics"], capture_output=True, text=True, timeout=60, check=False,
+                         input="# HELP elasticctl_x A counter.\n# TYPE elasticctl_x counter\nelasticctl_x 1\n")
+    assert bad.returncode != 0 and "_total" in bad.stdout + bad.stderr
+
+
+def test_a_dashboard_restart_leaves_every_counter_monotonic(default_etcd, recorded_job):
+    client, keys, prefix = recorded_job
+    dashboard = Dashboard(default_etcd.endpoint, *prefix)
+    try:
+        before = counter_samples(dashboard.get("metrics").decode())
+    finally:
+        assert dashboard.stop() == 0
+    # More faults while no dashboard runs: the bounded history forgets the older ones meanwhile.
+    record_round_of_faults(EventLog(client, keys, max_events=5), 4)
+    dashboard = Dashboard(default_etcd.endpoint, *prefix)
+    try:
+        after = counter_samples(dashboard.get("metrics").decode())
+    finally:
+        assert dashboard.stop() == 0
+    job = (("elastic_job", keys.job),)
+    assert len(EventLog(client, keys).read()) == 5, "the history forgot all but the newest 5 events"
+    assert after[("elasticctl_events_total", (*job, ("kind", "member_lost")))] == 5, "the counters did not"
+    assert after[("elasticctl_restarts_spent_total", job)] == 5
+    assert after[("elasticctl_recovery_seconds_count", job)] == 5
+    assert set(before) <= set(after), "no series went away"
+    went_down = {key: (before[key], after[key]) for key in before if after[key] < before[key]}
+    assert not went_down, went_down
+    rose = {key for key in before if after[key] > before[key]}
+    assert ("elasticctl_straggler_events_total", job) in rose and ("elasticctl_recovery_seconds_sum", job) in rose
 
 
 # -- a real Prometheus, a real dashboard, a real job ---------------------------------------------

@@ -204,3 +204,41 @@ def test_the_page_follows_a_live_job_through_a_kill(nodes, default_etcd, run_id,
         if dashboard is not None:
             assert dashboard.stop() == 0
         job.client.close()
+
+
+def test_a_dashboard_of_several_jobs_lets_the_page_pick_one(default_etcd, run_id, browser):
+    from support.dashboard import MEMBER, NODE
+
+    from elasticctl.etcd.client import EtcdClient
+    from elasticctl.job.keys import JobKeys
+
+    prefix = f"/t-{run_id}"
+    first, second = JobKeys(f"{run_id}-a", prefix), JobKeys(f"{run_id}-b", prefix)
+    client = EtcdClient(default_etcd.client_settings())
+    lease = client.grant_lease(30)
+    dashboard = None
+    try:
+        for keys in (first, second):
+            client.put(keys.node("a"), NODE, lease=lease)
+            client.put(keys.member("a"), MEMBER)
+            EventLog(client, keys).record(EventKind.NODE_JOINED, "a")
+        dashboard = Dashboard(default_etcd.endpoint, "--key-prefix", prefix)
+        browser.get(dashboard.url)
+        # two jobs and none chosen: the page says so and offers both
+        wait_for(lambda: "pick one" in browser.find_element("id", "error").text, 30, "the page asking for a job")
+        options = browser.execute_script(
+            "return [...document.querySelectorAll('#job-picker option')].map((o) => o.value)")
+        assert options == ["", first.job, second.job]
+        browser.execute_script(
+            "const p = document.getElementById('job-picker'); p.value = arguments[0];"
+            "p.dispatchEvent(new Event('change'));", second.job)
+        wait_for(lambda: browser.find_element("id", "job").text == second.job, 30, "the page showing the job picked")
+        assert browser.current_url.endswith(f"?job={second.job}")
+        wait_for(lambda: [r[0] for r in _rows(browser)] == ["a"], 30, "the picked job's node")
+        assert not browser.find_element("id", "error").is_displayed()
+    finally:
+        if dashboard is not None:
+            assert dashboard.stop() == 0
+        client.revoke_lease(lease)
+        client.delete_prefix(prefix + "/")
+        client.close()

@@ -232,3 +232,76 @@ def test_a_malformed_spec_blanks_only_the_metrics_that_come_from_it(default_etcd
             assert not {"elasticctl_nnodes_max", "elasticctl_restart_budget"} & set(value)
         finally:
             client.delete_prefix(keys.everything)
+
+
+# -- one dashboard, every job ----------------------------------------------------------------------
+
+
+def _metric(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _fetch(dashboard: Dashboard, path: str) -> tuple[int, dict]:
+    try:
+        return 200, json.loads(dashboard.get(path))
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+@pytest.fixture
+def two_jobs(default_etcd, run_id):
+    """Two jobs under a key prefix of their own: one running (a spec, a node), one down (its
+    history alone)."""
+    prefix = f"/t-{run_id}"
+    client = EtcdClient(default_etcd.client_settings())
+    running, down = JobKeys(f"{run_id}-a", prefix), JobKeys(f"{run_id}-b", prefix)
+    lease = client.grant_lease(30)
+    client.put(running.spec, record_json(JobSpec(running.job, "train.py", min_nodes=1, max_nodes=2).to_dict()))
+    client.put(running.node("a"), NODE, lease=lease)
+    client.put(running.member("a"), MEMBER)
+    EventLog(client, running).record(EventKind.MEMBER_LOST, "c", round=2)
+    EventLog(client, down).record(EventKind.JOB_DOWN, reason="by the test")
+    yield prefix, running.job, down.job
+    client.revoke_lease(lease)
+    client.delete_prefix(prefix + "/")
+    client.close()
+
+
+def test_one_dashboard_serves_every_job_and_the_page_picks_one(default_etcd, two_jobs):
+    prefix, running, down = two_jobs
+    dashboard = Dashboard(default_etcd.endpoint, "--key-prefix", prefix)
+    try:
+        samples = _metric(dashboard.get("metrics").decode())
+        for job in (running, down):
+            assert samples[("elasticctl_dashboard_etcd_up", (("elastic_job", job),))] == 1
+        assert samples[("elasticctl_world_size", (("elastic_job", running),))] == 1
+        assert samples[("elasticctl_events_total", (("elastic_job", running), ("kind", "member_lost")))] == 1
+        assert samples[("elasticctl_events_total", (("elastic_job", down), ("kind", "job_down")))] == 1
+        assert all(dict(labels).get("elastic_job") in (running, down)
+                   for name, labels in samples if name.startswith("elasticctl_")
+                   and not name.startswith(("elasticctl_build_info", "elasticctl_dashboard_etcd_request")))
+
+        assert _fetch(dashboard, "api/jobs") == (200, {"jobs": [running, down]})
+        status, body = _fetch(dashboard, "api/job")  # two jobs: the page asks which
+        assert status == 404 and body["jobs"] == [running, down] and "pick one" in body["error"]
+        status, body = _fetch(dashboard, f"api/job?job={down}")
+        assert status == 200 and body["job"] == down and [e["kind"] for e in body["events"]] == ["job_down"]
+        status, body = _fetch(dashboard, "api/job?job=nope")
+        assert status == 404 and "'nope'" in body["error"]
+    finally:
+        assert dashboard.stop() == 0
+
+
+def test_job_narrows_a_dashboard_to_one_job(default_etcd, two_jobs):
+    prefix, running, down = two_jobs
+    dashboard = Dashboard(default_etcd.endpoint, "--key-prefix", prefix, "--job", running)
+    try:
+        samples = _metric(dashboard.get("metrics").decode())
+        assert {dict(labels)["elastic_job"] for name, labels in samples
+                if name == "elasticctl_dashboard_etcd_up"} == {running}
+        assert _fetch(dashboard, "api/job")[1]["job"] == running  # its only job: no choice to make
+        status, body = _fetch(dashboard, f"api/job?job={down}")
+        assert status == 404 and body["jobs"] == [running]
+    finally:
+        assert dashboard.stop() == 0

@@ -8,6 +8,7 @@ tests/process/test_dashboard_server.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,15 +16,37 @@ from support.dashboard import MEMBER, NODE, NOW, sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticctl.dashboard.model import Reading, histogram, job_metrics, job_view, samples_series
+from elasticctl.dashboard.model import NODE_STATES, Reading, job_metrics, job_view, samples_series
+from elasticctl.job.counters import JobCounters
 from elasticctl.job.records import Event, EventKind, ProgressSample
+
+
+GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000, b'{"kind": 5}']
 
 
 def ev(t: float, kind: EventKind, node: str = "a", **fields) -> bytes:
     return Event(time=NOW - t, kind=kind, node=node, **fields).to_json().encode()
 
 
-GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000, b'{"kind": 5}']
+def counted(*raws: bytes) -> tuple[bytes, ...]:
+    """The counter shard the events in ``raws`` (garbage skipped) added up to as they were recorded."""
+    counters = JobCounters()
+    for event in filter(None, map(Event.from_json, raws)):
+        counters = counters.add(event)
+    return (counters.to_json().encode(),)
+
+
+RECOVERIES_AND_VERDICTS = (
+    ev(30, EventKind.ROUND_FORMED, world_size=3, round=1),
+    *GARBAGE,
+    ev(20, EventKind.MEMBER_LOST, "c", round=1),
+    ev(15, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own"),
+    ev(15, EventKind.FAILURE_JUDGED, "a", charged=False),
+    # the rendezvous part of the recovery: already inside recovery_finished's
+    ev(10, EventKind.ROUND_FORMED, world_size=2, round=2, duration=3.0),
+    ev(10, EventKind.RECOVERY_FINISHED, duration=4.5, round=2, step=40),
+    ev(5, EventKind.RECOVERY_FINISHED, duration=1.25, round=3),
+)
 
 
 # -- the pure model --------------------------------------------------------------------------
@@ -105,21 +128,8 @@ GARBAGE = [b"", b"\xff\xfe", b"[]", b"null", b'{"time": "soon"}', b"[" * 50_000,
             id="planted-node-records-and-ids-are-skipped",
         ),
         pytest.param(
-            Reading(
-                "j",
-                NOW,
-                events=[
-                    ev(30, EventKind.ROUND_FORMED, world_size=3, round=1),
-                    *GARBAGE,
-                    ev(20, EventKind.MEMBER_LOST, "c", round=1),
-                    ev(15, EventKind.FAILURE_JUDGED, "b", charged=True, reason="own"),
-                    ev(15, EventKind.FAILURE_JUDGED, "a", charged=False),
-                    # the rendezvous part of the recovery: already inside recovery_finished's
-                    ev(10, EventKind.ROUND_FORMED, world_size=2, round=2, duration=3.0),
-                    ev(10, EventKind.RECOVERY_FINISHED, duration=4.5, round=2, step=40),
-                    ev(5, EventKind.RECOVERY_FINISHED, duration=1.25, round=3),
-                ],
-            ),
+            # the totals come from the job's counters, which these events added up to
+            Reading("j", NOW, events=RECOVERIES_AND_VERDICTS, counters=counted(*RECOVERIES_AND_VERDICTS)),
             {
                 "world": {"time": [NOW - 30, NOW - 10], "world_size": [3, 2]},
                 "totals": {"recoveries": 2, "recovery_seconds": 5.75, "restarts_spent": 1},
@@ -282,9 +292,16 @@ def test_checkpoint_metrics(events, age, write_seconds):
     assert (m.last_checkpoint_age, m.checkpoint_write_seconds) == (age, write_seconds)
 
 
-def test_histogram_is_cumulative_with_inf_last():
-    assert histogram([0.5, 3, 3, 70], (1, 5, 60)) == ((1, 1), (5, 3), (60, 3), (float("inf"), 4))
-    assert histogram([], (1,)) == ((1, 0), (float("inf"), 0))
+def test_the_totals_are_the_counters_not_a_recount_of_the_bounded_history():
+    events = [ev(9, EventKind.RECOVERY_FINISHED, duration=7.0), ev(5, EventKind.FAILURE_JUDGED, charged=True)]
+    # the history forgot these events (trimmed): the totals stay
+    forgotten = job_metrics(Reading("j", NOW, counters=counted(*events)))
+    assert (forgotten.restarts_spent, forgotten.recoveries, forgotten.recovery_seconds) == (1, 1, 7.0)
+    assert job_view(Reading("j", NOW, counters=counted(*events)))["totals"] == {
+        "recoveries": 1, "recovery_seconds": 7.0, "restarts_spent": 1}
+    # events in the history that no counter counted (planted there): no total rises
+    planted = job_metrics(Reading("j", NOW, events=events))
+    assert (planted.restarts_spent, planted.recoveries, planted.counters) == (0, 0, JobCounters())
 
 
 def test_job_metrics_from_the_same_records():
@@ -303,6 +320,7 @@ def test_job_metrics_from_the_same_records():
         ],
         samples=[sample(4, 100), sample(2, 120)],
     )
+    reading = dataclasses.replace(reading, counters=counted(*reading.events))
     m = job_metrics(reading)
     assert (m.world_size, m.round, m.nodes_by_state) == (1, 3, {"training": 1, "leaving": 1})
     assert (m.restarts_spent, m.recoveries, m.recovery_seconds) == (2, 1, 7.0)
@@ -366,15 +384,19 @@ RAW = st.one_of(
     progress=st.none() | RAW,
     events=st.lists(RAW, max_size=6),
     samples=st.lists(RAW, max_size=6),
+    counters=st.lists(RAW, max_size=3),
 )
 def test_random_readings_never_break_the_page_or_the_metrics(
-    nodes, members, progress, events, samples
+    nodes, members, progress, events, samples, counters
 ):
     reading = Reading(
-        "j", NOW, nodes=nodes, members=members, progress=progress, events=events, samples=samples
+        "j", NOW, nodes=nodes, members=members, progress=progress, events=events, samples=samples,
+        counters=counters,
     )
     json.dumps(job_view(reading), allow_nan=False)  # the browser's JSON.parse takes no NaN
-    job_metrics(reading)
+    metrics = job_metrics(reading)
+    assert set(metrics.nodes_by_state) <= NODE_STATES, "label values from a closed set"
+    _render([("j", metrics)])
 
 
 # -- issue 23, item 11: planted times and node records ---------------------------------------------
@@ -520,26 +542,172 @@ def test_spares_on_the_page_and_in_the_metrics(reading, waiting, expected, short
 
 
 def test_the_metrics_render_the_spares_and_the_spare_state():
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from elasticctl.dashboard.server import JobCollector
-    from elasticctl.job.keys import JobKeys
-
-    class Planted:  # a reader that hands the collector one planted reading (no etcd here)
-        keys = JobKeys("j")
-
-        @staticmethod
-        def read() -> Reading:
-            return _spares_reading(("a.0", "b.0", "c.0"), spares="2")
-
-    registry = CollectorRegistry()
-    registry.register(JobCollector(Planted()))
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    samples = _samples(_render([("j", job_metrics(_spares_reading(("a.0", "b.0", "c.0"), spares="2")))]))
     assert samples[("elasticctl_spares", (("elastic_job", "j"),))] == 1
     assert samples[("elasticctl_spares_expected", (("elastic_job", "j"),))] == 2
     assert samples[("elasticctl_nodes", (("elastic_job", "j"), ("state", "spare")))] == 1
     assert samples[("elasticctl_nodes", (("elastic_job", "j"), ("state", "training")))] == 3
     # without a spec nothing is expected: the metric is left out, not reported as 0
     assert job_metrics(Reading("j", NOW)).spares_expected is None
+
+
+# -- /metrics by the book ----------------------------------------------------------------------
+
+
+def _render(results) -> str:
+    """/metrics as prometheus_client renders the families of ``results`` (job, metrics or None)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from elasticctl.dashboard.server import metric_families
+
+    class Planted:  # a collector of planted results (no etcd here)
+        @staticmethod
+        def collect():
+            return metric_families(results)
+
+    registry = CollectorRegistry()
+    registry.register(Planted())
+    return generate_latest(registry).decode()
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        ("Writing the checkpoint of step 40 to '/ckpt' failed: the disk is full (No space left on device).",
+         "disk_full"),
+        ("Writing the checkpoint of step 40 to '/ckpt' failed: the disk quota is exhausted (Disk quota exceeded).",
+         "disk_full"),
+        ("Writing the checkpoint of step 7 to '/ckpt' failed: Permission denied.", "permission"),
+        ("Writing the checkpoint of step 7 to '/ckpt' failed: Operation not permitted.", "permission"),
+        ("Writing the checkpoint of step 7 to '/ckpt' failed: the file system is read-only (Read-only file system).",
+         "permission"),
+        ("Writing the checkpoint of step 7 to '/ckpt' failed: RuntimeError: unexpected pos 64 vs 0.", "other"),
+        ("Writing the checkpoint of step 7 to '/ckpt' failed: the storage reports an I/O error (Input/output error).",
+         "other"),
+        # the directory's name does not decide it: only the reason after it
+        ("Writing the checkpoint of step 7 to '/the disk is full/permission denied' failed: Timed out.", "other"),
+        ("The checkpoint directory '/ckpt' is not readable and writable by this user.", "permission"),
+        ("NO SPACE LEFT ON DEVICE", "disk_full"),
+        ("", "other"),
+    ],
+    ids=["enospc", "edquot", "eacces", "eperm", "erofs", "torch", "eio", "a-directory-named-so",
+         "a-sentence-of-the-directory-check", "any-case", "empty"],
+)
+def test_a_checkpoint_error_becomes_one_kind_of_a_closed_set(error, kind):
+    from elasticctl.dashboard.model import checkpoint_error_kind
+
+    assert checkpoint_error_kind(error).value == kind
+
+
+@settings(max_examples=100, deadline=None)
+@given(error=st.text(max_size=200))
+def test_any_checkpoint_error_text_is_a_kind_of_the_closed_set(error):
+    from elasticctl.dashboard.model import CheckpointErrorKind, checkpoint_error_kind
+
+    assert checkpoint_error_kind(error) in set(CheckpointErrorKind)
+
+
+def test_the_checkpoint_failures_label_is_the_kind_never_the_text():
+    text = "Writing the checkpoint of step 40 to '/data/run 7' failed: the disk is full (No space left on device)."
+    failing = Reading("j", NOW, progress=json.dumps(
+        {"step": 50, "time": NOW, "checkpoint_error": text, "checkpoint_failures": 3}).encode())
+    samples = _samples(_render([("j", job_metrics(failing))]))
+    assert samples[("elasticctl_checkpoint_failures", (("elastic_job", "j"), ("error", "disk_full")))] == 3
+    fine = Reading("j", NOW, progress=b'{"step": 50, "time": 1700000000}')
+    assert _samples(_render([("j", job_metrics(fine))]))[
+        ("elasticctl_checkpoint_failures", (("elastic_job", "j"), ("error", "")))] == 0, "no error: an empty label"
+
+
+def test_a_planted_node_state_is_unknown_not_a_new_label_value():
+    planted = NODE.replace(b'"running"', b'"' + b"x" * 30 + b'"')
+    m = job_metrics(Reading("j", NOW, nodes={"a": planted}))
+    assert m.nodes_by_state == {"unknown": 1}
+
+
+def test_one_family_per_metric_with_every_job_and_the_build_info():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from elasticctl import __version__
+
+    a = Reading("a", NOW, nodes={"a": NODE}, members={"a": MEMBER},
+                counters=counted(ev(3, EventKind.MEMBER_LOST, "c"), ev(2, EventKind.RECOVERY_FINISHED, duration=2.0)))
+    b = Reading("b", NOW, counters=counted(ev(1, EventKind.FAILURE_JUDGED, charged=True)))
+    text = _render([("a", job_metrics(a)), ("b", job_metrics(b)), ("broken", None)])
+    families = list(text_string_to_metric_families(text))
+    assert len({f.name for f in families}) == len(families), "each name once per scrape"
+    samples = _samples(text)
+    assert samples[("elasticctl_build_info", (("version", __version__),))] == 1
+    assert samples[("elasticctl_dashboard_etcd_up", (("elastic_job", "broken"),))] == 0
+    assert samples[("elasticctl_dashboard_etcd_up", (("elastic_job", "a"),))] == 1
+    assert samples[("elasticctl_world_size", (("elastic_job", "a"),))] == 1
+    assert samples[("elasticctl_world_size", (("elastic_job", "b"),))] == 0
+    assert samples[("elasticctl_events_total", (("elastic_job", "a"), ("kind", "member_lost")))] == 1
+    assert samples[("elasticctl_events_total", (("elastic_job", "b"), ("kind", "member_lost")))] == 0
+    assert {labels[1][1] for (name, labels) in samples if name == "elasticctl_events_total"} == {
+        k.value for k in EventKind}, "every kind, 0 until it happens"
+    assert samples[("elasticctl_restarts_spent_total", (("elastic_job", "b"),))] == 1
+    assert samples[("elasticctl_recovery_seconds_count", (("elastic_job", "a"),))] == 1
+    assert samples[("elasticctl_recovery_seconds_bucket", (("elastic_job", "a"), ("le", "2.5")))] == 1
+    assert not any(name.startswith("elasticctl_world_size") for (name, labels) in samples
+                   if ("elastic_job", "broken") in labels), "an unreadable job has only its up series"
+    per_job = {name for (name, labels) in samples if name != "elasticctl_build_info"}
+    assert all(dict(labels).get("elastic_job") for (name, labels) in samples if name in per_job)
+
+
+def test_a_dashboard_that_cannot_list_the_jobs_says_so_in_one_series():
+    samples = _samples(_render(None))
+    assert samples[("elasticctl_dashboard_etcd_up", ())] == 0
+    assert {name for name, _ in samples} == {"elasticctl_dashboard_etcd_up", "elasticctl_build_info"}
+
+
+@pytest.mark.parametrize(
+    ("asked", "jobs", "chosen"),
+    [
+        (None, ["a"], "a"),
+        ("b", ["a", "b"], "b"),
+        (None, ["a", "b"], "There are 2 jobs in etcd (a, b); pick one."),
+        (None, [], "There is no job in etcd yet; start one with 'elasticctl up'."),
+        ("c", ["a", "b"], "The job 'c' is not one this dashboard shows (jobs: a, b)."),
+        ("c", [], "The job 'c' is not one this dashboard shows (jobs: none)."),
+    ],
+    ids=["the-only-job", "the-one-asked-for", "several-pick-one", "none-yet", "not-shown", "not-shown-none"],
+)
+def test_the_page_shows_the_job_asked_for_or_the_only_one(asked, jobs, chosen):
+    from elasticctl.dashboard.server import choose_job
+    from elasticctl.errors import ConfigError
+
+    if chosen in jobs:
+        assert choose_job(asked, jobs) == chosen
+    else:
+        with pytest.raises(ConfigError) as error:
+            choose_job(asked, jobs)
+        assert str(error.value) == chosen
+
+
+@pytest.mark.parametrize(
+    ("keys", "shown"),
+    [
+        ([], []),
+        (["/elasticctl/jobs/a/spec", "/elasticctl/jobs/a/nodes/n1"], ["a"]),
+        # down: only its history left (for an hour)
+        (["/elasticctl/jobs/b/history/events/00001-n-node_joined", "/elasticctl/jobs/b/history/lease"], ["b"]),
+        (["/elasticctl/jobs/b/history/counters/n"], ["b"]),
+        # a job's stray keys without a spec or history (a store being cleaned up): not a job shown
+        (["/elasticctl/jobs/c/store/1/x", "/elasticctl/jobs/c/rdzv/nodes/n"], []),
+        # planted under names no job can have
+        (["/elasticctl/jobs/-x/spec", "/elasticctl/jobs/\xff/spec", b"/elasticctl/jobs/\xff/spec"], []),
+        (["/elasticctl/jobs/z/spec", "/elasticctl/jobs/a/spec", "/elasticctl/jobs/a/history/lease"], ["a", "z"]),
+    ],
+    ids=["none", "running", "down", "counters-only", "stray-keys", "planted-names", "sorted-once-each"],
+)
+def test_the_jobs_a_dashboard_shows(keys, shown):
+    from elasticctl.job.registry import shown_jobs
+
+    assert shown_jobs(keys) == shown

@@ -1,5 +1,7 @@
 // elasticctl dashboard: polls /api/job once a second and redraws. Every value shown comes from
 // etcd, which anyone with write access can fill: text goes in with textContent, never as HTML.
+// One dashboard may serve several jobs: ?job=NAME in the page's address picks one (the picker
+// sets it); without it the dashboard shows its only job, or asks to pick one.
 "use strict";
 
 const POLL_MS = 1000;
@@ -11,6 +13,26 @@ function $(id) { return document.getElementById(id); }
 function fmt(value, digits = 4) {
   if (value === null || value === undefined) return "-";
   return typeof value === "number" && !Number.isInteger(value) ? value.toPrecision(digits) : String(value);
+}
+
+// The job this page shows: ?job=NAME, else none (the dashboard's only job).
+const CHOSEN = new URLSearchParams(window.location.search).get("job");
+
+// A picker of the jobs the dashboard shows, when there are several: choosing one reloads the
+// page with ?job=NAME.
+function fillPicker(jobs, current) {
+  const picker = $("job-picker");
+  picker.style.display = jobs.length > 1 || (jobs.length && current === null) ? "inline" : "none";
+  const names = [...picker.options].map((o) => o.value);
+  if (names.join("\n") !== ["", ...jobs].join("\n")) {
+    picker.replaceChildren(...["", ...jobs].map((name) => {
+      const option = document.createElement("option");
+      option.value = name;
+      option.textContent = name || "pick a job";
+      return option;
+    }));
+  }
+  picker.value = current || "";
 }
 
 function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
@@ -134,8 +156,10 @@ function render(job) {
 
 async function poll() {
   try {
-    const response = await fetch("api/job", { cache: "no-store" });
+    const query = CHOSEN === null ? "" : `?job=${encodeURIComponent(CHOSEN)}`;
+    const response = await fetch(`api/job${query}`, { cache: "no-store" });
     const body = await response.json();
+    fillPicker(body.jobs || [], response.ok ? body.job : null);
     if (!response.ok) throw new Error(body.error || response.statusText);
     render(body);
     $("error").style.display = "none";
@@ -147,4 +171,7 @@ async function poll() {
   }
 }
 
+$("job-picker").addEventListener("change", (event) => {
+  if (event.target.value) window.location.search = `?job=${encodeURIComponent(event.target.value)}`;
+});
 poll();
