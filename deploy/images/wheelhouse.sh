@@ -20,12 +20,14 @@ if [ -n "${PYTHON_VERSION:-}" ]; then
             --platform manylinux2014_x86_64 --only-binary=:all:)
 fi
 mkdir -p "$out"
-# elasticctl's own dependencies, read from pyproject.toml, so this list cannot drift from it.
+# elasticctl's own dependencies and those of its `train` extra (the image's install), read from
+# pyproject.toml, so this list cannot drift from it.
 mapfile -t requirements < <(python3 - <<'PY'
 import tomllib
 with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)
-for requirement in project["project"]["dependencies"] + project["build-system"]["requires"]:
+for requirement in (project["project"]["dependencies"] + project["project"]["optional-dependencies"]["train"]
+                    + project["build-system"]["requires"]):
     if not requirement.startswith("torch"):
         print(requirement)
 PY

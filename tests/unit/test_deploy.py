@@ -165,8 +165,9 @@ def test_dockerfile_copies_only_what_exists_and_is_not_dockerignored():
     for source in sources:
         assert (ROOT / source).exists(), f"COPY {source}: no such path in the build context"
         assert not dockerignore_excludes(source.rstrip("/"), patterns), f".dockerignore drops {source}"
-    # The package build reads README.md (pyproject's readme): it must reach the context.
-    assert "README.md" in sources
+    # The package build reads README.md and LICENSE (pyproject's readme and license file): they
+    # must reach the context.
+    assert "README.md" in sources and "LICENSE" in sources
     # And the matcher itself must bite, or the checks above prove nothing.
     assert dockerignore_excludes(".git/config", patterns)
     assert dockerignore_excludes("elasticctl/__pycache__/cli.cpython-311.pyc", patterns)
