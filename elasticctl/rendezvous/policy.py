@@ -24,7 +24,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Set
 
-from elasticctl.job.options import RecoveryMode
+from elasticctl.job.options import BY_NAME, RecoveryMode
 from elasticctl.job.records import MemberState
 from elasticctl.rendezvous.verdicts import quarantine_due
 
@@ -35,7 +35,7 @@ class BudgetRules:
 
     max_restarts: int | None = None
     quarantine_after: int | None = None
-    quarantine_window: float = 600.0
+    quarantine_window: float = BY_NAME["quarantine_window"].default
 
 
 @dataclasses.dataclass(frozen=True)

@@ -337,3 +337,17 @@ def test_the_tables_variables_are_the_environments():
     assert BY_NAME["secret"].environment == environment.RDZV_SECRET
     assert BY_NAME["cacert"].flag_environment == environment.ETCD_CACERT
     assert BY_NAME["user"].flag_environment == environment.ETCD_USER
+
+
+def test_the_defaults_below_the_table_are_the_tables():
+    # The etcd client sits below job/ (it cannot import the table): its defaults are checked here.
+    import inspect
+
+    from elasticctl.etcd.client import EtcdSettings, connect
+    from elasticctl.rendezvous.policy import BudgetRules
+
+    fields = {field.name: field.default for field in dataclasses.fields(EtcdSettings)}
+    assert fields["read_timeout"] == BY_NAME["read_timeout"].default
+    assert fields["retry_timeout"] == BY_NAME["retry_timeout"].default
+    assert inspect.signature(connect).parameters["timeout"].default == BY_NAME["connect_timeout"].default
+    assert BudgetRules().quarantine_window == BY_NAME["quarantine_window"].default
