@@ -31,6 +31,7 @@ from elasticctl.job.options import (
     OPTIONS,
     REFORM_LAST_CALL,
     TORCH_ONLY_OPTIONS,
+    Kind,
     Option,
     RecoveryMode,
     parse_key_prefix,
@@ -48,12 +49,13 @@ __all__ = ["DEFAULT_KEY_PREFIX", "DEFAULT_QUARANTINE_AFTER", "MAX_NODE_TTL", "MA
 DEFAULT_NODE_TTL: int = BY_NAME["node_ttl"].default
 DEFAULT_RUN_TTL: int = BY_NAME["ttl"].default
 
-_PYTHON_TYPES = {"SECONDS": float, "WHOLE": int, "STEPS": int, "RATIO": float, "RATIO_OR_ZERO": float,
-                 "TEXT": str, "PROTOCOL": str, "KEY_PREFIX": str, "RECOVERY": RecoveryMode}
+# The type of an option's value, by the kind of its text.
+_PYTHON_TYPES = {Kind.SECONDS: float, Kind.WHOLE: int, Kind.STEPS: int, Kind.RATIO: float, Kind.RATIO_OR_ZERO: float,
+                 Kind.TEXT: str, Kind.PROTOCOL: str, Kind.KEY_PREFIX: str, Kind.RECOVERY: RecoveryMode}
 
 
 def _field(option: Option) -> tuple[str, type, dataclasses.Field]:
-    kind = _PYTHON_TYPES[option.kind.name]
+    kind = _PYTHON_TYPES[option.kind]
     annotation = kind if option.default is not None else kind | None
     return option.name, annotation, dataclasses.field(default=option.default, repr=not option.secret)
 
