@@ -14,17 +14,11 @@ import psutil
 
 from elasticctl import processes
 from elasticctl.errors import ConfigError
+from elasticctl.job.options import up_defaults
 from elasticctl.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-# Heartbeats every second, a node declared dead after 5 silent seconds (2 s thrashed
-# with 3 agents importing torch on 2 cores); a short last call so re-forming is quick.
-DEFAULT_RDZV_CONF = {
-    "last_call_timeout": "1",
-    "keep_alive_interval": "1",
-    "keep_alive_max_attempt": "5",
-}
 # elasticctl's handler keeps the real restart budget (peer losses are free); torch's
 # own counter would also spend one on every collateral failure, so it gets no limit.
 UNLIMITED_RESTARTS = 1_000_000
@@ -79,8 +73,10 @@ def local_address_for(etcd_host: str) -> str:
 
 
 def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: dict[str, str] | None = None) -> list[str]:
+    # `up`'s own defaults (job.options: a short last call, so that re-forming is quick), then
+    # the spec's settings: each has one home there, so no key below overrides another.
     conf = {
-        **DEFAULT_RDZV_CONF,
+        **up_defaults(),
         "node_ttl": str(spec.node_ttl),
         "max_restarts": str(spec.max_restarts),
         **dict(spec.rdzv_conf),

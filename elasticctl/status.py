@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import time
 
+from elasticctl.job.options import RecoveryMode
 from elasticctl.job.records import MemberState, NodeState
 from elasticctl.job.registry import JobView
 
@@ -37,10 +38,11 @@ def render(view: JobView) -> str:
         lines.append(f"  nnodes    {spec.nnodes}   nproc/node {spec.nproc_per_node}   max restarts {spec.max_restarts}"
                      f"   checkpoints {spec.checkpoint_dir or '-'}")
     nodes = data["world_size"]
-    label = "generation" if data["recovery"] == "hot" else "round    "
+    hot = view.recovery is RecoveryMode.HOT
+    label = "generation" if hot else "round    "
     lines.append(f"  {label} {data['round'] if data['round'] is not None else '-'}   "
                  f"world size {nodes} node{'s' if nodes != 1 else ''}"
-                 + ("   (hot recovery: survivors re-form in process)" if data["recovery"] == "hot" else ""))
+                 + ("   (hot recovery: survivors re-form in process)" if hot else ""))
     if data["spares"] or data["spares_expected"]:
         short = data["spares_expected"] - len(data["spares"])
         lines.append(f"  spares    {len(data['spares'])} waiting warm" + (f" of {data['spares_expected']} expected"

@@ -135,7 +135,7 @@ def worker_env(monkeypatch, tmp_path):
     Returns its checkpoint directory."""
     from elasticctl.job import environment
 
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", environment.HOT,
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", environment.WORKER_SETTINGS,
                  environment.ETCD, environment.JOB, environment.NODE_ADDR, environment.RESTARTS, environment.WORKER_MARKS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "0")

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import click
+from click.core import ParameterSource
 
 from elasticctl.cli.job_file import _load_config
 from elasticctl.cli.options import (
@@ -21,16 +22,18 @@ from elasticctl.cli.options import (
     _not_empty,
     _Seconds,
     _settings,
-    _Whole,
+    JOB_SETTING_FLAGS,
     etcd_options,
+    job_setting_options,
+    param_name,
 )
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
 from elasticctl.etcd.retry import Backoff, poll, retry
 from elasticctl.job import environment
 from elasticctl.job.registry import Registry, resolve_job
+from elasticctl.job.options import BY_FLAG, BY_NAME, OPTIONS, Home, describe_default, settle, up_defaults
 from elasticctl.job.spec import (
-    MAX_NODE_TTL,
     JobSpec,
     parse_env,
     parse_nnodes,
@@ -38,6 +41,15 @@ from elasticctl.job.spec import (
 )
 
 log = logging.getLogger("elasticctl")
+
+# `up` sets these rendezvous options where torch (and elasticctl's handler under plain torchrun)
+# would take another default: shown in --help, from the table.
+_RDZV_CONF_HELP = (
+    "Further rendezvous options k=v,... (docs/reference/options.md); a setting that has a flag may be "
+    "given either way, not both with different values. `up` sets "
+    + ", ".join(f"{name}={value} (torch: {describe_default(BY_NAME[name], BY_NAME[name].torch_default)})"
+                for name, value in up_defaults().items())
+    + " unless given.")
 
 
 @click.command(context_settings=_FLAT_ENV)
@@ -80,32 +92,11 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
               help="The job name (torchrun's --rdzv-id).")
 @click.option("--nnodes", default=None, help="Node count: N, or MIN:MAX for an elastic job.  [required]")
 @click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
-@click.option("--max-restarts", type=_Whole(), default=3, show_default=True,
-              help="Failures of this node's own workers tolerated (a lost peer never counts).")
 @click.option("--checkpoint-dir", default=None, callback=_not_empty,
               help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
-@click.option("--node-ttl", type=_Whole(), default=5, show_default=True,
-              help="Seconds a silent node is given before the others re-form without it "
-                   f"(2 to {MAX_NODE_TTL}).")
-@click.option("--rdzv-conf", default="", help="Extra rendezvous options k=v,... (timeouts, secret, quarantine).")
-@click.option("--recovery", type=click.Choice(["restart", "hot"]), default=None,
-              help="restart (default): a membership change restarts every worker from the newest checkpoint; "
-                   "hot: survivors re-form in process and joiners get the state from them "
-                   "(scripts on elasticctl.train).")
-@click.option("--straggler-ratio", default=None, metavar="R", callback=_not_empty,
-              help="Name a node a straggler when its own step time is above R x the others' median "
-                   "at most of its steps (default 1.5; an event, a dashboard mark, a metric).")
-@click.option("--straggler-window", default=None, metavar="W", callback=_not_empty,
-              help="... at more than half of its newest W steps, and at W of its newest 2W (default 50).")
-@click.option("--straggler-interval", default=None, metavar="K", callback=_not_empty,
-              help="Workers exchange their step times every K steps (default 10; at most W).")
-@click.option("--evict-stragglers", default=None, metavar="R", callback=_not_empty,
-              help="Ask a node whose step time stays above R x the others' for the window to leave, "
-                   "as `elasticctl leave` does (default 0: never).")
-@click.option("--spares", default=None, metavar="N", callback=_not_empty,
-              help="Hot spares the job expects: nodes beyond --nnodes MAX start their workers and wait warm, "
-                   "and one takes a lost node's place at once (default 0; status shows the count).")
+@click.option("--rdzv-conf", default="", help=_RDZV_CONF_HELP)
+@job_setting_options
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
@@ -121,10 +112,9 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl, rdzv_conf, recovery,
-       straggler_ratio, straggler_window, straggler_interval, evict_stragglers, spares, legacy_local_rank,
-       node_id, local_addr, etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script,
-       script_args, **etcd_params) -> None:
+def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local_rank, node_id, local_addr,
+       etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script, script_args,
+       **params) -> None:
     """Start a job (or join it with the same spec): publish it, register, run torchrun.
 
     Without --etcd, an embedded etcd starts on this host and the line for
@@ -138,26 +128,17 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
     if nnodes is None:
         raise ConfigError("--nnodes N or MIN:MAX is required (on the command line or in --config).")
     low, high = parse_nnodes(nnodes)
-    conf = parse_rdzv_conf(rdzv_conf)
-    if recovery is not None:
-        conf["recovery"] = recovery
-    # Checked with every rendezvous option when the spec is built (job.settings), before anything
-    # is published; an empty one was refused by its option already.
-    for key, value in (("straggler_ratio", straggler_ratio), ("straggler_window", straggler_window),
-                       ("straggler_interval", straggler_interval), ("evict_stragglers", evict_stragglers),
-                       ("spares", spares)):
-        if value is not None:
-            conf[key] = str(value).strip()
+    # Every value is checked when the spec is built (job.settings), before anything is published.
+    fields, conf = _settled_settings(rdzv_conf, params)
     spec = JobSpec(
         name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
-        nproc_per_node=str(nproc_per_node), max_restarts=max_restarts,
-        rdzv_conf=tuple(conf.items()), checkpoint_dir=checkpoint_dir, module=module,
-        env=parse_env(env), legacy_local_rank=legacy_local_rank, node_ttl=node_ttl,
+        nproc_per_node=str(nproc_per_node), rdzv_conf=tuple(conf.items()), checkpoint_dir=checkpoint_dir,
+        module=module, env=parse_env(env), legacy_local_rank=legacy_local_rank, **fields,
     )
     launcher.check_script(spec)
 
     server = None
-    if etcd_params["etcd_endpoints"] is None:
+    if params["etcd_endpoints"] is None:
         check_listen_host(etcd_listen)
         if etcd_port == etcd_peer_port != 0:
             raise ConfigError(f"The etcd client and peer ports must differ (both are {etcd_port}).")
@@ -168,23 +149,23 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
             data_dir=etcd_data_dir, listen_host=etcd_listen, client_port=etcd_port, peer_port=etcd_peer_port,
             advertise_host=None if launcher.is_loopback(etcd_listen) else launcher.primary_address(),
         )
-        settings = _settings(etcd_params, server.endpoint)
+        settings = _settings(params, server.endpoint)
         _warn_if_exposed(settings, listening=Endpoint(etcd_listen, etcd_port))
     else:
-        settings = _settings(etcd_params)
+        settings = _settings(params)
         _warn_if_exposed(settings)
     local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
     if dry_run:
         from elasticctl.node import torchrun_for
 
-        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
+        click.echo(launcher.format_command(torchrun_for(spec, settings, params["key_prefix"], local_addr)))
         return
 
     try:
         if server is not None:
             _start_embedded(server, job)
         client = connect(settings)
-        registry = Registry(client, job, etcd_params["key_prefix"])
+        registry = Registry(client, job, params["key_prefix"])
         published = registry.publish_spec(spec)
         if published:
             click.echo(f"published job {job} ({spec.nnodes} nodes, script {spec.script})", err=True)
@@ -211,6 +192,36 @@ def up(job, nnodes, nproc_per_node, max_restarts, checkpoint_dir, env, node_ttl,
 
             forget_embedded(os.getpid())
             server.stop()
+
+
+def _settled_settings(rdzv_conf: str, params: dict) -> tuple[dict[str, object], dict[str, str]]:
+    """The job's settings from its flags and ``--rdzv-conf``, each in its one home: (the spec's
+    fields, the spec's rendezvous options). A setting given both ways with different values is a
+    usage error naming both (exit 2)."""
+    ctx = click.get_current_context()
+    given: dict[str, str] = {}
+    for flag in JOB_SETTING_FLAGS:
+        option, name = BY_FLAG[flag], param_name(BY_FLAG[flag])
+        if params[name] is not None and ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            given[option.name] = str(params[name])
+    try:
+        spec_texts, conf = settle(given, parse_rdzv_conf(rdzv_conf))
+        fields = {}
+        for option in OPTIONS:
+            if option.home is Home.SPEC:
+                # The flag's value as click read it (its default when neither way gave one), or
+                # the rendezvous option's read by the table's parser.
+                given_as_option = option.name in spec_texts and option.name not in given
+                fields[option.name] = (option.parse(option.name, spec_texts[option.name]) if given_as_option
+                                       else params[param_name(option)])
+        # The secret's one home is the spec's options or this node's environment, not both.
+        secret = environment.rdzv_secret()
+        if secret and conf.get("secret", secret) != secret:
+            raise ConfigError(f"The rendezvous option secret and {environment.RDZV_SECRET} differ; "
+                              "give the job secret once.")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    return fields, conf
 
 
 def _start_embedded(server, job: str) -> None:

@@ -10,7 +10,16 @@ import click
 from elasticctl.errors import ConfigError
 from elasticctl.etcd.client import EtcdSettings
 from elasticctl.job import environment
-from elasticctl.job.registry import DEFAULT_KEY_PREFIX
+from elasticctl.job.options import (
+    BY_FLAG,
+    OPTIONS,
+    Home,
+    Kind,
+    Option,
+    RecoveryMode,
+    describe_default,
+    number_text,
+)
 from elasticctl.job.settings import parse_key_prefix
 from elasticctl.job.spec import quote, validate_name
 from elasticctl.numbers import decimal_number, integer
@@ -67,6 +76,10 @@ class _Whole(click.IntRange):
             value = number  # signed or huge: IntRange's sentence, or the caller's, names the range
         return super().convert(value, param, ctx)
 
+    def _describe_range(self) -> str:
+        # Unbounded here (the spec checks the range, in its own sentence): no "x<=None" in --help.
+        return "" if self.min is None and self.max is None else super()._describe_range()
+
 
 # Port 0 lets the system pick a free port.
 _PORT = _Whole(0, 65535)
@@ -84,6 +97,65 @@ class _Seconds(click.FloatRange):
 
 
 
+# -- the options of the one table of settings (elasticctl.job.options) --------------------
+
+_METAVARS = {Kind.RATIO: "R", Kind.RATIO_OR_ZERO: "R", Kind.STEPS: "STEPS", Kind.WHOLE: "N"}
+
+
+def param_name(option: Option) -> str:
+    """The name click gives the value of ``option``'s flag (``--etcd-cacert``: etcd_cacert)."""
+    return option.flag[2:].replace("-", "_")
+
+
+def setting_help(option: Option) -> str:
+    """A flag's help: the table's line, its default, and `up`'s default where that differs from
+    the one plain torchrun gets."""
+    text = option.help
+    if option.home is Home.SPEC and option.kind is Kind.WHOLE:
+        text += f" ({option.low} to {number_text(option.high)})"
+    if option.up_default is not None:
+        torch = option.torch_default
+        text += (f" (`up`'s default; plain torchrun's: {describe_default(option)}"
+                 f"{'' if torch is None else '; torch: ' + describe_default(option, torch)})")
+    elif option.default is not None and not _shows_default(option):
+        text += f" (default: {describe_default(option)})"
+    return text
+
+
+def _shows_default(option: Option) -> bool:
+    """Whether click shows the flag's default itself (the value the flag starts from)."""
+    return option.home is not Home.RDZV_CONF
+
+
+def setting_option(flag: str):
+    """The click option of a flag in the table, made from its row (one declaration)."""
+    option = BY_FLAG[flag]
+    common = {"help": setting_help(option)}
+    if option.home is Home.SPEC:
+        default = option.up_default if option.up_default is not None else option.default
+        return click.option(flag, type=_Whole(), default=default, show_default=True, **common)
+    if option.kind is Kind.RECOVERY:
+        return click.option(flag, type=click.Choice([mode.value for mode in RecoveryMode]), default=None, **common)
+    if option.kind is Kind.KEY_PREFIX:
+        return click.option(flag, default=option.default, show_default=True, callback=_checked_key_prefix, **common)
+    # Read as text, then by the table's parser (one sentence naming the flag and the value).
+    return click.option(flag, default=None, metavar=_METAVARS.get(option.kind), callback=_not_empty,
+                        show_default=option.home is Home.NODE and option.default is not None, **common)
+
+
+# The flags of `up` that set a setting of the job (the spec's or its rendezvous options').
+JOB_SETTING_FLAGS = tuple(option.flag for option in OPTIONS if option.flag and option.home is not Home.NODE)
+# The flags of every command that talks to etcd: how this node reaches it.
+ETCD_SETTING_FLAGS = tuple(option.flag for option in OPTIONS if option.flag and option.home is Home.NODE)
+
+
+def job_setting_options(func):
+    """`up`'s flags for the job's settings, made from the table."""
+    for flag in reversed(JOB_SETTING_FLAGS):
+        func = setting_option(flag)(func)
+    return func
+
+
 # -- options shared by every command that talks to etcd ----------------------------------
 
 def etcd_options(func):
@@ -92,14 +164,7 @@ def etcd_options(func):
         click.option("--etcd", "etcd_endpoints", envvar=environment.ETCD, default=None, metavar="HOST:PORT[,...]",
                      callback=_not_empty,
                      help="etcd endpoints (default: the embedded etcd `elasticctl up` runs on this host)."),
-        click.option("--etcd-cacert", default=None, callback=_not_empty,
-                     help="CA bundle that signed etcd's certificate (enables TLS)."),
-        click.option("--etcd-cert", default=None, callback=_not_empty, help="Client certificate for etcd."),
-        click.option("--etcd-key", default=None, callback=_not_empty, help="Client key for etcd."),
-        click.option("--etcd-user", default=None, callback=_not_empty,
-                     help=f"etcd user; the password comes from {environment.ETCD_PASSWORD}."),
-        click.option("--key-prefix", default=DEFAULT_KEY_PREFIX, show_default=True, callback=_checked_key_prefix,
-                     help="Where jobs live in etcd."),
+        *(setting_option(flag) for flag in ETCD_SETTING_FLAGS),
     ]
     for option in reversed(options):
         func = option(func)

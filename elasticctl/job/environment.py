@@ -6,8 +6,8 @@ A job's variables travel down a chain of processes:
    checkpoint directory; it starts torchrun with ``WorkerEnvironment(...).to_env()``.
 2. The rendezvous handler inside torchrun's agent decodes that once (:meth:`WorkerEnvironment.from_env`),
    adds what changes with every start of its workers (restarts spent, where they mark,
-   hot recovery's settings, the address they are reached at, the key their run's records
-   are signed with) and exports the result for the workers in one function
+   the worker settings: recovery mode, hot recovery's and straggler detection's, the address
+   they are reached at, the key their run's records are signed with) and exports the result for the workers in one function
    (``EtcdRendezvousHandler._export_worker_environment``).
 3. Every worker decodes it once (:meth:`WorkerEnvironment.from_env`) and passes the object down.
 
@@ -30,7 +30,8 @@ from collections.abc import Mapping, MutableMapping
 
 from elasticctl.errors import ConfigError
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
-from elasticctl.job.settings import HotSettings, StragglerSettings, parse_key_prefix
+from elasticctl.job.options import RecoveryMode
+from elasticctl.job.settings import WorkerSettings, parse_key_prefix
 from elasticctl.job.spec import quote, validate_name
 
 NODE = "ELASTICCTL_NODE"                  # this node's id in the job
@@ -47,8 +48,7 @@ ETCD_USER = "ELASTICCTL_ETCD_USER"
 ETCD_PASSWORD = "ELASTICCTL_ETCD_PASSWORD"  # never a flag: it would show in `ps`
 CHECKPOINT_DIR = "ELASTICCTL_CHECKPOINT_DIR"
 RDZV_SECRET = "ELASTICCTL_RDZV_SECRET"    # never a flag either
-HOT = "ELASTICCTL_HOT"                    # hot recovery's settings (settings.HotSettings.encode)
-STRAGGLERS = "ELASTICCTL_STRAGGLERS"      # straggler detection's settings (settings.StragglerSettings.encode)
+WORKER_SETTINGS = "ELASTICCTL_WORKER_SETTINGS"  # settings.WorkerSettings, one versioned JSON document
 
 # Read outside the node -> agent -> worker chain (typed readers below).
 ETCD_BINARY = "ELASTICCTL_ETCD_BINARY"
@@ -86,8 +86,7 @@ class WorkerEnvironment:
     etcd_password: str = dataclasses.field(default="", repr=False)
     checkpoint_dir: str = ""
     rdzv_secret: str = dataclasses.field(default="", repr=False)
-    hot: HotSettings | None = None
-    stragglers: StragglerSettings | None = None  # None: no detection (not under elasticctl's handler)
+    settings: WorkerSettings | None = None  # None: not under elasticctl's handler (restart mode, no stragglers)
 
     def __post_init__(self) -> None:
         # Whatever built it (a decode, the node, the handler), an environment is valid, so that
@@ -107,11 +106,9 @@ class WorkerEnvironment:
         parse_key_prefix(f"key prefix in {KEY_PREFIX}", self.key_prefix)
         if bool(self.etcd_cert) != bool(self.etcd_key):
             raise ConfigError(f"{ETCD_CERT} and {ETCD_KEY} must be given together.")
-        if self.hot is not None and not isinstance(self.hot, HotSettings):
-            raise ConfigError(f"The hot-recovery settings {quote(self.hot)} in {HOT} are not HotSettings.")
-        if self.stragglers is not None and not isinstance(self.stragglers, StragglerSettings):
-            raise ConfigError(f"The straggler settings {quote(self.stragglers)} in {STRAGGLERS} "
-                              "are not StragglerSettings.")
+        if self.settings is not None and not isinstance(self.settings, WorkerSettings):
+            raise ConfigError(f"The worker settings {quote(self.settings)} in {WORKER_SETTINGS} "
+                              "are not WorkerSettings.")
 
     # -- the codec ---------------------------------------------------------------------
 
@@ -122,10 +119,8 @@ class WorkerEnvironment:
             env[KEY_PREFIX] = self.key_prefix
         if self.restarts is not None:
             env[RESTARTS] = str(self.restarts)
-        if self.hot is not None:
-            env[HOT] = self.hot.encode()
-        if self.stragglers is not None:
-            env[STRAGGLERS] = self.stragglers.encode()
+        if self.settings is not None:
+            env[WORKER_SETTINGS] = self.settings.to_json()
         return env
 
     @classmethod
@@ -141,15 +136,17 @@ class WorkerEnvironment:
                 raise ConfigError(f"The restarts spent {quote(restarts)} in {RESTARTS} must be a whole number "
                                   f"from 0 to {MAX_RESTARTS}.")
             values["restarts"] = int(restarts)
-        hot = environ.get(HOT, "")
-        if hot:
-            values["hot"] = HotSettings.decode(hot, where=HOT)
-        stragglers = environ.get(STRAGGLERS, "")
-        if stragglers:
-            values["stragglers"] = StragglerSettings.decode(stragglers, where=STRAGGLERS)
+        settings = environ.get(WORKER_SETTINGS, "")
+        if settings:
+            values["settings"] = WorkerSettings.from_json(settings, where=WORKER_SETTINGS)
         return cls(**values)
 
     # -- what the fields mean to a worker -----------------------------------------------
+
+    @property
+    def recovery(self) -> RecoveryMode:
+        """This worker's recovery mode: its settings', restart mode outside elasticctl's handler."""
+        return RecoveryMode.RESTART if self.settings is None else self.settings.recovery
 
     @property
     def in_job(self) -> bool:
@@ -182,7 +179,7 @@ _STRINGS = {
     ETCD_CACERT: "etcd_cacert", ETCD_CERT: "etcd_cert", ETCD_KEY: "etcd_key", ETCD_USER: "etcd_user",
     ETCD_PASSWORD: "etcd_password", CHECKPOINT_DIR: "checkpoint_dir", RDZV_SECRET: "rdzv_secret",
 }
-WORKER_VARIABLES = (*_STRINGS, KEY_PREFIX, RESTARTS, HOT, STRAGGLERS)
+WORKER_VARIABLES = (*_STRINGS, KEY_PREFIX, RESTARTS, WORKER_SETTINGS)
 
 
 def export(environment: WorkerEnvironment, environ: MutableMapping[str, str] = os.environ) -> None:
@@ -215,6 +212,11 @@ def rebuild_groups(environ: Mapping[str, str] = os.environ) -> bool:
 def state_dir(environ: Mapping[str, str] = os.environ) -> str | None:
     """Where this host keeps elasticctl's state (the embedded etcd's address), if the user moved it."""
     return environ.get(STATE_DIR) or None
+
+
+def rdzv_secret(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The job secret this node was given in its environment (kept out of the spec), if any."""
+    return environ.get(RDZV_SECRET) or None
 
 
 def etcd_password(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -27,6 +27,7 @@ from elasticctl.job.records import (
     typed_record,
 )
 from elasticctl.job.settings import DEFAULT_NODE_TTL  # noqa: F401 (re-exported)
+from elasticctl.job.options import RecoveryMode
 from elasticctl.job.settings import parse_rdzv_options
 from elasticctl.job.snapshot import MAX_HEARTBEAT_LOOKUPS, JobSnapshot, Part
 from elasticctl.job.spec import JobSpec, validate_name
@@ -90,6 +91,14 @@ class JobView:
         )
 
     @property
+    def recovery(self) -> RecoveryMode:
+        """The job's recovery mode: hot where its workers form generations (a plain torchrun run
+        has no spec to say so), else its spec's."""
+        if self.generation is not None or self.spec is None:
+            return RecoveryMode.HOT if self.generation is not None else RecoveryMode.RESTART
+        return self.spec.options.recovery
+
+    @property
     def round(self) -> int | None:
         if self.generation is not None:
             return self.generation.number
@@ -138,7 +147,7 @@ class JobView:
             "spares_expected": self.spares_expected(),
             "progress": self.progress,
             "down_requested": self.down_requested,
-            "recovery": "hot" if self.generation is not None else "restart",
+            "recovery": self.recovery.value,
         }
 
 

@@ -6,7 +6,8 @@ import dataclasses
 import re
 
 from elasticctl.errors import ConfigError, quote
-from elasticctl.job.settings import MAX_NODE_TTL, parse_rdzv_options
+from elasticctl.job.options import BY_KEY, BY_NAME, MAX_NODE_TTL, Home, refusal_of_node_setting
+from elasticctl.job.settings import RdzvOptions, parse_rdzv_options
 from elasticctl.numbers import whole_number
 
 # The one rule for every name that becomes part of an etcd key (job, run id, node id):
@@ -86,13 +87,13 @@ class JobSpec:
     min_nodes: int = 1
     max_nodes: int = 1
     nproc_per_node: str = "1"
-    max_restarts: int = 3
+    max_restarts: int = BY_NAME["max_restarts"].up_default
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     checkpoint_dir: str | None = None
     module: bool = False
     env: tuple[tuple[str, str], ...] = ()
     legacy_local_rank: bool = False
-    node_ttl: int = 5
+    node_ttl: int = BY_NAME["node_ttl"].default
 
     def __post_init__(self) -> None:
         # Canonical order, so that specs from flags, YAML and etcd compare equal.
@@ -104,8 +105,14 @@ class JobSpec:
             raise ConfigError(
                 f"The processes per node {quote(self.nproc_per_node)} must be a positive whole number or 'auto'."
             )
+        restarts = BY_NAME["max_restarts"]
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
+            raise ConfigError(f"The maximum number of restarts {quote(self.max_restarts)} must be a whole number.")
         if self.max_restarts < 0:
             raise ConfigError(f"The maximum number of restarts ({self.max_restarts}) must not be negative.")
+        if self.max_restarts > restarts.high:
+            raise ConfigError(f"The maximum number of restarts ({self.max_restarts}) must not be above "
+                              f"{restarts.high}.")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"The node count {self.min_nodes}:{self.max_nodes} must be 1 <= MIN <= MAX.")
         # Every rendezvous option is checked here, before anything is published or launched.
@@ -115,16 +122,45 @@ class JobSpec:
             if not str(value).strip():
                 raise ConfigError(f"The rendezvous option {quote(key)} is empty; give it a value, "
                                   "or leave it out for its default.")
+        self._settle_fields_given_as_options()
         parse_rdzv_options(dict(self.rdzv_conf))
         if isinstance(self.node_ttl, bool) or not isinstance(self.node_ttl, int):
             raise ConfigError(f"The node liveness TTL {quote(self.node_ttl)} must be a whole number of seconds.")
-        if not 2 <= self.node_ttl <= MAX_NODE_TTL:
+        if not BY_NAME["node_ttl"].low <= self.node_ttl <= MAX_NODE_TTL:
             raise ConfigError(
-                f"The node liveness TTL ({self.node_ttl} s) must be between 2 and {MAX_NODE_TTL} seconds."
+                f"The node liveness TTL ({self.node_ttl} s) must be between {BY_NAME['node_ttl'].low} "
+                f"and {MAX_NODE_TTL} seconds."
             )
         for name, _ in self.env:
             if not _ENV_NAME_RE.fullmatch(name):
                 raise ConfigError(f"The environment variable name {quote(name)} is not valid.")
+
+    def _settle_fields_given_as_options(self) -> None:
+        """One home per value: a setting that is a field of the spec (node_ttl, max_restarts) is not
+        kept among the rendezvous options too; the same value there is dropped, another refused.
+        Settings each node gives itself (its TLS files, the key prefix, the etcd password) are
+        refused there: every node reads the spec, and etcd keeps it readable."""
+        conf = dict(self.rdzv_conf)
+        for key, text in self.rdzv_conf:
+            option = BY_KEY.get(key)
+            if option is None or option.home is Home.RDZV_CONF:
+                continue
+            if option.home is Home.NODE:
+                raise ConfigError(refusal_of_node_setting(option, key, text))
+            if option.home is Home.SPEC:
+                value, field = option.parse(key, str(text).strip()), getattr(self, option.name)
+                if value != field:
+                    raise ConfigError(f"The job's {option.name} ({field}) and its rendezvous option "
+                                      f"{key}={text} disagree; give the setting once.")
+                del conf[key]
+        object.__setattr__(self, "rdzv_conf", tuple(sorted(conf.items())))
+
+    @property
+    def options(self) -> RdzvOptions:
+        """Every rendezvous option of this job as its nodes' handlers read them (the spec's
+        fields included), typed."""
+        return parse_rdzv_options({**dict(self.rdzv_conf), "node_ttl": str(self.node_ttl),
+                                   "max_restarts": str(self.max_restarts)})
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -171,11 +207,7 @@ class JobSpec:
         return str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
 
     @property
-    def restart_budget(self) -> int | None:
-        """Restarts each node may spend on its own failures: ``max_restarts`` in ``rdzv_conf``
-        wins over ``--max-restarts``, as in the torchrun command the launcher builds. None when
-        ``rdzv_conf`` sets it empty: the handler then keeps no budget of its own."""
-        conf = dict(self.rdzv_conf)
-        if "max_restarts" in conf:
-            return parse_rdzv_options({"max_restarts": conf["max_restarts"]}).max_restarts
+    def restart_budget(self) -> int:
+        """Restarts each node may spend on its own failures: ``max_restarts``, its one home
+        (given as ``--max-restarts`` or ``--rdzv-conf max_restarts=``)."""
         return self.max_restarts

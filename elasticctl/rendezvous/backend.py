@@ -56,9 +56,8 @@ from elasticctl.job.settings import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_QUARANTINE_AFTER,
     DEFAULT_RUN_TTL,
-    HotSettings,
     RdzvOptions,
-    StragglerSettings,
+    WorkerSettings,
     parse_rdzv_options,
 )
 from elasticctl.rendezvous.state import open_state, seal_state
@@ -378,13 +377,12 @@ def _log_with_times() -> None:
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd3`` handler: elasticctl's etcd-native rendezvous (see elasticctl/rendezvous/handler.py).
 
-    Besides the connection options: node_ttl (seconds a node may be silent, default 5),
-    max_restarts (the real restart budget; torch's own counts every failure),
-    quarantine_after (counted failures, default 2 where quarantine applies by default:
-    see :func:`elasticctl.rendezvous.verdicts.quarantine_by_default`) within quarantine_window
-    (s, 600) put the node aside for quarantine_seconds (60); join_timeout (600) and
-    last_call_timeout (30) as in torch's dynamic rendezvous. Options of torch's other
-    backends and launchers are ignored (``TORCH_ONLY_OPTIONS``).
+    Its options, their defaults and ranges are the table's (:mod:`elasticctl.job.options`,
+    docs/reference/options.md): node_ttl, the restart budget (max_restarts), quarantine (with
+    quarantine_after's default where it applies: see
+    :func:`elasticctl.rendezvous.verdicts.quarantine_by_default`), join_timeout and
+    last_call_timeout as in torch's dynamic rendezvous, the recovery mode and stragglers.
+    Options of torch's other backends and launchers are ignored (``TORCH_ONLY_OPTIONS``).
     """
     import socket
 
@@ -422,22 +420,19 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # live as long as the job does, and expire ttl seconds after its last process.
     lease = RunLease(client, options.ttl, registry.keys.run_lease).start()
     settings = Settings(min_nodes=params.min_nodes, max_nodes=params.max_nodes,
-                        last_call=float(options.last_call_timeout or 30))
+                        last_call=float(options.last_call_timeout))
     return EtcdRendezvousHandler(
         client=client, run_id=params.run_id, registry=registry, run_lease=lease, node_id=node_id,
         local_addr=local_addr, settings=settings, node_ttl=options.node_ttl,
-        join_timeout=float(options.join_timeout or 600), max_restarts=options.max_restarts,
+        join_timeout=float(options.join_timeout), max_restarts=options.max_restarts,
         quarantine_after=quarantine_after, quarantine_window=options.quarantine_window,
         quarantine_seconds=options.quarantine_seconds,
         store_factory=lambda number: EtcdStore(client, registry.keys.store(number), lease),
         secret=run_secret((options.secret or environment.rdzv_secret).encode() or None, options.run),
-        # Every worker watches for stragglers (elasticctl.train.stragglers), in either mode.
+        # The workers' settings, decided once here: the recovery mode (the handler's too), hot
+        # recovery's, and straggler detection's (every worker watches, in either mode).
         worker_environment=dataclasses.replace(
-            environment, stragglers=StragglerSettings.of(options, min_nodes=params.min_nodes)),
-        hot=HotSettings(min_nodes=params.min_nodes, max_nodes=params.max_nodes, node_ttl=options.node_ttl,
-                        last_call=settings.last_call, join_timeout=float(options.join_timeout or 600),
-                        run_ttl=options.ttl)
-        if options.recovery == "hot" else None,
+            environment, settings=WorkerSettings.of(options, params.min_nodes, params.max_nodes)),
     )
 
 

@@ -65,7 +65,7 @@ from elasticctl.job.events import EventLog, recovery_start
 from elasticctl.job import environment as worker_environment
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, FailureCause, MemberState, Round
-from elasticctl.job.settings import HotSettings
+from elasticctl.job.options import RecoveryMode
 from elasticctl.rendezvous.member import RoundMember
 from elasticctl.rendezvous.rounds import Settings
 from elasticctl.rendezvous.policy import (
@@ -98,7 +98,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                  local_addr: str, settings: Settings, node_ttl: int, join_timeout: float,
                  max_restarts: int | None, quarantine_after: int | None, quarantine_window: float,
                  quarantine_seconds: float, store_factory, secret: bytes | None = None,
-                 hot: HotSettings | None = None, worker_environment: WorkerEnvironment | None = None) -> None:
+                 worker_environment: WorkerEnvironment | None = None) -> None:
         self._client = client
         self._run_id = run_id
         self._registry = registry
@@ -109,10 +109,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._rules = BudgetRules(max_restarts, quarantine_after, quarantine_window)
         self._quarantine_seconds = quarantine_seconds
         self._store_factory = store_factory
-        self._hot = hot
         self._secret = secret
         # What the node gave torchrun for the workers; each start of them adds its own part.
         self._worker_environment = worker_environment or WorkerEnvironment()
+        # Restart mode, or hot: the workers re-form their generations themselves.
+        self._recovery = self._worker_environment.recovery
         self._keys = registry.keys
         self._view = RoundView(client, self._keys, secret).start()
         self._events = EventLog(client, self._keys)
@@ -190,10 +191,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         # The agent asks again after its workers ended, or (restart mode) after it stopped them
         # for a membership change or our own verdict (num_nodes_waiting said so).
-        workers_ended = self._round is not None and (self._hot is not None or not self._changed)
+        workers_ended = self._round is not None and (self._recovery is RecoveryMode.HOT or not self._changed)
         self._changed = False
         self._before_joining(workers_ended)
-        if self._hot is not None:
+        if self._recovery is RecoveryMode.HOT:
             return self._start_hot()
         current = self._view.round
         if current is not None and self._node_id not in current.members:
@@ -227,7 +228,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         worker_finished = self._round is not None and bool(self._worker_marks()[1])
         with self._lock:
             waiting = when_asked_for_waiting(self._round is not None, self._left, worker_finished,
-                                             self._budget, self._hot is not None)
+                                             self._budget, self._recovery)
         if waiting is Waiting.OWN_VERDICT:
             self._changed = True  # our own verdict, not a new failure
             return 1
@@ -299,7 +300,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         a stop or a quarantine the budget calls for."""
         if workers_ended:
             started, done = self._worker_marks()
-            decision = after_workers_ended(self._node_id, self._hot is not None, started, done,
+            decision = after_workers_ended(self._node_id, self._recovery, started, done,
                                            self._unrecoverable())
             if decision.action is NodeAction.END:
                 log.warning("[%s] round %d: every worker finished its script (local ranks %s) and one died "
@@ -343,7 +344,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         way the runtime could not recover from in process, which is this node's own failure."""
         number = 1 if self._round is None else self._round.number + 1
         self._round = Round(number=number, members=(self._node_id,), addrs=(self._local_addr,))
-        self._write_member(state=MemberState.TRAINING, recovery="hot", starts=number)
+        self._write_member(state=MemberState.TRAINING, recovery=RecoveryMode.HOT.value, starts=number)
         self._marks = os.path.join(self._marks_root, f"round-{number}")
         os.makedirs(self._marks, exist_ok=True)
         self._export_worker_environment()
@@ -362,7 +363,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         right after next_rendezvous returns."""
         worker_environment.export(dataclasses.replace(
             self._worker_environment, restarts=self.restarts_spent, marks_dir=self._marks or "",
-            hot=self._hot, node_addr=self._local_addr,
+            node_addr=self._local_addr,
             rdzv_secret=self._secret.decode() if self._secret else ""))
 
     # -- failures ----------------------------------------------------------------------

@@ -24,6 +24,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Set
 
+from elasticctl.job.options import BY_NAME, RecoveryMode
 from elasticctl.job.records import MemberState
 from elasticctl.rendezvous.verdicts import quarantine_due
 
@@ -34,7 +35,7 @@ class BudgetRules:
 
     max_restarts: int | None = None
     quarantine_after: int | None = None
-    quarantine_window: float = 600.0
+    quarantine_window: float = BY_NAME["quarantine_window"].default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class NodeDecision:
     failure_event: bool = False  # STOP: the workers' failure is recorded in the history, with ``cause``
 
 
-def after_workers_ended(node: str, hot: bool, started: Set[str], done: Set[str],
+def after_workers_ended(node: str, recovery: RecoveryMode, started: Set[str], done: Set[str],
                         unrecoverable: str | None) -> NodeDecision:
     """The workers of this node's round ended on their own; ``started``/``done``: the local
     ranks that marked so, ``unrecoverable``: the reason a worker marked, if one did."""
@@ -79,7 +80,7 @@ def after_workers_ended(node: str, hot: bool, started: Set[str], done: Set[str],
     if unrecoverable is not None:
         return NodeDecision(NodeAction.STOP, f"The node '{node}' stops without restarting its workers: "
                             f"{unrecoverable}", unrecoverable, failure_event=True)
-    return NodeDecision(NodeAction.CHARGE if hot else NodeAction.JUDGE)
+    return NodeDecision(NodeAction.CHARGE if recovery is RecoveryMode.HOT else NodeAction.JUDGE)
 
 
 def charge(budget: Budget, rules: BudgetRules, node: str, now: float) -> Budget:
@@ -115,12 +116,12 @@ class Waiting(enum.Enum):
 
 
 def when_asked_for_waiting(in_round: bool, left: bool, worker_finished: bool, budget: Budget,
-                           hot: bool) -> Waiting:
+                           recovery: RecoveryMode) -> Waiting:
     if not in_round or left or worker_finished:
         return Waiting.NONE  # a finished worker: the group is ending, a restart would train again
     if budget.stop_reason or budget.quarantine:
         return Waiting.OWN_VERDICT
-    if hot:
+    if recovery is RecoveryMode.HOT:
         return Waiting.NONE
     return Waiting.MEMBERSHIP
 

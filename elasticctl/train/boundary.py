@@ -15,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-
-class Mode(enum.Enum):
-    RESTART = "restart"  # one generation per process: torchrun's agent re-forms the job
-    HOT = "hot"          # the workers re-form in process (``--recovery hot``)
+# The job's recovery mode, as the flag, the spec and the worker settings carry it: RESTART, one
+# generation per process (torchrun's agent re-forms the job); HOT, the workers re-form in process.
+from elasticctl.job.options import RecoveryMode
 
 
 class BoundaryAction(enum.Enum):
@@ -39,7 +38,7 @@ class Agreed:
     world_size: int
 
 
-def checkpoint_before_leave(mode: Mode, agreed: Agreed) -> bool:
+def checkpoint_before_leave(mode: RecoveryMode, agreed: Agreed) -> bool:
     """Whether every worker of the generation saves a checkpoint at this boundary before some of
     them leave (hot mode, some but not all leaving): the same answer on every worker, from the
     agreed flags alone.
@@ -51,14 +50,14 @@ def checkpoint_before_leave(mode: Mode, agreed: Agreed) -> bool:
     and the steps since the last checkpoint would be lost with it. So a partial leave costs one
     checkpoint, and nothing the job trained is lost whatever follows it. A leave of everyone
     (:attr:`BoundaryAction.LEAVE_WITH_JOB`) and restart mode save a final checkpoint anyway."""
-    return mode is Mode.HOT and 0 < agreed.leaving < agreed.world_size
+    return mode is RecoveryMode.HOT and 0 < agreed.leaving < agreed.world_size
 
 
-def at_boundary(mode: Mode, agreed: Agreed, me_leaving: bool) -> BoundaryAction:
+def at_boundary(mode: RecoveryMode, agreed: Agreed, me_leaving: bool) -> BoundaryAction:
     """``me_leaving``: this worker's own flag was in ``agreed.leaving`` (one told to stop after the
     flags went out re-forms with the others and leaves at the next boundary, so that a worker
     that sees "not everyone leaves" can trust that some worker keeps the state)."""
-    if mode is Mode.RESTART:
+    if mode is RecoveryMode.RESTART:
         # A pending change does not exist here: the agent sees membership changes and restarts.
         return BoundaryAction.STOP_FOR_AGENT if agreed.leaving else BoundaryAction.CONTINUE
     if not (agreed.pending or agreed.leaving):

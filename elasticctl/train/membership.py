@@ -23,7 +23,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.job.records import Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.train import script as worker_env
-from elasticctl.train.boundary import Mode
+from elasticctl.job.options import RecoveryMode
 from elasticctl.train.loss_abort import LossAbort
 from elasticctl.train import entry as worker_env_entry
 from elasticctl.train.process_group import (build_control_group, build_generation_group, generation_store,
@@ -43,23 +43,23 @@ FORM_ATTEMPTS = 5  # generations in a row that fail while they form
 class Membership(abc.ABC):
     """Who trains together, generation after generation, for one worker."""
 
-    mode: Mode
+    mode: RecoveryMode
     node_ttl: float | None = None  # seconds a member may be silent (None: torch's agent decides)
 
     @property
     def agreed_at_once(self) -> bool:
         """Whether a boundary's flags are agreed at that boundary (blocking), not at the next."""
-        return self.mode is Mode.RESTART
+        return self.mode is RecoveryMode.RESTART
 
     @property
     def recovers_in_process(self) -> bool:
         """Whether a failure of the script's step is met with a new generation in this process."""
-        return self.mode is Mode.HOT
+        return self.mode is RecoveryMode.HOT
 
     @property
     def records_generations(self) -> bool:
         """Whether rank 0 records each generation formed (the agent records torchrun's rounds)."""
-        return self.mode is Mode.HOT
+        return self.mode is RecoveryMode.HOT
 
     @abc.abstractmethod
     def form(self, runtime: Runtime) -> Group:
@@ -91,7 +91,7 @@ class Membership(abc.ABC):
 class RestartMembership(Membership):
     """Restart mode: the generation is torchrun's round, one per process."""
 
-    mode = Mode.RESTART
+    mode = RecoveryMode.RESTART
 
     def form(self, runtime: Runtime) -> Group:
         ctx = worker_env.init(timeout=runtime.pg_timeout.total_seconds(), backend=runtime.backend,
@@ -108,7 +108,7 @@ class RestartMembership(Membership):
 class HotMembership(Membership):
     """Hot mode: generations of workers, agreed in etcd, re-formed in process."""
 
-    mode = Mode.HOT
+    mode = RecoveryMode.HOT
 
     def __init__(self, settings: HotSettings, connect: Callable[[], Generations]) -> None:
         self.settings = settings

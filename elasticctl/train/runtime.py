@@ -73,7 +73,8 @@ from elasticctl.job import environment as environment_names
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
-from elasticctl.train.boundary import Agreed, BoundaryAction, Mode, at_boundary, checkpoint_before_leave
+from elasticctl.job.options import RecoveryMode
+from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary, checkpoint_before_leave
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
@@ -158,9 +159,9 @@ class Runtime:
         self.backend = backend or default_backend
         # Decoded once; everything this worker's runtime starts is handed this object.
         self.environment = WorkerEnvironment.from_env()
-        hot = self.environment.hot
-        self.membership: Membership = (HotMembership(hot, self._connect_generations) if hot
-                                       else RestartMembership())
+        settings = self.environment.settings  # the worker settings, None outside elasticctl's handler
+        self.membership: Membership = (HotMembership(settings.hot, self._connect_generations)
+                                       if self.environment.recovery is RecoveryMode.HOT else RestartMembership())
         default_timeout = self.membership.node_ttl or 60.0
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout or default_timeout)
         self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir, self.environment)
@@ -206,7 +207,7 @@ class Runtime:
         self._longest_step = 0.0  # seconds between two boundaries, the longest seen
         self._watchdog = threading.Event()  # set: the run is over
         # Stragglers: this worker's own step times and the exchange of them (train/straggler_watch.py).
-        self._stragglers = StragglerWatch(self.environment.stragglers, self.worker, self.node,
+        self._stragglers = StragglerWatch(None if settings is None else settings.stragglers, self.worker, self.node,
                                           control_group=lambda: self.control_group, record=self._record,
                                           request_leave=self._request_leave)
         self._registry: Any = None
@@ -788,7 +789,7 @@ class Runtime:
         if self._progress is None:
             from elasticctl.job.progress import ProgressPublisher
 
-            self._progress = ProgressPublisher.from_env(0, recoveries=self.membership.mode is Mode.RESTART,
+            self._progress = ProgressPublisher.from_env(0, recoveries=self.membership.mode is RecoveryMode.RESTART,
                                                         environment=self.environment)
 
     def _record(self, kind: EventKind, node: str | None = None, **fields) -> None:

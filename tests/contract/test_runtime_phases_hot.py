@@ -16,7 +16,8 @@ import signal
 from support.runtime_phases import Trace, _runtime, _step
 
 from elasticctl.job import environment
-from elasticctl.job.settings import HotSettings
+from elasticctl.job.options import RecoveryMode
+from elasticctl.job.settings import HotSettings, WorkerSettings
 from elasticctl.train.membership import HotMembership
 from elasticctl.train.runtime import Phase
 
@@ -26,7 +27,8 @@ def test_hot_mode_re_forms_in_process_after_a_failure_and_leaves_with_the_job(wo
     monkeypatch.setenv(environment.ETCD, default_etcd.endpoint)
     monkeypatch.setenv(environment.JOB, run_id)
     monkeypatch.setenv(environment.NODE_ADDR, "127.0.0.1")
-    monkeypatch.setenv(environment.HOT, HotSettings(min_nodes=1, max_nodes=1, node_ttl=5).encode())
+    monkeypatch.setenv(environment.WORKER_SETTINGS, WorkerSettings(
+        RecoveryMode.HOT, hot=HotSettings(min_nodes=1, max_nodes=1, node_ttl=5)).to_json())
     trace = Trace()
     runtime = _runtime(trace, worker_env)
     assert isinstance(runtime.membership, HotMembership) and runtime.phase is Phase.FORMING

@@ -23,7 +23,9 @@ from support.helpers import WORKERS, read_records, wait_for
 from test_hot import HotJob, check_replicas_and_samples
 
 from elasticctl.job.records import EventKind
-from elasticctl.job.settings import HotSettings, StragglerSettings
+from elasticctl.job import environment
+from elasticctl.job.options import RecoveryMode
+from elasticctl.job.settings import HotSettings, StragglerSettings, WorkerSettings
 
 RENAMED = "renamed_gloo"
 STRAGGLERS = StragglerSettings(ratio=1.5, window=10, interval=5)
@@ -44,9 +46,7 @@ def events_of(job: HotJob, kind: EventKind, node: str) -> list:
 
 
 def straggler_job(nodes, default_etcd, run_id, tmp_path, settings: HotSettings, *args: str) -> HotJob:
-    job = HotJob(nodes, default_etcd, run_id, tmp_path, settings, ["--log-transfers", *args])
-    job.env["ELASTICCTL_STRAGGLERS"] = STRAGGLERS.encode()
-    return job
+    return HotJob(nodes, default_etcd, run_id, tmp_path, settings, ["--log-transfers", *args], stragglers=STRAGGLERS)
 
 
 def test_hot_mode_on_a_backend_that_is_not_gloo_runs_its_boundaries_on_a_gloo_side_group(
@@ -84,7 +84,7 @@ def test_restart_mode_under_torchrun_builds_its_side_group_too(nodes, tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         str(WORKERS / "hot.py"), "--record", str(record), "--steps", "30", "--step-sleep", "0.01",
         "--log-transfers", "--backend-named", RENAMED,
-    ], env={"ELASTICCTL_STRAGGLERS": STRAGGLERS.encode()})
+    ], env={environment.WORKER_SETTINGS: WorkerSettings(RecoveryMode.RESTART, STRAGGLERS).to_json()})
     # every step's flags (blocking in restart mode) and every 5th step's straggler exchange
     # went over the side group: 30 steps and a clean end on both ranks
     assert torchrun.wait(180) == 0, torchrun.log()

@@ -20,16 +20,21 @@ from support.helpers import WORKERS, read_records, wait_for
 
 from bench.accounting import check_replicas, check_samples
 from elasticctl.embedded_etcd import EmbeddedEtcd
-from elasticctl.job.settings import HotSettings
+from elasticctl.job import environment
+from elasticctl.job.options import RecoveryMode
+from elasticctl.job.settings import HotSettings, StragglerSettings, WorkerSettings
 
 HOT = str(WORKERS / "hot.py")
 
 
 class HotJob:
-    def __init__(self, nodes, etcd, run_id, tmp_path, settings: HotSettings, args=()) -> None:
+    def __init__(self, nodes, etcd, run_id, tmp_path, settings: HotSettings, args=(),
+                 stragglers: StragglerSettings | None = None) -> None:
         self.nodes, self.etcd, self.record = nodes, etcd, tmp_path / "record.jsonl"
+        # What a node's handler hands its workers in hot mode (no straggler detection unless given).
+        worker_settings = WorkerSettings(RecoveryMode.HOT, stragglers, settings)
         self.env = {"ELASTICCTL_ETCD": etcd.endpoint, "ELASTICCTL_JOB": run_id, "ELASTICCTL_NODE_ADDR": "127.0.0.1",
-                    "ELASTICCTL_HOT": settings.encode(), "LOCAL_RANK": "0"}
+                    environment.WORKER_SETTINGS: worker_settings.to_json(), "LOCAL_RANK": "0"}
         self.args = ["--record", str(self.record), *args]
         self.workers = {}
 

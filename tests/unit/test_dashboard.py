@@ -468,6 +468,7 @@ def test_the_dashboard_and_status_present_one_snapshot_each_their_own_way():
 
 
 def test_the_spec_gives_the_node_bounds_and_the_restart_budget_and_members_what_each_spent():
+    from elasticctl.errors import ConfigError
     from elasticctl.job.spec import JobSpec
 
     spec = JobSpec("j", "train.py", min_nodes=2, max_nodes=4, max_restarts=5)
@@ -484,9 +485,12 @@ def test_the_spec_gives_the_node_bounds_and_the_restart_budget_and_members_what_
     # a finished run: the member records say done, also those of nodes whose process is gone
     done = MEMBER.replace(b'"training"', b'"done"')
     assert job_metrics(Reading("j", NOW, members={"a": done, "z": done.replace(b'"a"', b'"z"')})).finished_nodes == 2
-    # max_restarts in --rdzv-conf is what the handler enforces, so it is the budget shown
-    overridden = JobSpec("j", "train.py", max_restarts=5, rdzv_conf=(("max_restarts", "2"),))
-    assert job_metrics(Reading("j", NOW, spec=overridden)).restart_budget == 2
+    # max_restarts has one home, the spec's field, which the handler enforces: the budget shown;
+    # given in --rdzv-conf with the same value it is taken once, with another it is refused
+    given_twice = JobSpec("j", "train.py", max_restarts=2, rdzv_conf=(("max_restarts", "2"),))
+    assert given_twice.rdzv_conf == () and job_metrics(Reading("j", NOW, spec=given_twice)).restart_budget == 2
+    with pytest.raises(ConfigError, match=r"max_restarts \(5\) and its rendezvous option max_restarts=2 disagree"):
+        JobSpec("j", "train.py", max_restarts=5, rdzv_conf=(("max_restarts", "2"),))
     without = job_metrics(Reading("j", NOW))  # a plain torchrun job, or one that is down
     assert (without.nnodes_min, without.nnodes_max, without.restart_budget) == (None, None, None)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from elasticctl.job.options import RecoveryMode
 from elasticctl.rendezvous.policy import (
     Budget,
     BudgetRules,
@@ -19,28 +20,29 @@ from elasticctl.rendezvous.policy import (
 )
 
 E = frozenset()
+HOT, RESTART = RecoveryMode.HOT, RecoveryMode.RESTART
 
 
-@pytest.mark.parametrize(("hot", "started", "done", "unrecoverable", "action", "message"), [
+@pytest.mark.parametrize(("mode", "started", "done", "unrecoverable", "action", "message"), [
     # failed, nothing marked: restart mode judges from the evidence, hot mode charges at once
-    (False, {"0", "1"}, E, None, NodeAction.JUDGE, ""),
-    (True, {"0", "1"}, E, None, NodeAction.CHARGE, ""),
-    (False, E, E, None, NodeAction.JUDGE, ""),  # died before the entry marked anything
+    (RESTART, {"0", "1"}, E, None, NodeAction.JUDGE, ""),
+    (HOT, {"0", "1"}, E, None, NodeAction.CHARGE, ""),
+    (RESTART, E, E, None, NodeAction.JUDGE, ""),  # died before the entry marked anything
     # every worker that started finished, one died at interpreter exit: the job is complete
-    (False, {"0", "1"}, {"0", "1"}, None, NodeAction.END, ""),
-    (True, {"0"}, {"0"}, None, NodeAction.END, ""),
+    (RESTART, {"0", "1"}, {"0", "1"}, None, NodeAction.END, ""),
+    (HOT, {"0"}, {"0"}, None, NodeAction.END, ""),
     # one failed after another finished: never trained again, the node stops
-    (False, {"0", "1"}, {"0"}, None, NodeAction.STOP,
+    (RESTART, {"0", "1"}, {"0"}, None, NodeAction.STOP,
      "The node 'a' stops: local worker(s) 1 failed after local worker(s) 0 had finished; "
      "the group is not started again."),
     # ... a finish wins over an unrecoverable mark (the job is complete)
-    (False, {"0"}, {"0"}, "disk full", NodeAction.END, ""),
+    (RESTART, {"0"}, {"0"}, "disk full", NodeAction.END, ""),
     # a worker said a restart would fail the same way: stop, spending nothing
-    (False, {"0"}, E, "disk full", NodeAction.STOP, "The node 'a' stops without restarting its workers: disk full"),
-    (True, {"0"}, E, "disk full", NodeAction.STOP, "The node 'a' stops without restarting its workers: disk full"),
+    (RESTART, {"0"}, E, "disk full", NodeAction.STOP, "The node 'a' stops without restarting its workers: disk full"),
+    (HOT, {"0"}, E, "disk full", NodeAction.STOP, "The node 'a' stops without restarting its workers: disk full"),
 ])
-def test_after_workers_ended(hot, started, done, unrecoverable, action, message):
-    decision = after_workers_ended("a", hot, started, done, unrecoverable)
+def test_after_workers_ended(mode, started, done, unrecoverable, action, message):
+    decision = after_workers_ended("a", mode, started, done, unrecoverable)
     assert decision.action is action
     assert decision.message == message
     if unrecoverable and action is NodeAction.STOP:
@@ -96,17 +98,17 @@ def test_a_node_failing_on_its_own_walks_through_quarantine_to_its_stop():
     assert budget.spent == 3
 
 
-@pytest.mark.parametrize(("in_round", "left", "finished", "budget", "hot", "waiting"), [
-    (False, False, False, Budget(), False, Waiting.NONE),     # no round yet
-    (True, True, False, Budget(), False, Waiting.NONE),       # left: nothing to restart
-    (True, False, True, Budget(stop_reason="x"), False, Waiting.NONE),  # a finished worker: the group ends
-    (True, False, False, Budget(stop_reason="x"), False, Waiting.OWN_VERDICT),
-    (True, False, False, Budget(quarantine=True), True, Waiting.OWN_VERDICT),
-    (True, False, False, Budget(), True, Waiting.NONE),       # hot: the workers re-form by themselves
-    (True, False, False, Budget(spent=5), False, Waiting.MEMBERSHIP),
+@pytest.mark.parametrize(("in_round", "left", "finished", "budget", "mode", "waiting"), [
+    (False, False, False, Budget(), RESTART, Waiting.NONE),     # no round yet
+    (True, True, False, Budget(), RESTART, Waiting.NONE),       # left: nothing to restart
+    (True, False, True, Budget(stop_reason="x"), RESTART, Waiting.NONE),  # a finished worker: the group ends
+    (True, False, False, Budget(stop_reason="x"), RESTART, Waiting.OWN_VERDICT),
+    (True, False, False, Budget(quarantine=True), HOT, Waiting.OWN_VERDICT),
+    (True, False, False, Budget(), HOT, Waiting.NONE),       # hot: the workers re-form by themselves
+    (True, False, False, Budget(spent=5), RESTART, Waiting.MEMBERSHIP),
 ])
-def test_when_asked_for_waiting(in_round, left, finished, budget, hot, waiting):
-    assert when_asked_for_waiting(in_round, left, finished, budget, hot) is waiting
+def test_when_asked_for_waiting(in_round, left, finished, budget, mode, waiting):
+    assert when_asked_for_waiting(in_round, left, finished, budget, mode) is waiting
 
 
 @pytest.mark.parametrize(("lost", "states", "kill"), [

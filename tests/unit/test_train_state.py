@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from torch import nn
 
 from elasticctl.errors import ConfigError
 from elasticctl.job.keys import JobKeys
-from elasticctl.job.settings import HotSettings, parse_rdzv_options
+from elasticctl.job.options import RecoveryMode
+from elasticctl.job.settings import HotSettings, WorkerSettings, parse_rdzv_options
 from elasticctl.train.sampler import ResumableSampler
 from elasticctl.train.state import State, StateError
 
@@ -83,29 +86,36 @@ def test_random_bytes_only_ever_raise_state_error(blob):
         pass
 
 
-@pytest.mark.parametrize(("text", "error"), [
-    ("min_nodes=2,max_nodes=3", None),
-    ("min_nodes=2,max_nodes=3,node_ttl=7,last_call=2.5,reform_last_call=0.25,join_timeout=60", None),
-    ("min_nodes=2", "miss min_nodes or max_nodes"),
-    ("min_nodes=3,max_nodes=2", "node counts (3:2)"),
-    ("min_nodes=0,max_nodes=2", "node counts (0:2)"),
-    ("min_nodes=1,max_nodes=2,color=red", "setting 'color'"),
-    ("min_nodes=one,max_nodes=2", "min_nodes ('one') is not a number"),
-    ("min_nodes=1,max_nodes=2,last_call=-1", "last_call (-1.0) must be a positive"),
-    ("min_nodes=1,max_nodes=2,node_ttl=nan", "node_ttl ('nan') is not a number"),
+@pytest.mark.parametrize(("hot", "error"), [
+    ({"min_nodes": 2, "max_nodes": 3}, None),
+    ({"min_nodes": 2, "max_nodes": 3, "node_ttl": 7, "last_call": 2.5, "reform_last_call": 0.25,
+      "join_timeout": 60}, None),
+    ({"min_nodes": 2}, "miss max_nodes"),
+    ({"min_nodes": 3, "max_nodes": 2}, "node counts (3:2)"),
+    ({"min_nodes": 0, "max_nodes": 2}, "node counts (0:2)"),
+    ({"min_nodes": 1, "max_nodes": 2, "color": "red"}, "setting 'color'"),
+    ({"min_nodes": "one", "max_nodes": 2}, "node counts ('one':2)"),
+    ({"min_nodes": 1, "max_nodes": 2, "last_call": -1}, "last_call (-1) must be a positive"),
+    ({"min_nodes": 1, "max_nodes": 2, "node_ttl": "nan"}, "node_ttl ('nan') must be a whole number"),
 ])
-def test_hot_settings_codec(text, error):
+def test_hot_settings_codec(hot, error):
+    # The hot section of the worker settings document: every field, each default filled in.
+    fields = {**dataclasses.asdict(HotSettings(min_nodes=1, max_nodes=1)), **hot}
+    for name in ("min_nodes", "max_nodes"):
+        if name not in hot:
+            del fields[name]
+    text = json.dumps({"version": 1, "recovery": "hot", "stragglers": None, "hot": fields})
     if error is None:
-        decoded = HotSettings.decode(text)
-        assert HotSettings.decode(decoded.encode()) == decoded
+        decoded = WorkerSettings.from_json(text)
+        assert decoded.hot == HotSettings(**hot) and WorkerSettings.from_json(decoded.to_json()) == decoded
     else:
         with pytest.raises(ConfigError, match=error.replace("(", r"\(").replace(")", r"\)")):
-            HotSettings.decode(text)
+            WorkerSettings.from_json(text)
 
 
 def test_recovery_is_a_rendezvous_option():
-    assert parse_rdzv_options({"recovery": "HOT"}).recovery == "hot"
-    assert parse_rdzv_options({}).recovery == "restart"
+    assert parse_rdzv_options({"recovery": "HOT"}).recovery is RecoveryMode.HOT
+    assert parse_rdzv_options({}).recovery is RecoveryMode.RESTART
     with pytest.raises(ConfigError, match="recovery \\('warm'\\) must be one of: restart, hot"):
         parse_rdzv_options({"recovery": "warm"})
 
