@@ -344,7 +344,7 @@ class Runtime:
 
         etcd = self.environment.etcd_settings(retry_timeout=30.0)
         if etcd is None:
-            raise ElasticctlError(f"{environment_names.HOT} is set but {environment_names.ETCD} "
+            raise ElasticctlError(f"{environment_names.WORKER_SETTINGS} asks for hot recovery but {environment_names.ETCD} "
                                   f"or {environment_names.JOB} is not.")
         if self.backend == "nccl":
             # A lost peer must raise in this process, not end it (why: environment.NCCL_HOT_RECOVERY).
