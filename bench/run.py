@@ -50,6 +50,7 @@ import psutil
 
 from bench import checkpoint as checkpoint_bench
 from bench import goodput, plot, report, scenarios
+from bench import reconfigure as reconfigure_bench
 from bench import stragglers as straggler_bench
 from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
@@ -82,6 +83,7 @@ class Plan:
     # bench/goodput.py: a node SIGKILLed every K s and back 10 s later, over a window, 4 systems in turn
     goodput_schedule: goodput.Schedule = goodput.Schedule()
     goodput_repeats: int = 1
+    reconfigure_repeats: int = 3  # bench/reconfigure.py: a join, a leave and a kill per job and variant
 
 
 PLANS = {
@@ -98,13 +100,14 @@ PLANS = {
                  checkpoint_hidden=(64, 65536), checkpoint_steps=200, checkpoint_repeats=3,
                  state_transfer_mb=(64, 512, 2048), state_transfer_repeats=3, hsdp_rounds=3, hsdp_freezes=3,
                  fsdp_repeats=2,
-                 chaos_events=20, goodput_schedule=goodput.Schedule(window_s=180, kill_every_s=30, healthy_s=20)),
+                 chaos_events=20, goodput_schedule=goodput.Schedule(window_s=180, kill_every_s=30, healthy_s=20),
+                 reconfigure_repeats=5),
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
 # Issue 20's sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
 SHARDED_SCENARIOS = ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies")
-ALL = ("goodput", *JOB_SCENARIOS, "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
+ALL = ("goodput", *JOB_SCENARIOS, "reconfigure", "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
        "rendezvous_scale", "straggler")
 NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
 STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
@@ -349,7 +352,7 @@ def main() -> None:
                                    checkpoint_repeats=args.repeats,
                                    rendezvous_repeats=args.repeats, state_transfer_repeats=args.repeats,
                                    hsdp_rounds=args.repeats, hsdp_freezes=args.repeats, fsdp_repeats=args.repeats,
-                                   goodput_repeats=args.repeats)
+                                   goodput_repeats=args.repeats, reconfigure_repeats=args.repeats)
 
     started, now = time.monotonic(), datetime.datetime.now()
     root = Path(tempfile.mkdtemp(prefix=f"ecbench-{now:%H%M%S}-"))
@@ -373,6 +376,9 @@ def main() -> None:
                                                               plan.caps, report=log)
             jobs = [name for name in JOB_SCENARIOS if name in args.only]
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
+            if "reconfigure" in args.only:  # hot mode's group in place vs anew (bench/reconfigure.py)
+                results["scenarios"]["reconfigure"] = reconfigure_bench.run(plan.reconfigure_repeats, root, client,
+                                                                            plan.caps, report=log)
             if "straggler" in args.only:  # issue 21.2, hot mode only: two jobs, once (bench/stragglers.py)
                 results["scenarios"]["straggler"] = straggler_bench.run(root, client, plan.caps)
                 log(f"straggler: {summary(results['scenarios']['straggler'])}")
