@@ -144,6 +144,8 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
         module=module, env=parse_env(env), legacy_local_rank=legacy_local_rank, **fields,
     )
     launcher.check_script(spec)
+    for warning in filter(None, [no_checkpoint_warning(spec)]):
+        click.echo(f"elasticctl: warning: {warning}", err=True)
 
     server = None
     if params["etcd_endpoints"] is None:
@@ -232,6 +234,18 @@ def _settled_settings(rdzv_conf: str, params: dict) -> tuple[dict[str, object], 
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     return fields, conf
+
+
+def no_checkpoint_warning(spec: JobSpec) -> str | None:
+    """Why a restart-mode job that can change size wants a checkpoint directory: each change
+    restarts every worker, and without one they start again from step 0 (None: nothing to say)."""
+    from elasticctl.job.options import RecoveryMode
+
+    if spec.checkpoint_dir or spec.min_nodes == spec.max_nodes or spec.options.recovery is not RecoveryMode.RESTART:
+        return None
+    return (f"the job can change size (--nnodes {spec.nnodes}) in restart mode without --checkpoint-dir: each "
+            "node that joins or leaves restarts every worker from step 0; give --checkpoint-dir DIR (on storage "
+            "every node sees) unless the script checkpoints itself, or --recovery hot.")
 
 
 def join_hint(endpoint: str, listen_host: str, job: str) -> list[str]:

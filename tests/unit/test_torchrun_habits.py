@@ -82,3 +82,22 @@ def test_an_unknown_option_is_refused_with_a_suggestion_not_taken_for_the_script
     assert result.exit_code == 2 and "No such option --nproc-per-nod." in result.output.replace("'", ""), result.output
     if command == "up":
         assert "Did you mean --nproc-per-node" in result.output.replace("'", ""), result.output
+
+
+@pytest.mark.parametrize(("low", "high", "checkpoint_dir", "conf", "warned"), [
+    (1, 2, None, (), True),                       # restart mode, can change size, no checkpoints: warned
+    (2, 2, None, (), False),                      # a fixed size never restarts for a membership change
+    (1, 2, "/shared/ckpt", (), False),
+    (1, 2, None, (("recovery", "hot"),), False),  # hot mode keeps the state in memory
+])
+def test_a_restart_mode_job_that_can_change_size_without_checkpoints_is_warned(low, high, checkpoint_dir, conf,
+                                                                                 warned):
+    from elasticctl.cli.lifecycle import no_checkpoint_warning
+    from elasticctl.job.spec import JobSpec
+
+    spec = JobSpec(name="demo", script="train.py", min_nodes=low, max_nodes=high, checkpoint_dir=checkpoint_dir,
+                   rdzv_conf=conf)
+    warning = no_checkpoint_warning(spec)
+    assert (warning is not None) is warned
+    if warned:
+        assert "step 0" in warning and "--checkpoint-dir" in warning and "\n" not in warning
