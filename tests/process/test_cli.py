@@ -144,3 +144,13 @@ def test_sigkill_of_elasticctl_takes_torchrun_and_workers_down(default_etcd, tmp
         for proc in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+
+
+def test_a_node_waiting_for_the_others_says_so_at_a_steady_pace(job):
+    # MIN 2 and one node: it says how many more it waits for, and which it has, every few seconds
+    # (the claim holder counts; another waiting node names it), then trains once b joins.
+    j = job(nnodes="2:3")
+    a = j.up("a")
+    wait_for(lambda: "round 1: waiting for 1 more node (have a; min 2)" in a.log(), 60, "a's waiting line")
+    j.join("b")
+    j.wait_world(2, {"a", "b"})
