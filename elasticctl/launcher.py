@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -33,14 +35,31 @@ def visible_gpu_count() -> int:
     return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def resolve_nproc(value: str) -> int:
-    gpus = visible_gpu_count()
+# torchrun's words for "--nproc-per-node": what each means on the node that runs the workers.
+NPROC_WORDS = ("auto", "cpu", "gpu")
+
+
+def local_world_size(value: str, gpus: int, cpus: int) -> int:
+    """Workers on a node with ``gpus`` visible GPUs and ``cpus`` CPUs, for ``--nproc-per-node``
+    ``value`` as torchrun means it: a number; ``gpu`` one per GPU (none visible: an error);
+    ``cpu`` one per CPU; ``auto`` one per GPU, else one per CPU. A number above the visible GPUs
+    is refused: two workers would share a GPU."""
     if value == "auto":
-        return gpus or 1
+        return gpus or cpus
+    if value == "cpu":
+        return cpus
+    if value == "gpu":
+        if not gpus:
+            raise ConfigError("--nproc-per-node gpu needs a GPU, and none is visible on this node.")
+        return gpus
     count = int(value)
     if gpus and count > gpus:
         raise ConfigError(f"The processes per node ({count}) exceed the {gpus} GPUs visible on this node.")
     return count
+
+
+def resolve_nproc(value: str) -> int:
+    return local_world_size(value, visible_gpu_count(), os.cpu_count() or 1)
 
 
 def is_loopback(host: str) -> bool:
@@ -72,7 +91,39 @@ def local_address_for(etcd_host: str) -> str:
     return "127.0.0.1" if is_loopback(etcd_host) else primary_address()
 
 
-def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: dict[str, str] | None = None) -> list[str]:
+# torchrun's --tee/--redirects: one stream code (0 none, 1 stdout, 2 stderr, 3 both) for every
+# worker, or LOCAL_RANK:CODE pairs; --local-ranks-filter: local ranks, comma-separated.
+_STREAMS_RE = re.compile(r"[0-3]|[0-9]{1,4}:[0-3](,[0-9]{1,4}:[0-3]){0,255}")
+_RANKS_RE = re.compile(r"[0-9]{1,4}(,[0-9]{1,4}){0,255}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLogs:
+    """torchrun's options for the workers' output on this node, passed through as torchrun takes
+    them (this node's own: the directory is a path on this host)."""
+
+    log_dir: str | None = None
+    tee: str | None = None
+    redirects: str | None = None
+    local_ranks_filter: str | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value, pattern, what in (
+                ("--tee", self.tee, _STREAMS_RE, "0-3, or LOCAL_RANK:CODE pairs like 0:3,1:2"),
+                ("--redirects", self.redirects, _STREAMS_RE, "0-3, or LOCAL_RANK:CODE pairs like 0:3,1:2"),
+                ("--local-ranks-filter", self.local_ranks_filter, _RANKS_RE, "local ranks like 0,1")):
+            if value is not None and not pattern.fullmatch(value):
+                raise ConfigError(f"{flag} {value!r} is not what torchrun takes ({what}).")
+        if self.log_dir is not None and not self.log_dir.strip():
+            raise ConfigError("--log-dir must not be empty.")
+
+    def args(self) -> list[str]:
+        return [f"--{flag.replace('_', '-')}={value}" for flag, value in dataclasses.asdict(self).items()
+                if value is not None]
+
+
+def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: dict[str, str] | None = None,
+                     worker_logs: WorkerLogs = WorkerLogs()) -> list[str]:
     # `up`'s own defaults (job.options: a short last call, so that re-forming is quick), then
     # the spec's settings: each has one home there, so no key below overrides another.
     conf = {
@@ -93,6 +144,7 @@ def torchrun_command(spec: JobSpec, endpoint: str, local_addr: str, extra_conf: 
         f"--max-restarts={UNLIMITED_RESTARTS}",
         f"--monitor-interval={MONITOR_INTERVAL}",
         f"--local-addr={local_addr}",
+        *worker_logs.args(),
     ]
     # Every worker runs its script through elasticctl's entry, which tells the handler
     # which workers finished (see elasticctl/train/entry.py); it also adds --local_rank=N if asked.

@@ -81,7 +81,7 @@ def tls_conf(settings: EtcdSettings) -> dict[str, str]:
 
 
 def torchrun_for(spec: JobSpec, settings: EtcdSettings, key_prefix: str, local_addr: str,
-                 run: str | None = None) -> list[str]:
+                 run: str | None = None, worker_logs: launcher.WorkerLogs = launcher.WorkerLogs()) -> list[str]:
     """The exact torchrun command a node of ``spec`` runs (also what --dry-run prints).
 
     ``run``: the run's identity (:meth:`Registry.run_identity`), so that records signed in
@@ -91,15 +91,17 @@ def torchrun_for(spec: JobSpec, settings: EtcdSettings, key_prefix: str, local_a
         extra["key_prefix"] = key_prefix
     if run:
         extra["run"] = run
-    return launcher.torchrun_command(spec, settings.describe(), local_addr, extra)
+    return launcher.torchrun_command(spec, settings.describe(), local_addr, extra, worker_logs)
 
 
 class NodeSession:
     """Run this host's part of ``spec`` until the job ends, the node leaves, or it fails."""
 
     def __init__(self, client: EtcdClient, registry: Registry, spec: JobSpec, local_addr: str,
-                 node_id: str | None = None, echo=print) -> None:
+                 node_id: str | None = None, echo=print,
+                 worker_logs: launcher.WorkerLogs = launcher.WorkerLogs()) -> None:
         self.client = client
+        self.worker_logs = worker_logs
         self.registry = registry
         self.spec = spec
         self.local_addr = local_addr
@@ -120,7 +122,7 @@ class NodeSession:
 
     def command(self) -> list[str]:
         return torchrun_for(self.spec, self.client.settings, self.registry.key_prefix, self.local_addr,
-                            self.registry.run_identity())
+                            self.registry.run_identity(), self.worker_logs)
 
     def run(self) -> Outcome:
         launcher.check_script(self.spec)

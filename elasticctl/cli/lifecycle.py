@@ -26,6 +26,9 @@ from elasticctl.cli.options import (
     etcd_options,
     job_setting_options,
     param_name,
+    TorchrunStyleCommand,
+    worker_log_options,
+    worker_logs_from,
 )
 from elasticctl.errors import ConfigError, ElasticctlError, EtcdUnavailableError
 from elasticctl.etcd.client import Endpoint, EtcdSettings, connect
@@ -84,14 +87,16 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 
 # -- up / join ------------------------------------------------------------------------------
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False, **_FLAT_ENV})
+@click.command(cls=TorchrunStyleCommand, context_settings={"allow_interspersed_args": False, **_FLAT_ENV})
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
               help="A YAML job file; any flag can be set there, and flags override it.")
 @etcd_options
 @click.option("--job", default="elastic-job", show_default=True, callback=_checked_name("job name"),
               help="The job name (torchrun's --rdzv-id).")
 @click.option("--nnodes", default=None, help="Node count: N, or MIN:MAX for an elastic job.  [required]")
-@click.option("--nproc-per-node", default="1", show_default=True, help="Workers per node, or 'auto' (one per GPU).")
+@click.option("--nproc-per-node", default="1", show_default=True,
+              help="Workers per node: a number, or as torchrun: 'gpu' (one per GPU), 'cpu' (one per CPU), "
+                   "'auto' (one per GPU, else one per CPU).")
 @click.option("--checkpoint-dir", default=None, callback=_not_empty,
               help=f"Where trainers checkpoint (handed to them as {environment.CHECKPOINT_DIR}).")
 @click.option("--env", multiple=True, metavar="NAME=VALUE", help="Environment for the workers of every node (repeatable).")
@@ -110,6 +115,7 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
               help="Embedded etcd: data directory (default: temporary).")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a Python module name, as with python -m.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
+@worker_log_options
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local_rank, node_id, local_addr,
@@ -122,6 +128,8 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
     """
     from elasticctl import launcher
     from elasticctl.embedded_etcd import EmbeddedEtcd, check_listen_host, free_port
+
+    worker_logs = worker_logs_from(params)
 
     if script is None:
         raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
@@ -136,6 +144,8 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
         module=module, env=parse_env(env), legacy_local_rank=legacy_local_rank, **fields,
     )
     launcher.check_script(spec)
+    for warning in filter(None, [no_checkpoint_warning(spec)]):
+        click.echo(f"elasticctl: warning: {warning}", err=True)
 
     server = None
     if params["etcd_endpoints"] is None:
@@ -158,7 +168,8 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
     if dry_run:
         from elasticctl.node import torchrun_for
 
-        click.echo(launcher.format_command(torchrun_for(spec, settings, params["key_prefix"], local_addr)))
+        click.echo(launcher.format_command(torchrun_for(spec, settings, params["key_prefix"], local_addr,
+                                                        worker_logs=worker_logs)))
         return
 
     try:
@@ -174,7 +185,8 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
         marker = None
         try:
             marker = _quick_doctor(client, registry, spec, local_addr)
-            _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None)
+            _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None,
+                      worker_logs=worker_logs)
         except SystemExit:
             raise  # the node ran: its outcome, and the spec stays like that of any run
         except BaseException:
@@ -224,6 +236,33 @@ def _settled_settings(rdzv_conf: str, params: dict) -> tuple[dict[str, object], 
     return fields, conf
 
 
+def no_checkpoint_warning(spec: JobSpec) -> str | None:
+    """Why a restart-mode job that can change size wants a checkpoint directory: each change
+    restarts every worker, and without one they start again from step 0 (None: nothing to say)."""
+    from elasticctl.job.options import RecoveryMode
+
+    if spec.checkpoint_dir or spec.min_nodes == spec.max_nodes or spec.options.recovery is not RecoveryMode.RESTART:
+        return None
+    return (f"the job can change size (--nnodes {spec.nnodes}) in restart mode without --checkpoint-dir: each "
+            "node that joins or leaves restarts every worker from step 0; give --checkpoint-dir DIR (on storage "
+            "every node sees) unless the script checkpoints itself, or --recovery hot.")
+
+
+def join_hint(endpoint: str, listen_host: str, job: str) -> list[str]:
+    """What `up` with an embedded etcd tells the person at it: the line that adds a node, for the
+    hosts that can reach this etcd. Listening on loopback, only this host can (another terminal
+    here); other hosts need it to listen on an address they reach."""
+    from elasticctl.launcher import is_loopback
+
+    line = f"  elasticctl join --etcd {endpoint} --job {job}"
+    if is_loopback(listen_host):
+        return [f"Embedded etcd serving at {endpoint}, on loopback: it serves this host only. "
+                "For another node on this host, in another terminal run:", line,
+                "(For other hosts, start with --etcd-listen 0.0.0.0 or an address they reach.)"]
+    return [f"Embedded etcd serving at {endpoint}. On every other host (and for another node on this one) run:",
+            line]
+
+
 def _start_embedded(server, job: str) -> None:
     from elasticctl.embedded_etcd import remember_embedded
 
@@ -232,14 +271,14 @@ def _start_embedded(server, job: str) -> None:
         remember_embedded(server.endpoint, os.getpid())
     except OSError as exc:
         log.warning("cannot record the embedded etcd for the other commands on this host: %s", exc)
-    click.echo(f"Embedded etcd serving at {server.endpoint}. On every other host run:", err=True)
-    click.echo(f"  elasticctl join --etcd {server.endpoint} --job {job}", err=True)
+    for line in join_hint(server.endpoint, server.listen_host, job):
+        click.echo(line, err=True)
     click.echo("The job's etcd lives in this process: when this node stops, the job stops with it "
                "(run `elasticctl etcd` on a dedicated host for a job that must outlive any node).",
                err=True)
 
 
-@click.command(context_settings=_FLAT_ENV)
+@click.command(cls=TorchrunStyleCommand, context_settings=_FLAT_ENV)
 @etcd_options
 @click.option("--job", default=None, callback=_checked_name("job name"),
               help="The job to join (default: the only job in etcd).")
@@ -249,9 +288,12 @@ def _start_embedded(server, job: str) -> None:
               help="This node's id in the job (default: the host name, made unique).")
 @click.option("--local-addr", default=None, callback=_not_empty, help="This node's address as other nodes see it.")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
+@worker_log_options
 def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None:
     """Join a running job: read its spec from etcd, register, run the same torchrun."""
     from elasticctl import launcher
+
+    worker_logs = worker_logs_from(etcd_params)
 
     settings = _settings(etcd_params)
     _warn_if_exposed(settings)
@@ -266,10 +308,11 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
         from elasticctl.node import torchrun_for
 
         launcher.check_script(spec)
-        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr)))
+        click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr,
+                                                        worker_logs=worker_logs)))
         return
     _quick_doctor(client, registry, spec, local_addr)
-    _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False)
+    _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False, worker_logs=worker_logs)
 
 
 def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str) -> str | None:
@@ -327,10 +370,12 @@ def _warn_if_exposed(settings: EtcdSettings, listening: Endpoint | None = None) 
                    "(see SECURITY.md).", err=True)
 
 
-def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool) -> None:
+def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool, worker_logs=None) -> None:
+    from elasticctl.launcher import WorkerLogs
     from elasticctl.node import NodeSession, wait_for_other_nodes
 
-    session = NodeSession(client, registry, spec, local_addr, node_id, echo=lambda m: click.echo(m, err=True))
+    session = NodeSession(client, registry, spec, local_addr, node_id, echo=lambda m: click.echo(m, err=True),
+                          worker_logs=worker_logs or WorkerLogs())
     outcome = session.run()
     if hosts_etcd:
         # The others need this etcd to stop cleanly; down also clears the job's keys.

@@ -29,6 +29,65 @@ from elasticctl.numbers import decimal_number, integer
 _FLAT_ENV = {"auto_envvar_prefix": "ELASTICCTL"}
 
 
+def torchrun_spellings(args: list[str], options: dict[str, bool]) -> list[str]:
+    """``args`` with torchrun's underscore spellings of this command's long options
+    (``--nproc_per_node``, ``--max_restarts=3``) written as the command's own, up to the script:
+    what follows the script (the first argument that is no option, or ``--``) is the script's.
+    ``options``: each long option of the command and whether it takes a value. An unknown option
+    is left as it is, for the parser to refuse with its suggestion."""
+    out: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            return out + args[index:]
+        name, equals, value = arg.partition("=")
+        if name.startswith("--") and "_" in name and name.replace("_", "-") in options:
+            name = name.replace("_", "-")
+        out.append(name + equals + value)
+        if options.get(name) and not equals and index + 1 < len(args):
+            index += 1
+            out.append(args[index])  # the option's value, whatever it looks like
+        index += 1
+    return out
+
+
+class TorchrunStyleCommand(click.Command):
+    """A command that launches torchrun (``up``, ``join``): torchrun's underscore spellings of its
+    options are taken before the script, and an unknown option is refused with a suggestion
+    (never taken for the script)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        options = {name: not (param.is_flag or param.count)
+                   for param in self.params if isinstance(param, click.Option)
+                   for name in (*param.opts, *param.secondary_opts) if name.startswith("--")}
+        return super().parse_args(ctx, torchrun_spellings(list(args), options))
+
+
+def worker_log_options(func):
+    """torchrun's options for the workers' output, passed through (``up`` and ``join``: each
+    node's own, not the job's)."""
+    for flag, help_text in reversed((
+            ("--log-dir", "As torchrun's: a directory on this host for the workers' logs."),
+            ("--tee", "As torchrun's: also copy the workers' streams to a log (0-3, or LOCAL_RANK:CODE,...)."),
+            ("--redirects", "As torchrun's: send the workers' streams to a log only (0-3, or LOCAL_RANK:CODE,...)."),
+            ("--local-ranks-filter", "As torchrun's: show only these local ranks' output (e.g. 0,1)."))):
+        func = click.option(flag, default=None, help=help_text)(func)
+    return func
+
+
+def worker_logs_from(params: dict):
+    """The :class:`elasticctl.launcher.WorkerLogs` of the flags in ``params`` (removed from it);
+    a bad value is a usage error naming it."""
+    from elasticctl.launcher import WorkerLogs
+
+    values = {name: params.pop(name) for name in ("log_dir", "tee", "redirects", "local_ranks_filter")}
+    try:
+        return WorkerLogs(**values)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def _fail(message: str, code: int = 1) -> None:
     click.echo(f"elasticctl: error: {message}", err=True)
     sys.exit(code)

@@ -101,9 +101,11 @@ class JobSpec:
         object.__setattr__(self, "env", tuple(sorted(dict(self.env).items())))
         object.__setattr__(self, "script_args", tuple(self.script_args))
         validate_job_name(self.name)
-        if self.nproc_per_node != "auto" and not (whole_number(self.nproc_per_node) or 0) > 0:
+        # torchrun's words (what each means is the node's to say: elasticctl.launcher.local_world_size)
+        if self.nproc_per_node not in ("auto", "cpu", "gpu") and not (whole_number(self.nproc_per_node) or 0) > 0:
             raise ConfigError(
-                f"The processes per node {quote(self.nproc_per_node)} must be a positive whole number or 'auto'."
+                f"The processes per node {quote(self.nproc_per_node)} must be a positive whole number, "
+                "'auto', 'cpu' or 'gpu'."
             )
         restarts = BY_NAME["max_restarts"]
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):

@@ -41,6 +41,7 @@ from elasticctl.rendezvous.rounds import (
     next_number,
     observed_change,
     publishes_changes,
+    waiting_line,
     reform_due,
     reform_record,
     seal_due,
@@ -54,6 +55,8 @@ from elasticctl.rendezvous.view import RoundView
 log = logging.getLogger(__name__)
 
 
+# Seconds between two "waiting for N more nodes" lines while the job's first round gathers.
+WAIT_REPORT_EVERY = 5.0
 # How long, in node TTLs, a re-formation waits for a silent member that answers its probe: such a
 # member runs, and a gloo collective that no peer's death reached directly (it waits on a live
 # neighbour) ends only at its timeout, the node TTL, after which the member tears its group down
@@ -174,6 +177,7 @@ class RoundMember:
         """
         view, settings = self.view, self.settings
         quorum_since: float | None = None
+        report_at = time.monotonic() + WAIT_REPORT_EVERY  # the first line only once a wait is felt
         while True:
             # Read what we wait on before deciding, so that no change slips in between.
             seen = view.evaluate(lambda *_: view.progress(target))
@@ -187,8 +191,9 @@ class RoundMember:
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
             counted = counted_by(settings)
-            if (current is not None and count(current.members, counted) >= settings.max_nodes
-                    and self.node not in current.members):
+            spare = (current is not None and count(current.members, counted) >= settings.max_nodes
+                     and self.node not in current.members)
+            if spare:
                 # The running round is full: this node is a spare, warm, and waits as long as
                 # the job runs (a member lost, it takes the place at the same re-formation).
                 deadline = max(deadline, now + self.join_timeout)
@@ -196,7 +201,17 @@ class RoundMember:
                 raise RendezvousTimeoutError(
                     f"The rendezvous round {target} did not complete within {self.join_timeout:g} s "
                     f"(sealed by {claim.node if claim and claim.round == target else 'nobody yet'}).")
-            wake_at = [deadline]
+            wake_at = [deadline, report_at]
+            if now >= report_at and not spare:
+                # Someone waits at a terminal for the other nodes (a re-formation among running
+                # nodes is over long before the first line; a spare waits, quietly, on purpose).
+                report_at = now + WAIT_REPORT_EVERY
+                holder = claim.node if claim is not None and claim.round == target else None
+                if holder == self.node and view.nodes_followed:
+                    line = waiting_line(target, declarations.values(), settings.min_nodes, counted)
+                else:
+                    line = waiting_line(target, (), settings.min_nodes, gathered_by=holder or "none yet")
+                log.warning("[%s] %s", self.node, line)
             if claim is None or claim.round != target:
                 if not self._claim(target, claim_revision):
                     wake_at.append(now + 0.5)  # etcd refused or was unreachable: try again soon

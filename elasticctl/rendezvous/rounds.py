@@ -207,6 +207,21 @@ def seal_due(current: Round | None, live: list[Declaration], settings: Settings,
     return quorum_since is not None and now - quorum_since >= settings.last_call
 
 
+def waiting_line(target: int, live: Iterable[Declaration], min_nodes: int,
+                 counted: Callable[[str], str] = _itself, gathered_by: str | None = None) -> str:
+    """What a node waiting for round ``target`` says, at a steady pace, while the round cannot
+    form yet: how many more nodes it needs, which it has, and MIN. ``live``: the declarations
+    for it, known to the claim holder only; ``gathered_by``: the holder, for the others."""
+    if gathered_by is not None:
+        return f"round {target}: waiting for the nodes to gather (node {gathered_by} counts them; min {min_nodes})"
+    have = sorted({counted(d.node) for d in live})
+    missing = max(min_nodes - len(have), 0)
+    if not missing:
+        return f"round {target}: {len(have)} nodes here ({', '.join(have)}; min {min_nodes}); sealing soon"
+    return (f"round {target}: waiting for {missing} more node{'' if missing == 1 else 's'} "
+            f"(have {', '.join(have) or 'none'}; min {min_nodes})")
+
+
 PROBE_AT_MOST = 8  # silent members probed at once: the few a re-formation still waits for
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -28,6 +29,26 @@ def test_dry_run_prints_the_torchrun_command():
         assert expected in line
 
 
+def test_torchruns_command_line_habits_are_kept():
+    # Underscore spellings before the script are up's own options; after it they are the
+    # script's; torchrun's worker-log options pass through; --nproc-per-node cpu is one per CPU.
+    result = run_cli("up", "--dry-run", "--etcd", "127.0.0.1:2379", "--nnodes", "1", "--nproc_per_node", "cpu",
+                     "--max_restarts=5", "--log-dir", "/tmp/worker-logs", "--tee", "3", "--local_ranks_filter", "0",
+                     MLP, "--max_restarts", "9")
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    for expected in (f"--nproc-per-node={os.cpu_count()}", "max_restarts=5", "--log-dir=/tmp/worker-logs", "--tee=3",
+                     "--local-ranks-filter=0", f"{MLP} --max_restarts 9"):
+        assert expected in line, line
+
+
+def test_an_unknown_option_before_the_script_is_refused_with_a_suggestion():
+    result = run_cli("up", "--nnodes", "1", "--nproc-per-nod", "2", MLP)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "elasticctl: error: No such option '--nproc-per-nod'. Did you mean '--nproc-per-node'?"], result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -38,6 +59,8 @@ def test_dry_run_prints_the_torchrun_command():
         (["--nnodes", "1", "--nproc-per-node", "zero"], "'zero'"),
         (["--nnodes", "1", "--job", "bad/name"], "'bad/name'"),
         (["--nnodes", "1", "--rdzv-conf", "novalue"], "'novalue'"),
+        (["--nnodes", "1", "--tee", "7"], "'7'"),
+        (["--nnodes", "1", "--local-ranks-filter", "a"], "'a'"),
     ],
 )
 def test_bad_input_is_one_sentence_and_nonzero(args, needle):
@@ -61,7 +84,8 @@ def test_up_with_embedded_etcd_trains_and_leaves_nothing_behind(tmp_path):
                      "--etcd-data-dir", str(tmp_path / "etcd"), "--nnodes", "1", MLP, "--steps", "5",
                      "--record", str(record), timeout=180)
     assert result.returncode == 0, result.stderr
-    assert f"--etcd 127.0.0.1:{port}" in result.stderr  # the line to run on other hosts
+    assert f"--etcd 127.0.0.1:{port}" in result.stderr  # the line for another node
+    assert "on loopback: it serves this host only" in result.stderr  # not other hosts
     assert [r["step"] for r in read_records(record) if "event" not in r] == [0, 1, 2, 3, 4]
     assert not _listening(port), "the embedded etcd outlived elasticctl"
 
@@ -120,3 +144,13 @@ def test_sigkill_of_elasticctl_takes_torchrun_and_workers_down(default_etcd, tmp
         for proc in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+
+
+def test_a_node_waiting_for_the_others_says_so_at_a_steady_pace(job):
+    # MIN 2 and one node: it says how many more it waits for, and which it has, every few seconds
+    # (the claim holder counts; another waiting node names it), then trains once b joins.
+    j = job(nnodes="2:3")
+    a = j.up("a")
+    wait_for(lambda: "round 1: waiting for 1 more node (have a; min 2)" in a.log(), 60, "a's waiting line")
+    j.join("b")
+    j.wait_world(2, {"a", "b"})

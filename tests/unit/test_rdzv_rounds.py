@@ -428,3 +428,16 @@ def test_a_declarations_node_size_round_trips_and_is_checked():
     # a worker's local rank must be below its node's worker count; an absurd count is no declaration
     assert Declaration.from_json(w("d.2", 2, 7, 2).to_json().encode(), 7) is None
     assert Declaration.from_json(w("d.0", 2, 7, 10**6).to_json().encode(), 7) is None
+
+
+@pytest.mark.parametrize(("nodes", "min_nodes", "gathered_by", "expected"), [
+    (["a"], 2, None, "round 1: waiting for 1 more node (have a; min 2)"),
+    ([], 3, None, "round 1: waiting for 3 more nodes (have none; min 3)"),
+    (["b", "a", "a"], 2, None, "round 1: 2 nodes here (a, b; min 2); sealing soon"),
+    ([], 2, "a", "round 1: waiting for the nodes to gather (node a counts them; min 2)"),
+])
+def test_what_a_waiting_node_says(nodes, min_nodes, gathered_by, expected):
+    from elasticctl.rendezvous.rounds import waiting_line
+
+    live = [Declaration(node, "127.0.0.1", 1, 100 + i) for i, node in enumerate(nodes)]
+    assert waiting_line(1, live, min_nodes, gathered_by=gathered_by) == expected
