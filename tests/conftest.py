@@ -39,6 +39,62 @@ def _etcd_binaries() -> dict[str, str]:
 ETCD_BINARIES = _etcd_binaries()
 
 
+# -- a failing process test explains itself ------------------------------------------------------
+
+STARTED_NODES = pytest.StashKey[list]()
+LOG_TAIL_LINES = 30
+RECORD_TAIL_LINES = 8
+KEYS_SHOWN = 60
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def failure_diagnostics(item) -> list[tuple[str, str]]:
+    """What a failing test leaves to read: each node it started (its log's tail), the tail of each
+    JSON-lines record in its tmp_path, and the keys its job holds in etcd (with their sizes)."""
+    sections = []
+    for node in item.stash.get(STARTED_NODES, []):
+        try:
+            text = node.log()
+        except OSError as exc:
+            text = f"(no log: {exc})"
+        state = node.process.poll()
+        sections.append((f"node {node.name} ({'running' if state is None else f'exit {state}'}): last "
+                         f"{LOG_TAIL_LINES} lines of {node.log_path}", _tail(text, LOG_TAIL_LINES)))
+    tmp_path = item.funcargs.get("tmp_path")
+    if tmp_path is not None:
+        for record in sorted(Path(tmp_path).rglob("*.jsonl"))[:4]:
+            try:
+                sections.append((f"record {record.name}: last {RECORD_TAIL_LINES} lines",
+                                 _tail(record.read_text(errors="replace"), RECORD_TAIL_LINES)))
+            except OSError:
+                pass
+    etcd, job = item.funcargs.get("default_etcd"), item.funcargs.get("run_id")
+    if etcd is not None and job is not None:
+        from elasticctl.job.keys import JobKeys
+
+        try:
+            with EtcdClient(etcd.client_settings()) as client:
+                kvs = list(client.get_prefix(JobKeys(job).everything))
+            shown = [f"{kv.key.decode(errors='replace')} ({len(kv.value)} bytes)" for kv in kvs[:KEYS_SHOWN]]
+            more = [f"... and {len(kvs) - KEYS_SHOWN} more"] if len(kvs) > KEYS_SHOWN else []
+            sections.append((f"job {job}'s keys in etcd", "\n".join(shown + more) or "(none)"))
+        except Exception as exc:  # noqa: BLE001 - diagnostics must not hide the failure itself
+            sections.append((f"job {job}'s keys in etcd", f"(not read: {type(exc).__name__}: {exc})"))
+    return sections
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        for title, text in failure_diagnostics(item):
+            report.sections.append((title, text))
+
+
 @pytest.fixture(scope="session", params=sorted(ETCD_BINARIES), ids=lambda v: f"etcd-{v}")
 def etcd_server(request, tmp_path_factory):
     """An etcd per installed version, for contract tests that must hold on each."""
@@ -71,11 +127,12 @@ def run_id() -> str:
 
 
 @pytest.fixture
-def nodes(tmp_path):
-    """Start nodes with ``nodes(name, command)``; every one is stopped at teardown, even on failure."""
+def nodes(request, tmp_path):
+    """Start nodes with ``nodes(name, command)``; every one is stopped at teardown, even on failure
+    (and a failing test shows each one's log tail: :func:`pytest_runtest_makereport`)."""
     from support.helpers import Node
 
-    started: list[Node] = []
+    started: list[Node] = request.node.stash.setdefault(STARTED_NODES, [])
 
     def start(name: str, command: list[str], env: dict | None = None) -> Node:
         node = Node(name, command, tmp_path, env)
