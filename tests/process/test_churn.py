@@ -256,3 +256,38 @@ def test_workers_told_to_stop_on_either_side_of_a_boundary_keep_the_last_step_tr
     last_trained = max(r["step"] for r in job.steps()) + 1  # a record line comes before its step's commit
     assert max(complete_checkpoint_steps(checkpoints), default=-1) == last_trained, \
         (sorted(complete_checkpoint_steps(checkpoints)), last_trained)
+
+
+def test_restart_mode_each_of_repeated_failures_is_back_at_full_world_and_loses_no_sample(
+        nodes, default_etcd, run_id, tmp_path):
+    """The same churn in restart mode, with real `up`/`join` nodes: a member's whole tree SIGKILLed
+    again and again (never the first node), then a node started in its place. Every failure ends
+    with the survivors training at world 2 and, once the replacement joined, at world 3; every
+    restart resumes from the newest checkpoint, so across all of them no sample of an epoch is
+    lost (steps re-done since that checkpoint are trained again, in a later restart's lineage)."""
+    from support.jobs import MLP, Job
+
+    from bench.goodput import DATASET_SIZE, sample_check
+
+    job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:3",
+              extra=["--node-ttl", "3", "--checkpoint-dir", str(tmp_path / "checkpoints")],
+              train=[MLP, "--steps", "100000", "--step-sleep", "0.05", "--log-every", "0", "--checkpoint-every", "10",
+                     "--record-params"])
+    started = job.start("a", "b", "c")
+    training = ["a", "b", "c"]
+    for failure in range(FAILURES):
+        victim = training[1 + failure % 2]
+        killed_at = max(r["time"] for r in job.records())
+        started[victim].kill()
+        survivors = [n for n in training if n != victim]
+        job.wait_world(2, set(survivors), since=killed_at)
+        replacement = f"{victim[0]}{failure + 1}"
+        back_at = max(r["time"] for r in job.records())
+        started[replacement] = job.join(replacement)
+        training = [*survivors, replacement]
+        job.wait_world(3, set(training), since=back_at)
+    # A restart-mode line's generation is its node's own restart count, which a replacement's
+    # does not follow: the step's newest line is its last execution (bench/goodput.py's reading).
+    lost = sample_check([r for r in job.records() if "event" not in r], dataset_size=DATASET_SIZE)
+    assert lost is None, lost
+    assert all(started[name].process.poll() is None for name in training), "a node of the last world stopped"
