@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import click
 from click.core import ParameterSource
@@ -300,7 +301,8 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
     client = connect(settings)
     # Nodes may start before `up` published the job: look for it until --wait has passed.
     job = retry(lambda: resolve_job(client, job, etcd_params["key_prefix"]), ConfigError, wait_seconds,
-                Backoff(0.5))
+                Backoff(0.5), on_retry=_Progress(f"job {job} to be published" if job else "a job to be published",
+                                                 wait_seconds))
     registry = Registry(client, job, etcd_params["key_prefix"])
     spec = registry.read_spec()
     local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
@@ -452,6 +454,33 @@ def down(job, timeout, **etcd_params) -> None:
     click.echo(f"job {job} is down ({count} node{'s' if count != 1 else ''} stopped)")
 
 
+# Seconds between two "still waiting" lines of a command that waits (leave, down, join --wait).
+PROGRESS_EVERY = 5.0
+
+
+class _Progress:
+    """Says, every PROGRESS_EVERY seconds of a wait, what the command still waits for: called
+    with nothing to report on each check, it prints once a period has passed."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        self.what, self.timeout = what, timeout
+        self.began = time.monotonic()
+        self.next_at = self.began + PROGRESS_EVERY
+
+    def __call__(self, *_ignored) -> None:
+        now = time.monotonic()
+        if now >= self.next_at:
+            self.next_at = now + PROGRESS_EVERY
+            click.echo(f"elasticctl: still waiting for {self.what} ({now - self.began:.0f} s of "
+                       f"{self.timeout:g} s)", err=True)
+
+
 def _wait_until(done, timeout: float, what: str) -> None:
-    if not poll(done, timeout, Backoff(0.5)):
+    progress = _Progress(what, timeout)
+
+    def check() -> bool:
+        progress()
+        return bool(done())
+
+    if not poll(check, timeout, Backoff(0.5)):
         raise ElasticctlError(f"Timed out after {timeout:g} s waiting for {what}.")

@@ -154,3 +154,11 @@ def test_a_node_waiting_for_the_others_says_so_at_a_steady_pace(job):
     wait_for(lambda: "round 1: waiting for 1 more node (have a; min 2)" in a.log(), 60, "a's waiting line")
     j.join("b")
     j.wait_world(2, {"a", "b"})
+
+
+def test_join_wait_says_what_it_waits_for_while_it_waits(default_etcd, run_id):
+    result = run_cli("join", "--etcd", default_etcd.endpoint, "--job", run_id, "--wait", "6")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(f"elasticctl: still waiting for job {run_id} to be published (5 s of 6 s)"), lines
+    assert f"'{run_id}' does not exist" in lines[-1], lines
