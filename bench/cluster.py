@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 MLP = str(REPO / "trainers" / "mlp.py")
 # elasticctl-hot: `up --recovery hot`, everything else as elasticctl (restart mode), node TTL included.
 SYSTEMS = ("elasticctl", "elasticctl-hot", "torchrun")
-# Both elasticctl systems run with a 2 s node TTL (issue 21: it holds under the overload test);
+# Both elasticctl systems run with a 2 s node TTL (it holds under the overload test);
 # hot mode's freeze target is TTL + 0.5 s.
 NODE_TTL = 2
 LOOPBACK = "127.0.0.1"

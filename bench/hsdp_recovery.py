@@ -1,4 +1,4 @@
-"""Sharded models under hot recovery (issue 20): HSDP's lost and joining node, FSDP2 without copies.
+"""Sharded models under hot recovery: HSDP's lost and joining node, FSDP2 without copies.
 
 HSDP (:func:`hsdp_rounds`): a job of 3 nodes x 2 workers (``elasticctl up --recovery hot
 --nproc-per-node 2``) trains trainers/lm.py ``--shard hsdp --record-params`` on loopback. Each
@@ -368,7 +368,7 @@ FSDP_PEER_COPY_TRAINING = ("--shard", "fsdp", "--peer-copies", str(PEER_COPIES_E
 
 
 def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
-    """FSDP2 with peer copies every 10 steps (issue 20's target: first step <= 3 s, <= 10 steps re-done,
+    """FSDP2 with peer copies every 10 steps (the target: first step <= 3 s, <= 10 steps re-done,
     no restart, no disk read): 3 nodes x 1 worker of trainers/lm.py ``--shard fsdp --peer-copies 10``
     in hot mode, no checkpoint directory at all; SIGKILL node c half-way between two copy rounds
     (once a periodic round of all 3 workers at world 3 was agreed whole and 5 more steps began),

@@ -23,8 +23,8 @@ Modes (``spec["mode"]``):
   harness revokes one worker's lease, and the survivors re-form: the declaration followers
   (``policy="followers"``: :func:`~elasticctl.rendezvous.rounds.declaration_followers`, who
   publish ``ctl/reform``) or every worker (``policy="every-member"``: the protocol before
-  issue 21.5) see the loss; each survivor re-declares for the next generation as soon as it
-  learns it must re-form, and the claim holder seals it.
+  the declaration followers) see the loss; each survivor re-declares for the next generation as
+  soon as it learns it must re-form, and the claim holder seals it.
 
 Spoken over pipes as bench.rdzv_worker: the spec line, then ``go``, then ``stop`` (or EOF).
 stdout (``@rdzv `` lines): ``{"ready", "setup_s", "rss", "base_rss"}``; then per agent

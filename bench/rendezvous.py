@@ -18,8 +18,8 @@ cannot reach on one machine (10,000).
 
 ``--hot N``: a hot re-formation instead (:func:`measure_hot`): N simulated workers in a sealed
 generation, one lease revoked; seconds until the survivors' generation is sealed, and the watch
-events etcd delivered, with the declaration followers of issue 21.5 (``followers``) or every
-member following every declaration as before it (``every-member``).
+events etcd delivered, with the declaration followers (``followers``) or every
+member following every declaration as in the earlier protocol (``every-member``).
 
 Run: python -m bench.rendezvous --agents 8 64 256 1000 --backends etcd3 etcd3-dynamic c10d \
          --max-agents etcd3-dynamic=64 c10d=128 --repeat 1
@@ -540,7 +540,7 @@ def main() -> None:
     parser.add_argument("--hot", type=int, nargs="+", default=[], metavar="N", help=(
         "instead of rounds: a hot re-formation of N simulated workers after one loss"))
     parser.add_argument("--policy", nargs="+", choices=(FOLLOWERS, EVERY_MEMBER), default=[FOLLOWERS],
-                        help="--hot: who follows the declarations (default: followers, issue 21.5)")
+                        help="--hot: who follows the declarations (default: followers)")
     args = parser.parse_args()
     binary = args.etcd_binary or find_etcd_binary()
     version = etcd_version(binary)

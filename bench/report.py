@@ -29,21 +29,21 @@ SYSTEMS = (RESTART, HOT, TORCHRUN)
 # The rendezvous scale table: elasticctl's handler, the previous main's (torch's dynamic
 # handler on elasticctl's EtcdRendezvousBackend), torch's c10d.
 ETCD3, DYNAMIC, C10D = "etcd3", "etcd3-dynamic", "c10d"
-# Issue 11's targets for one round on the 2-core machine: (agents, seconds).
+# The rendezvous round's targets on the 2-core machine: (agents, seconds).
 ROUND_TARGETS = ((256, 3.0), (1000, 10.0))
 WRITES_TARGET = 3.0  # etcd writes per round per agent
-# Issue 21.5's targets, simulated agents (bench/rdzv_light.py) on the 2-core machine.
+# The simulated agents' targets (bench/rdzv_light.py) on the 2-core machine.
 LIGHT_TARGET = (10000, 10.0, 2.2)  # agents, seconds for one round, etcd writes per agent
 HOT_REFORM_TARGET = (1000, 1.0, 5.0)  # workers, seconds to the next generation, watch events per worker
-# Issue 12's targets for hot mode, 3 nodes x 1 process (seconds unless said).
-HOT_CRASH_TARGET = 0.3       # SIGKILL -> first step at world 2 (issue 21; issue 12 asked 1.5 s)
-HOT_FREEZE_MARGIN = 0.5      # SIGSTOP -> first step at world 2, beyond the node TTL (issue 21; issue 12: 1.5 s)
+# Hot mode's targets, 3 nodes x 1 process (seconds unless said).
+HOT_CRASH_TARGET = 0.3       # SIGKILL -> first step at world 2 (tightened from 1.5 s)
+HOT_FREEZE_MARGIN = 0.5      # SIGSTOP -> first step at world 2, beyond the node TTL (tightened from 1.5 s)
 HOT_PAUSE_TARGET = 1.0       # running workers' pause to admit a joiner
 HOT_JOINER_TARGET = 1.0      # joiner: `initialized` -> its first step
 HOT_REDONE_TARGET = 1        # steps re-done per failure
 HOT_STEADY_TARGET = 0.98     # steady steps/s, fraction of restart mode's
-HOT_SPARE_TARGET = 1.0       # issue 21: SIGKILL with one spare -> first step back at world 3
-# Issue 20's targets: sharded models, 2-core CPU, gloo.
+HOT_SPARE_TARGET = 1.0       # hot spares: SIGKILL with one spare -> first step back at world 3
+# The sharded models' targets, 2-core CPU, gloo.
 HSDP_KILL_TARGET = 2.0        # HSDP 3 x 2: SIGKILL of a node -> first step at the smaller world
 HSDP_FREEZE_MARGIN = 1.0      # HSDP 3 x 2: SIGSTOP of a node -> first step at the smaller world, beyond the node TTL
 HSDP_JOIN_MARGIN = 0.3        # a joining node's pause of the others <= its shards' transfer + this
@@ -241,7 +241,7 @@ def _ran_hot(results: dict) -> bool:
 
 
 def hot_targets(results: dict) -> str:
-    """Issue 12's targets for hot mode next to what this run measured (medians; re-done steps: the most)."""
+    """Hot mode's targets next to what this run measured (medians; re-done steps: the most)."""
     scenarios = results["scenarios"]
     lifecycle = scenarios.get("lifecycle", {}).get(HOT, [])
     ttl = results["settings"].get("node_ttl_s", 5)
@@ -282,7 +282,7 @@ def hot_targets(results: dict) -> str:
         measured = (f"{ratio:.3f} × ({hot_rate:.1f} vs {restart_rate:.1f} steps/s) "
                     f"({'met' if ratio >= HOT_STEADY_TARGET else 'missed'})")
     parts.append(f"steady steps/s ≥ {HOT_STEADY_TARGET:g} × restart mode: {measured}")
-    return "Targets (issues 12 and 21), elasticctl hot mode: " + "; ".join(parts) + "."
+    return "Targets, elasticctl hot mode: " + "; ".join(parts) + "."
 
 
 def _rounds(entry: dict, backend: str) -> list[dict]:
@@ -333,7 +333,7 @@ def rendezvous_rows(results: dict) -> list[tuple[str, ...]]:
 
 
 def rendezvous_targets(results: dict) -> str:
-    """Issue 11's targets next to what this run measured."""
+    """The rendezvous round's targets next to what this run measured."""
     entries = {entry["agents"]: entry for entry in results["scenarios"].get("rendezvous", [])}
     parts = []
     for agents, target in ROUND_TARGETS:
@@ -359,7 +359,7 @@ def rendezvous_targets(results: dict) -> str:
             measured += ("; above it only where a round's few fixed writes weigh most: "
                          + ", ".join(over))
     parts.append(f"etcd writes per round ≤ {WRITES_TARGET:g} × N: {measured}")
-    return "Targets (issue 11), elasticctl's etcd3: " + "; ".join(parts) + "."
+    return "Targets, elasticctl's etcd3: " + "; ".join(parts) + "."
 
 
 def rendezvous_table(results: dict) -> list[str]:
@@ -391,7 +391,7 @@ def _number(value, digits: int = 2) -> str:
 
 def scale_rows(results: dict) -> list[tuple[str, ...]]:
     """(what, size, seconds, writes/agent, watch events (per agent), etcd CPU s, watches) of
-    issue 21.5's light rounds and hot re-formations."""
+    the simulated agents' light rounds and hot re-formations."""
     scale = results["scenarios"].get("rendezvous_scale") or {}
     out = []
     for row in scale.get("light", []):
@@ -443,7 +443,7 @@ def scale_targets(results: dict) -> str:
                      f"{events:.1f} × N ({'met' if events <= per_worker else 'missed'})"
                      + (f"; every member following every declaration: {before[0]['events_received'] / workers:.1f} × N"
                         if before and before[0].get("events_received") else ""))
-    return "Targets (issue 21.5), simulated agents: " + "; ".join(parts) + "."
+    return "Targets, simulated agents: " + "; ".join(parts) + "."
 
 
 def scale_section(results: dict) -> list[str]:
@@ -458,8 +458,8 @@ def scale_section(results: dict) -> list[str]:
          "it. A hot re-formation: N workers in a sealed generation, one worker's lease revoked, timed "
          "until the last survivor learns generation 2 (world N−1; \"sealed\": the sealer's transaction "
          "returned); watch events are those the workers' watches received (one watch of `ctl/` per "
-         "worker; `nodes/` followed by the declaration followers and the sealer, or by every member as "
-         "before issue 21.5). At 10,000 agents one watch per process: the sealed round (~25 bytes per "
+         "worker; `nodes/` followed by the declaration followers and the sealer, or by every member in "
+         "the earlier protocol). At 10,000 agents one watch per process: the sealed round (~25 bytes per "
          "member) sent to 10,000 watches would be 2.5 GB."),
         "",
         "| scenario | N | seconds | etcd writes per agent | watch events (per agent) | etcd CPU s |",
@@ -491,7 +491,7 @@ def _met(ok: bool) -> str:
 
 
 def state_transfer_targets(results: dict) -> str:
-    """Issue 20.2: ``new`` at >= 0.7 x raw at 512 MB and 2 GB; the sender's RSS peak over before
+    """State transfer: ``new`` at >= 0.7 x raw at 512 MB and 2 GB; the sender's RSS peak over before
     within one bucket (its memory within state size + one bucket)."""
     entries = {entry["state_mb"]: entry for entry in results["scenarios"].get("state_transfer") or []}
     parts = []
@@ -512,7 +512,7 @@ def state_transfer_targets(results: dict) -> str:
                   f"({_met(all(delta <= b for _, delta, b in senders))})")
     else:
         memory = "not measured in this run"
-    return (f"Targets (issue 20), state transfer ≥ {TRANSFER_TARGET:g} × the raw gloo broadcast: " + "; ".join(parts)
+    return (f"Targets, state transfer ≥ {TRANSFER_TARGET:g} × the raw gloo broadcast: " + "; ".join(parts)
             + f"; sender's memory within state size + one bucket: {memory}.")
 
 
@@ -650,7 +650,7 @@ def hsdp_freeze_targets(runs: list[dict] | None) -> list[str]:
 
 
 def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
-    """(measurement, this run, target) of issue 20's sharded scenarios that ran."""
+    """(measurement, this run, target) of the sharded scenarios that ran."""
     scenarios = results["scenarios"]
     out: list[tuple[str, str, str]] = []
     rounds = scenarios.get("hsdp")
@@ -814,7 +814,7 @@ def sharded_targets(results: dict) -> str:
                      f"{without} ({_met(chaos.get('outcome') == 'passed' and not without)})")
     else:
         parts.append("chaos soak of the HSDP trainer: not measured in this run")
-    return "Targets (issue 20), sharded models: " + "; ".join(parts) + "."
+    return "Targets, sharded models: " + "; ".join(parts) + "."
 
 
 def sharded_section(results: dict) -> list[str]:
@@ -823,7 +823,7 @@ def sharded_section(results: dict) -> list[str]:
         return []
     chaos = results["scenarios"].get("chaos_hsdp") or {}
     return [
-        "## Sharded models under hot recovery (issue 20)",
+        "## Sharded models under hot recovery",
         "",
         ("`bench/hsdp_recovery.py`, trainers/lm.py on loopback gloo, node TTL 3 s. HSDP: 3 nodes × 2 workers "
          "(`--nproc-per-node 2`, `--shard hsdp --record-params`: replicated across nodes, sharded within), "
@@ -840,7 +840,7 @@ def sharded_section(results: dict) -> list[str]:
          "A join is `failed` when it did not reach world 6 or made a running worker restart. "
          "Chaos: `bench/chaos.py --trainer lm-hsdp`, seed 1"
          + (f", {chaos['events_planned']} events"
-            + (" (a shorter soak than issue 20's 20 events)" if chaos["events_planned"] < 20 else "")
+            + (" (a shorter soak than the target's 20 events)" if chaos["events_planned"] < 20 else "")
             if chaos.get("events_planned") else "") + "."),
         "",
         "| measurement | this run | target |",

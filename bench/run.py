@@ -4,9 +4,9 @@
     python -m bench.run --full     # about 60 min: 3 repeats, rendezvous up to 1,000 agents, a 4.5 MB checkpoint too
     python -m bench.run --quick --only goodput   # the goodput table alone
 
-(Issue 20's sections add about 15 minutes to --quick: state transfer up to 2 GB ~3 min, HSDP and
-FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its joins fail. The
-goodput section adds about 8 minutes to --quick and 16 to --full: four jobs of 60 s or 180 s
+(The sharded-model sections add about 15 minutes to --quick: state transfer up to 2 GB
+~3 min, HSDP and FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its
+joins fail. The goodput section adds about 8 minutes to --quick and 16 to --full: four jobs of 60 s or 180 s
 under faults, each after its cold start and healthy phase.)
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
@@ -22,8 +22,8 @@ applied to plain torchrun, restart mode, hot mode and hot mode with one spare in
 goodput = samples whose last execution falls in the window ÷ (that system's healthy samples/s
 x the window).
 
-Issue 20's sections, each selectable with ``--only``: ``state_transfer`` (64 MB, 512 MB, 2 GB;
-bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
+The sharded-model sections, each selectable with ``--only``: ``state_transfer`` (64 MB,
+512 MB, 2 GB; bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
 trainers/lm.py --shard hsdp; FSDP2 without copies in hot and restart mode), ``hsdp_freeze`` (the
 same HSDP job, node b's tree SIGSTOPped, the first step at world 4 against the node TTL + 1 s, then
 SIGCONT and back at world 6; about 2 minutes in --quick), ``fsdp_peer_copies``
@@ -105,7 +105,7 @@ PLANS = {
 }
 JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash_host, "spare": scenarios.spare,
                  "steady": scenarios.steady}
-# Issue 20's sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
+# The sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
 SHARDED_SCENARIOS = ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies")
 ALL = ("goodput", *JOB_SCENARIOS, "reconfigure", "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
        "rendezvous_scale", "straggler")
@@ -190,8 +190,8 @@ def run_rendezvous(plan: Plan) -> list[dict]:
 
 
 def run_rendezvous_scale(plan: Plan) -> dict:
-    """Issue 21.5: light agents in one round (a watch per agent up to 1,000, one per process
-    above: see bench/rdzv_light.py), and hot re-formations with both declaration policies.
+    """Simulated agents at scale: light agents in one round (a watch per agent up to 1,000,
+    one per process above: see bench/rdzv_light.py), and hot re-formations with both declaration policies.
     Each measurement starts its own etcd."""
     from bench.rendezvous import EVERY_MEMBER, FOLLOWERS, LIGHT, describe, describe_hot, measure_hot, measure_round
 
@@ -250,7 +250,7 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
 
 
 def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
-    """Issue 20's sharded scenarios (bench/hsdp_recovery.py), each under its own name:
+    """The sharded scenarios (bench/hsdp_recovery.py), each under its own name:
     ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers; ``hsdp_freeze``: jobs of the same
     shape, each {freeze, thaw, samples} of one node SIGSTOPped, then SIGCONTed; ``fsdp``: FSDP2 without copies,
     hot and restart mode interleaved; ``fsdp_peer_copies``: FSDP2 with peer copies every 10
@@ -303,8 +303,8 @@ def chaos_soak(events: int, workdir: Path, kinds: tuple[str, ...] | None = None)
 
 
 def run_chaos_hsdp(plan: Plan, root: Path, quick: bool) -> dict:
-    """The HSDP chaos soak with every kind of event; while a join fails (issue 20's open join
-    issue), again with the kinds that need no join, the first soak kept under ``with_joins``."""
+    """The HSDP chaos soak with every kind of event; while a join fails (HSDP joins
+    can still fail), again with the kinds that need no join, the first soak kept under ``with_joins``."""
     from bench.chaos import join_failed
 
     # the run's directory name in the job's: bench.run's leftover check finds its processes
@@ -379,7 +379,7 @@ def main() -> None:
             if "reconfigure" in args.only:  # hot mode's group in place vs anew (bench/reconfigure.py)
                 results["scenarios"]["reconfigure"] = reconfigure_bench.run(plan.reconfigure_repeats, root, client,
                                                                             plan.caps, report=log)
-            if "straggler" in args.only:  # issue 21.2, hot mode only: two jobs, once (bench/stragglers.py)
+            if "straggler" in args.only:  # hot mode only: two jobs, once (bench/stragglers.py)
                 results["scenarios"]["straggler"] = straggler_bench.run(root, client, plan.caps)
                 log(f"straggler: {summary(results['scenarios']['straggler'])}")
             if "checkpoint" in args.only:

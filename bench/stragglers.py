@@ -1,4 +1,4 @@
-"""Benchmark scenario: a straggler (issue 21, item 2) in elasticctl hot mode, 3 nodes x 1 worker.
+"""Benchmark scenario: a straggler in elasticctl hot mode, 3 nodes x 1 worker.
 
 Two jobs of the same trainer (bench/scenarios.py's event training, ~15 steps/s), node c slowed
 by ``trainers/mlp.py --slow-node c=SLOW@FROM:`` from global step FROM on:
@@ -33,7 +33,7 @@ SLOW_S = 0.2         # seconds c sleeps per step on top of everyone's --step-sle
 WINDOW, INTERVAL = 20, 5  # --straggler-window W, --straggler-interval K
 EVICT = 3.0          # --evict-stragglers R
 RATE_STEPS = 30      # steps each rate is measured over
-TARGET_RATIO = 0.9   # issue 21: with eviction on, steps/s back to >= 0.9 x the healthy rate
+TARGET_RATIO = 0.9   # with eviction on, steps/s back to >= 0.9 x the healthy rate
 
 
 def _rank0_rate(steps: list[dict], first: int, last: int) -> float | None:
@@ -171,7 +171,7 @@ def targets(results: dict) -> str:
                   + ("not measured" if steps is None else f"{steps} ({'met' if steps <= bound else 'missed'})"))
     ratio_part = (f"with eviction on, steps/s ≥ {TARGET_RATIO:g} × healthy: "
                   + ("not measured" if ratio is None else f"{ratio:.2f} × ({'met' if ratio >= TARGET_RATIO else 'missed'})"))
-    return f"Targets (issue 21.2), straggler: {named_part}; {ratio_part}."
+    return f"Targets, straggler: {named_part}; {ratio_part}."
 
 
 def section(results: dict) -> list[str]:

@@ -1,7 +1,7 @@
-"""Freeze detection independent of the collective timeout (issue 21, item 3): when the membership
-learns that a member of the running generation is lost (its lease ended, or ``ctl/reform`` names
-it), a worker that may be blocked in a collective with it aborts its training group, so that the
-pending collective raises at once and the worker goes to re-form.
+"""Freeze detection independent of the collective timeout: when the membership learns that a
+member of the running generation is lost (its lease ended, or ``ctl/reform`` names it), a worker
+that may be blocked in a collective with it aborts its training group, so that the pending
+collective raises at once and the worker goes to re-form.
 
 Without this, a frozen peer (SIGSTOP, a hung host) holds the survivors in their collective until
 its timeout, which hot mode sets to the node TTL, so a freeze costs the TTL plus whatever is

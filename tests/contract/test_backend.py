@@ -120,7 +120,7 @@ def _pickle_bombs(marker) -> list[bytes]:
 
 @pytest.mark.parametrize("secret", [None, b"s3cret"], ids=["no-secret", "signed-by-a-secret-holder"])
 def test_planted_pickle_never_runs(etcd_client, run_id, tmp_path, secret):
-    # Issue 10, item 1: a pickle with a valid checksum (or even a valid signature) ran code.
+    # A pickle with a valid checksum (or even a valid signature) used to run code.
     marker = tmp_path / "pwned"
     for seq, bomb in enumerate(_pickle_bombs(marker), start=1):
         fresh = EtcdRendezvousBackend(etcd_client, run_id, secret=secret)
@@ -145,7 +145,7 @@ def test_a_node_that_saw_a_good_state_keeps_it_over_a_planted_one(backend, etcd_
 
 @pytest.mark.parametrize("secret", [None, b"s3cret"], ids=["no-secret", "secret"])
 def test_a_replayed_older_state_is_never_handed_to_torch(etcd_client, run_id, secret):
-    # Issue 10, item 2: writing back an old state made a node drop out of its round.
+    # Writing back an old state used to make a node drop out of its round.
     backend = EtcdRendezvousBackend(etcd_client, run_id, secret=secret)
     _, token, _ = backend.set_state(S1)
     old = etcd_client.get(backend.key).value
@@ -168,7 +168,7 @@ def test_a_deleted_state_is_written_back_by_a_node_that_saw_it(backend, etcd_cli
 
 @pytest.mark.parametrize("run", ["jv/x", "jv/nodes", "../jv", "abc\n", "", "a b"])
 def test_run_ids_follow_the_job_name_rule(etcd_client, run):
-    # Issue 10, item 5: --rdzv-id=jv/x landed inside job jv's keys.
+    # --rdzv-id=jv/x used to land inside job jv's keys.
     with pytest.raises(ValueError, match="run id"):
         EtcdRendezvousBackend(etcd_client, run)
 

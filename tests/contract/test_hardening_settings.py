@@ -1,4 +1,5 @@
-"""Issue 10's correctness odds and ends, each reproduced with real processes and a real etcd.
+"""Correctness odds and ends of the launcher and the rendezvous, each reproduced with real
+processes and a real etcd.
 
 Layer tests/contract: a real etcd, no training processes. The other tests of this subject:
 tests/process/test_hardening.py.
@@ -21,7 +22,7 @@ from elasticctl.etcd.client import EtcdClient
     ({"no_such_option": "1"}, "'no_such_option' is unknown"),
 ])
 def test_bad_rendezvous_settings_are_value_errors_naming_the_value(default_etcd, run_id, conf, needle):
-    # Item 16: torch's backend tests expect ValueError for an invalid protocol or read_timeout.
+    # torch's backend tests expect ValueError for an invalid protocol or read_timeout.
     from torch.distributed.elastic.rendezvous import (
         RendezvousParameters,
         rendezvous_handler_registry,
@@ -34,7 +35,7 @@ def test_bad_rendezvous_settings_are_value_errors_naming_the_value(default_etcd,
 
 @pytest.mark.parametrize("run", ["jv/x", "jv/nodes", "abc\n"])
 def test_run_ids_that_could_reach_another_jobs_keys_are_refused(default_etcd, run):
-    # Item 5: --rdzv-id=jv/x landed inside job jv's prefix; `down --job jv` then deleted its keys.
+    # --rdzv-id=jv/x used to land inside job jv's prefix; `down --job jv` then deleted its keys.
     from torch.distributed.elastic.rendezvous import (
         RendezvousParameters,
         rendezvous_handler_registry,

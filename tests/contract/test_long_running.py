@@ -1,4 +1,4 @@
-"""Issue 18: a job that runs for days. Nothing it needs may expire or vanish while it runs, and
+"""A job that runs for days. Nothing it needs may expire or vanish while it runs, and
 a missing round or generation record while members live is never read as "no job yet".
 
 Contract tests on a real etcd (the run lease, members writing their round back, a newcomer
@@ -78,8 +78,9 @@ def dataclass_copy(round_: Round) -> Round:
 
 
 def test_a_newcomer_never_seals_a_round_beside_live_members_whose_record_it_cannot_see(default_etcd, run_id):
-    """The record of round 4 is gone while its members' declarations live (the issue's hot-mode
-    case: a joiner formed a generation 1 of its own and trained from step 0 beside the job)."""
+    """The record of round 4 is gone while its members' declarations live (the hot-mode failure
+    this guards against: a joiner formed a generation 1 of its own and trained from step 0 beside
+    the job)."""
     keys = JobKeys(run_id)
     with EtcdClient(default_etcd.client_settings()) as client:
         lease = client.grant_lease(30)
@@ -115,7 +116,7 @@ def test_a_newcomer_never_seals_a_round_beside_live_members_whose_record_it_cann
 
 
 def test_a_forged_round_of_the_same_number_is_refused_and_overwritten(run):
-    """Issue 23.3: without a secret the check was `>=`: a forged round 2 restarted every worker."""
+    """Without a secret the check used to be `>=`: a forged round 2 restarted every worker."""
     r = run(Settings(min_nodes=2, max_nodes=2, last_call=1))
     a, b = r.member("a"), r.member("b")
     r.join_all([a, b])
@@ -131,7 +132,7 @@ def test_a_forged_round_of_the_same_number_is_refused_and_overwritten(run):
 
 
 def test_signed_records_of_an_earlier_run_are_refused(default_etcd, run_id):
-    """Issue 23.4: a signed round of an earlier run of the job (same name, same secret) replayed
+    """A signed round of an earlier run of the job (same name, same secret) replayed
     while the new run's first node waited: it took "round 2: rank 0 of 2" and waited for a ghost."""
     keys = JobKeys(run_id)
     settings = Settings(min_nodes=1, max_nodes=2, last_call=0.3)

@@ -286,7 +286,7 @@ def test_only_three_members_follow_declarations_and_a_frozen_rank_0_still_reache
 
 
 def test_a_slow_change_callback_holds_up_no_watch_event(run):
-    """Issue 21: the ctl/reform publish (an etcd write) runs on the view's writer, not on the
+    """The ctl/reform publish (an etcd write) runs on the view's writer, not on the
     watch thread: while a change callback is held, the watches still bring every event (the
     joins below wait on them), and the held callback runs once more afterwards, not once per event."""
     r = run(Settings(min_nodes=2, max_nodes=2, last_call=0.5))
@@ -313,7 +313,7 @@ def test_a_slow_change_callback_holds_up_no_watch_event(run):
 
 
 def test_a_sharded_jobs_generations_admit_a_joining_node_whole(run):
-    """Issue 20: workers of 2-worker nodes (a sharded job's generations). A joining node with one
+    """Workers of 2-worker nodes (a sharded job's generations). A joining node with one
     worker declared is no reason to re-form, is not sealed into the survivors' next generation and
     does not hold it up; with both declared it is admitted whole; a node that loses a worker leaves
     as a whole, its other worker waiting."""

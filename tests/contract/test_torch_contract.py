@@ -1,4 +1,4 @@
-"""torch's rendezvous and agent contract, as torch's own elastic tests exercise it (issue 24).
+"""torch's rendezvous and agent contract, as torch's own elastic tests exercise it.
 
 Each scenario is rebuilt with this project's code and a real etcd, not copied from
 torch's test files: nodes whose workers finish far apart (the exit barrier must not

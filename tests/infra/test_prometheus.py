@@ -1,4 +1,4 @@
-"""Prometheus for real (issue 22): deploy/prometheus's alert rules pass `promtool check rules` and
+"""Prometheus for real: deploy/prometheus's alert rules pass `promtool check rules` and
 their unit tests (`promtool test rules`), the example config passes `promtool check config`, every
 alert links a runbook section of docs/operations.md, every metric the rules and the Grafana
 dashboard (deploy/grafana) name is one `elasticctl dashboard` exports, a live scrape passes

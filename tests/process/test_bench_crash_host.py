@@ -35,6 +35,6 @@ def test_bench_crash_host_scenario_runs_every_system(tmp_path):
         assert len(samples[system]) == 1
         assert samples[system][0]["cold_start_s"] is not None, f"{system} never formed a world of 3"
         assert "outcome" in samples[system][0]
-    assert "Targets (issues 12 and 21)" in result.stdout
+    assert "Targets, elasticctl hot mode: " in result.stdout
     assert results["leftover_processes"] == []
     assert results["machine"]["cpu_count"] >= 1

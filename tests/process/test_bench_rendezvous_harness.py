@@ -52,7 +52,7 @@ def test_rendezvous_harness_forms_a_correct_round_on_every_backend(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_light_agents_and_a_hot_re_formation_at_small_n(tmp_path):
-    """Issue 21.5: 16 light agents in 2 processes form one correct round with about one write
+    """Simulated agents: 16 light agents in 2 processes form one correct round with about one write
     each; 12 hot workers re-form to 11 after one loss, with both declaration-following policies,
     the followers' with fewer watch events."""
     from bench.rendezvous import EVERY_MEMBER, FOLLOWERS, LIGHT, measure_hot, measure_round

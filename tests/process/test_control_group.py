@@ -116,7 +116,7 @@ def test_on_gpus_hot_mode_runs_its_boundaries_on_a_gloo_side_group_beside_nccl(
     assert side_group_line("nccl") in workers["c"].log(), workers["c"].log()
 
 
-# -- issue 21.3: a lost member aborts the pending collective where the backend can -----------------
+# -- freeze detection: a lost member aborts the pending collective where the backend can -----------
 
 ABORTING = "lost while it may wait in a collective: aborting its training group"
 NO_ABORT = "has no abort: a pending collective ends by its timeout"

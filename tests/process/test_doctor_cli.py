@@ -245,7 +245,7 @@ def test_join_refuses_a_different_checkpoint_directory(default_etcd, client, run
         registry.delete_job()
 
 
-# -- issue 23, item 9: a check changes nothing it checks -------------------------------------------
+# -- a check changes nothing it checks -------------------------------------------------------------
 
 @pytest.mark.parametrize("relative", ["ck", "deep/er/and/deeper/ck", "a name\nwith a newline/ck"],
                          ids=["relative", "deep", "newline"])

@@ -1,4 +1,4 @@
-"""A finished worker group never trains again (issue 10, item 17).
+"""A finished worker group never trains again.
 
 torch's agent judges a worker group all-or-nothing: one worker that exited 0 and
 one that died (say by SIGABRT in a C++ destructor at interpreter exit, as gloo

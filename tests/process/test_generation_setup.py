@@ -1,4 +1,4 @@
-"""Issue 23.1: a generation whose process-group set-up failed on one worker only must not keep
+"""A generation whose process-group set-up failed on one worker only must not keep
 every later generation from forming (torch's group counter, raised by the failed
 init_process_group, used to be part of the store keys: the workers waited under different
 prefixes). Two real processes, real TCPStore and gloo on loopback."""

@@ -1,4 +1,5 @@
-"""Issue 10's correctness odds and ends, each reproduced with real processes and a real etcd.
+"""Correctness odds and ends of the launcher and the rendezvous, each reproduced with real
+processes and a real etcd.
 
 Layer tests/process: real processes (elasticctl, torchrun, workers, tools). The other tests of this
 subject: tests/contract/test_hardening_settings.py.
@@ -23,7 +24,7 @@ DOWN_THEN_DIE = str(WORKERS / "down_then_die.py")
 
 @pytest.mark.slow
 def test_down_seen_only_after_torchrun_exited_still_exits_0(default_etcd, run_id, nodes):
-    # Item 13: the node must look for a request once more after torchrun exits.
+    # The node must look for a request once more after torchrun exits.
     node = nodes("a", [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id,
                        "--nnodes", "1", "--node-id", "a", DOWN_THEN_DIE])
     assert node.wait(120) == 0, node.log()
@@ -32,7 +33,7 @@ def test_down_seen_only_after_torchrun_exited_still_exits_0(default_etcd, run_id
 
 @pytest.mark.slow
 def test_a_crashed_agent_is_recorded_as_failed_not_done(default_etcd, run_id, nodes):
-    # Item 14: an agent that crashed (here: no second node within the join timeout) read as a
+    # An agent that crashed (here: no second node within the join timeout) used to read as a
     # clean finish, with `finished` written for the whole job.
     node = nodes("crasher", torchrun_command(default_etcd.endpoint, run_id, "2", ["--steps", "1"],
                                              rdzv_conf="join_timeout=2"))
@@ -46,7 +47,8 @@ def test_a_crashed_agent_is_recorded_as_failed_not_done(default_etcd, run_id, no
 
 
 def test_importing_the_rendezvous_module_first_registers_etcd3(default_etcd, run_id):
-    # Item 15: `import elasticctl.rendezvous.backend` met itself half-initialised; etcd3 stayed unregistered.
+    # `import elasticctl.rendezvous.backend` used to meet itself half-initialised; etcd3 stayed
+    # unregistered.
     code = (
         "import elasticctl.rendezvous.backend\n"
         "from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry\n"
@@ -62,7 +64,7 @@ def test_importing_the_rendezvous_module_first_registers_etcd3(default_etcd, run
 
 @pytest.mark.parametrize("conf", ["node_ttl=abc", "read_timeout=-3", "protocol=ftp", "join_timout=5"])
 def test_bad_rdzv_conf_is_refused_before_anything_is_published_or_launched(default_etcd, run_id, conf):
-    # Item 11: `up --rdzv-conf node_ttl=abc` launched torchrun, which printed a traceback.
+    # `up --rdzv-conf node_ttl=abc` used to launch torchrun, which printed a traceback.
     result = subprocess.run([*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
                              "--rdzv-conf", conf, DOWN_THEN_DIE], capture_output=True, text=True, timeout=60,
                             check=False)

@@ -115,7 +115,7 @@ def test_survivors_keep_their_processes_through_a_kill_a_join_a_freeze_and_a_lea
 
 
 def test_a_newcomer_claiming_a_far_later_step_does_not_send_its_state(hot_job):
-    """Issue 23.2: without a job secret, any process that can write etcd can join a generation.
+    """Without a job secret, any process that can write etcd can join a generation.
     One that claims step 50,000 with constant weights must not become the sender: the state
     comes from the members of the previous generation, which trained together."""
     job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5))
@@ -134,8 +134,9 @@ def test_a_newcomer_claiming_a_far_later_step_does_not_send_its_state(hot_job):
 
 
 def test_a_joiner_receives_the_state_from_both_survivors_in_many_buckets(hot_job):
-    """Issue 20.2: two survivors at one step each send part of the state (buckets of 64 KiB, round-robin),
-    point to point into the joiner's own tensors; its fresh optimizer has no momentum buffers yet."""
+    """State transfer: two survivors at one step each send part of the state (buckets of 64 KiB,
+    round-robin), point to point into the joiner's own tensors; its fresh optimizer has no
+    momentum buffers yet."""
     job = hot_job(HotSettings(min_nodes=2, max_nodes=3, node_ttl=3, last_call=1.0, reform_last_call=0.5),
                   args=["--state-mb", "1", "--transfer-bucket-bytes", str(64 * 1024), "--log-transfers"])
     for name in ("a", "b"):
@@ -281,7 +282,7 @@ def test_elasticctl_runs_a_hot_job_whose_survivors_keep_training_and_which_goes_
 
 def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restarts_only_its_node(
         nodes, default_etcd, run_id, tmp_path):
-    """Issue 20.3: several workers per node in hot mode. A node's loss takes both its workers and
+    """Several workers per node in hot mode. A node's loss takes both its workers and
     the other nodes' four keep their processes; one worker crashing on a node that keeps its other
     worker: that node's agent restarts its two workers (torchrun restarts a node's worker group
     as one), they rejoin as newcomers and get the state, and the other node never restarts."""

@@ -1,7 +1,7 @@
 """Sharded models (trainers/lm.py --shard hsdp) end to end: real `elasticctl up/join` processes,
 real torchrun, a real etcd, loopback; every wait on the trainer's JSON record, never a sleep.
 
-Hot mode with HSDP (issue 20.1): 3 nodes of 2 workers, each node a replica of the model sharded
+Hot mode with HSDP: 3 nodes of 2 workers, each node a replica of the model sharded
 over its 2 workers. A node SIGKILLed whole: the 4 survivors keep their processes, each still
 holds its shard with a replica on the other node, and they go on at world 4 from their own
 shards, none sent; a node that joins gets each of its workers' shards from the replicas of that
@@ -159,9 +159,9 @@ GPUS_FOR_HSDP = 6  # 3 nodes x 2 workers on one host, each node on GPUs of its o
                     reason=f"HSDP on NCCL needs {GPUS_FOR_HSDP} GPUs (3 nodes x 2 workers, one GPU each); "
                            f"this machine has {torch.cuda.device_count()}")
 def test_on_gpus_hsdp_survivors_abort_their_nccl_groups_and_a_joiner_gets_its_shards(job):
-    """The NCCL path of issue 20: the mesh on cuda (device from LOCAL_RANK within each node's
-    CUDA_VISIBLE_DEVICES), the survivors' NCCL groups aborted before the next generation's are
-    built, the joiner's shards sent by the replicas over NCCL."""
+    """The NCCL path of sharded hot recovery: the mesh on cuda (device from LOCAL_RANK within
+    each node's CUDA_VISIBLE_DEVICES), the survivors' NCCL groups aborted before the next
+    generation's are built, the joiner's shards sent by the replicas over NCCL."""
     j = job(nnodes="1:3", extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2"], train=HSDP)
     gpus = {"a": "0,1", "b": "2,3", "c": "4,5"}
     started = {"a": j.up("a", {"CUDA_VISIBLE_DEVICES": gpus["a"]})}
@@ -229,7 +229,7 @@ def test_lm_restart_mode_resumes_a_sharded_checkpoint_at_a_smaller_world(job, tm
 
 
 def test_fsdp_without_replicas_survivor_restores_the_sharded_checkpoint_in_process(job, tmp_path):
-    """Issue 20.4: plain FSDP over every worker has no replica of a shard; after a node is lost the
+    """Plain FSDP over every worker has no replica of a shard; after a node is lost the
     survivor keeps its process and restores the newest sharded checkpoint, resharded to world 1."""
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()

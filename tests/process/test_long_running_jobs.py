@@ -1,4 +1,4 @@
-"""Issue 18: a job that runs for days. Nothing it needs may expire or vanish while it runs, and
+"""A job that runs for days. Nothing it needs may expire or vanish while it runs, and
 a missing round or generation record while members live is never read as "no job yet".
 
 Contract tests on a real etcd (the run lease, members writing their round back, a newcomer
@@ -92,7 +92,7 @@ def test_hot_mode_after_three_ttls_absorbs_a_join_a_kill_a_leave_and_deleted_rec
     c.kill()
     job.wait_world(2, {"a", "b"}, since=killed_at)
 
-    # The issue's case: the generation record deleted (no signature needed), then a joiner.
+    # The failure this guards against: the generation record deleted (no signature needed), then a joiner.
     for key in (generation_key, job.registry.keys.run_lease):
         job.client.delete(key)
         wait_for(lambda key=key: job.client.get(key) is not None, 30, f"{key} written back")

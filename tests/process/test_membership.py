@@ -1,5 +1,5 @@
 """Membership changes in a row on the etcd-native rendezvous: joins and graceful leaves never
-charge anyone a restart, and the ranks of the nodes that stay are kept (issue 11)."""
+charge anyone a restart, and the ranks of the nodes that stay are kept."""
 
 from __future__ import annotations
 

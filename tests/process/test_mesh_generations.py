@@ -1,4 +1,4 @@
-"""A sharded model's mesh is its generation's (issue 20), with two real gloo worker processes that
+"""A sharded model's mesh is its generation's, with two real gloo worker processes that
 swap ranks between two generations of one mesh shape, with a refused layout between them (the
 check itself is table-tested in tests/unit/test_mesh_generations.py)."""
 

@@ -1,4 +1,4 @@
-"""A script that never reaches a step boundary (issue 23, item 10): the worker says so, in its log
+"""A script that never reaches a step boundary: the worker says so, in its log
 and as a ``no_step`` event; a function that returns at step 0 is warned about; a SIGTERM that no
 boundary answers ends the worker within the runtime's bound, in one line.
 

@@ -1,4 +1,4 @@
-"""Recovery with every core saturated (issue 11): a kill and a join still re-form the job, in
+"""Recovery with every core saturated: a kill and a join still re-form the job, in
 one round each, charging no restart; a node that was only slow (frozen for less than its
 node TTL) forces no round at all."""
 
@@ -46,7 +46,7 @@ def node_tree(node) -> list[psutil.Process]:
 
 
 # A node TTL of 2 s (keep-alives every 0.67 s) holds under this load too: no lease of a live
-# process expires, in either mode (issue 21: the TTL can go to 2 s without false alarms).
+# process expires, in either mode, so the TTL can go to 2 s without false alarms.
 MODES = pytest.mark.parametrize("extra", [
     pytest.param(("--node-ttl", "2"), id="restart-ttl2"),
     pytest.param(("--node-ttl", "2", "--recovery", "hot"), id="hot-ttl2"),

@@ -1,4 +1,4 @@
-"""FSDP2 without replicas survives a lost node from its peers' in-memory copies (issue 20.1): real
+"""FSDP2 without replicas survives a lost node from its peers' in-memory copies: real
 `elasticctl up/join` processes, real torchrun, a real etcd, loopback; every wait on the trainer's
 JSON record, never a sleep.
 

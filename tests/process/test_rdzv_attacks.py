@@ -1,4 +1,4 @@
-"""Attacks on a running job's rendezvous records in etcd: planted pickles and replays (issue 10, items 1-2).
+"""Attacks on a running job's rendezvous records in etcd: planted pickles and replays.
 
 Real torchrun agents and CPU/gloo workers on loopback; the attacker writes etcd keys directly.
 The records are JSON and never unpickled; a round record that is unreadable or older than

@@ -1,4 +1,4 @@
-"""Hot spares (issue 21.1): a node beyond --nnodes MAX starts its workers and waits warm,
+"""Hot spares: a node beyond --nnodes MAX starts its workers and waits warm,
 trains nothing and forces no re-formation; when a member is lost it takes the place at the
 survivors' own re-formation (the world never stays short); a spare that dies is just gone.
 Real `elasticctl up`/`join` processes on a real etcd; every wait is on a record or a key."""

@@ -73,7 +73,7 @@ def test_two_etcd_endpoints_one_of_them_dead(default_etcd, run_id, nodes, tmp_pa
     assert len(_steps_at(read_records(record), 1)) == 3
 
 
-# -- issue 23, item 8: the sentence a user needs comes alone, without torch's traceback -----------
+# -- the sentence a user needs comes alone, without torch's traceback -----------------------------
 
 def test_a_bad_rdzv_conf_is_one_line(default_etcd, run_id, nodes, tmp_path):
     node = nodes("bad", torchrun_command(default_etcd.endpoint, run_id, "1", ["--steps", "1"],

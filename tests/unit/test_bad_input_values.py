@@ -97,7 +97,7 @@ def test_node_ttl_is_bounded_in_the_spec(ttl):
         JobSpec(name="job", script="train.py", node_ttl=ttl)
 
 
-# -- issue 23, item 7: numbers are ASCII digits ---------------------------------------------------
+# -- numbers are ASCII digits ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(
     ("text", "number"),

@@ -92,7 +92,7 @@ def test_report_puts_hot_mode_between_restart_mode_and_torchrun_with_both_ratios
 
 def test_hot_targets_say_met_or_missed_with_the_measured_value():
     met = report.hot_targets(_results(hot_crash=0.2, pause=0.5))
-    assert met.startswith("Targets (issues 12 and 21), elasticctl hot mode: ")
+    assert met.startswith("Targets, elasticctl hot mode: ")
     assert "SIGKILL → world 2 ≤ 0.3 s: 0.20 s (met)" in met
     assert "node TTL 5 s + 0.5) ≤ 5.5 s: 6.00 s (missed)" in met
     assert "at most 1 over 2 failures (met)" in met
@@ -171,7 +171,7 @@ def test_the_straggler_section_reports_its_rows_and_targets():
     assert "| slowed steps/s, node c +0.2 s per step, no eviction | 3.6 |" in section
     assert "14.4 (0.96×)" in section
     assert stragglers.targets(results) == (
-        "Targets (issue 21.2), straggler: named within W steps (W = 20, exchanged every K = 5: ≤ 25): 24 (met); "
+        "Targets, straggler: named within W steps (W = 20, exchanged every K = 5: ≤ 25): 24 (met); "
         "with eviction on, steps/s ≥ 0.9 × healthy: 0.96 × (met).")
     missed = {"scenarios": {"straggler": {"settings": settings, "named": {"outcome": "not named within 60 s"},
                                           "evicted": {"ratio_to_healthy": 0.5}}}}
@@ -191,7 +191,7 @@ def test_state_transfer_targets_at_512_mb_and_2_gb_and_the_senders_memory():
     results = {"scenarios": {"state_transfer": [_transfer_entry(512, 900, 1000, 2 * 2**20),
                                                 _transfer_entry(2048, 600, 1000, 3 * 2**20)]}}
     line = report.state_transfer_targets(results)
-    assert line.startswith("Targets (issue 20), state transfer ≥ 0.7 × the raw gloo broadcast: ")
+    assert line.startswith("Targets, state transfer ≥ 0.7 × the raw gloo broadcast: ")
     assert "at 512 MB: 0.90 × (900 vs 1000 MB/s) (met)" in line
     assert "at 2 GB: 0.60 × (600 vs 1000 MB/s) (missed)" in line
     assert "at most 3.0 MiB over before (at 2048 MB; bucket 64 MiB) (met)" in line
@@ -215,7 +215,7 @@ def _sharded_results(join: dict) -> dict:
                                          "events": [{"kind": "kill"}, {"kind": "join"}]}}}
 
 
-def test_sharded_rows_and_targets_name_each_issue_20_target():
+def test_sharded_rows_and_targets_name_each_sharded_target():
     joined = {"seconds": 12.0, "cap_s": 60, "outcome": "joined", "pause_s": 0.5, "transfer_s": 0.1,
               "transfer_bytes": 2**20, "sources": [[0, "replica"], [1, "replica"]], "replicas_identical": True}
     results = _sharded_results(joined)
@@ -226,14 +226,14 @@ def test_sharded_rows_and_targets_name_each_issue_20_target():
     assert "1.00 MiB from shard 0: replica, shard 1: replica" in rows[
         "HSDP: the joiner's shards' transfer (s; bytes, sources)"][0]
     line = report.sharded_targets(results)
-    assert line.startswith("Targets (issue 20), sharded models: HSDP SIGKILL → first step ≤ 2 s: 1.50 s (met)")
+    assert line.startswith("Targets, sharded models: HSDP SIGKILL → first step ≤ 2 s: 1.50 s (met)")
     assert "nothing re-done: at most 0 (met)" in line
     assert "pause − transfer at most 0.40 s (missed)" in line
     assert "FSDP2 with peer copies ≤ 3 s and ≤ 10 steps re-done: not available" in line
     assert "3.00 s vs restart mode 9.00 s, 0 survivor process(es) restarted (met)" in line
     assert "chaos soak of the HSDP trainer, 2 events: passed (met)" in line
     section = report.sharded_section(results)
-    assert "| measurement | this run | target |" in section and "2 events (a shorter soak than issue 20" in section[2]
+    assert "| measurement | this run | target |" in section and "2 events (a shorter soak than the target's 20 events)" in section[2]
 
 
 def test_a_failed_join_is_reported_with_its_reason():
@@ -247,7 +247,7 @@ def test_a_failed_join_is_reported_with_its_reason():
             "(failed: no step at world 6 within 60 s (RuntimeError: x)) (missed)") in report.sharded_targets(results)
 
 
-def test_bench_run_has_issue_20s_sections():
+def test_bench_run_has_the_sharded_sections():
     from bench import run
 
     assert {"hsdp", "fsdp", "fsdp_peer_copies", "chaos_hsdp", "state_transfer"} <= set(run.ALL)

@@ -81,7 +81,7 @@ def test_scale_table_reads_results_from_before_the_scale_series():
 
 
 def test_scale_section_reports_light_rounds_and_hot_re_formations_against_their_targets():
-    """Issue 21.5: one round of simulated agents, and a hot re-formation with both policies."""
+    """One round of simulated agents, and a hot re-formation with both policies."""
     light = [{"backend": "etcd3-light", "agents": 10000, "watchers": "process", "completed": True, "correct": True,
               "seconds": 3.46, "writes_per_agent": 1.0, "events": 12, "events_per_agent": 0.0, "cpu_etcd_s": 4.2}]
     hot = [{"workers": 1000, "policy": "followers", "completed": True, "correct": True, "seconds": 0.5,

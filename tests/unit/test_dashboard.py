@@ -108,7 +108,7 @@ RECOVERIES_AND_VERDICTS = (
             {
                 "round": None,
                 "world_size": 0,
-                # "h" names no id or host of its own: not a node's record (issue 23, item 11)
+                # "h" names no id or host of its own: not a node's record
                 "live_nodes": 1,
                 "nodes": [
                     {
@@ -399,7 +399,7 @@ def test_random_readings_never_break_the_page_or_the_metrics(
     _render([("j", metrics)])
 
 
-# -- issue 23, item 11: planted times and node records ---------------------------------------------
+# -- planted times and node records ----------------------------------------------------------------
 
 @pytest.mark.parametrize(
     ("events", "lifetime"),
@@ -464,7 +464,7 @@ def test_the_dashboard_and_status_present_one_snapshot_each_their_own_way():
     assert [n["rendezvous"] for n in view.to_dict()["nodes"]] == ["training", "joining"]
 
 
-# -- issue 22: what the alert rules compare against ---------------------------------------------
+# -- what the alert rules compare against -------------------------------------------------------
 
 
 def test_the_spec_gives_the_node_bounds_and_the_restart_budget_and_members_what_each_spent():
@@ -495,7 +495,7 @@ def test_the_spec_gives_the_node_bounds_and_the_restart_budget_and_members_what_
     assert (without.nnodes_min, without.nnodes_max, without.restart_budget) == (None, None, None)
 
 
-# -- issue 21.1: hot spares on the page and in /metrics ---------------------------------------------
+# -- hot spares on the page and in /metrics ---------------------------------------------------------
 
 
 def _node(node: str) -> bytes:

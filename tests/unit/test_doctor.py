@@ -349,6 +349,6 @@ def test_checkpoint_dir_probe_leaves_nothing_behind(tmp_path):
     ({"checkpoint_error": "Writing ... failed: the disk is full (No space left on device).",
       "checkpoint_failures": 3}, WARN, "the job's last 3 checkpoint(s) failed: Writing ... failed: the disk is full"),
 ])
-def test_checkpoint_health(progress, status, needle):  # issue 23, item 6
+def test_checkpoint_health(progress, status, needle):  # checkpoints on a full disk
     check = checks.decide_checkpoint_health(progress)
     assert check.status is status and needle in check.detail, check

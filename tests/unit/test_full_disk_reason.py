@@ -1,4 +1,4 @@
-"""Checkpoints on a full disk (issue 23, items 5 and 6), on a small tmpfs each test mounts.
+"""Checkpoints on a full disk, on a small tmpfs each test mounts.
 
 A failed periodic checkpoint costs training nothing: no crash, no restart, no re-formation.
 It is logged, recorded (``checkpoint_failed``), published in the progress record (status,

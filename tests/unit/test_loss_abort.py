@@ -1,4 +1,4 @@
-"""When a worker aborts its training group on a lost member (issue 21.3, train/loss_abort.py):
+"""When a worker aborts its training group on a lost member (freeze detection, train/loss_abort.py):
 the decision, table-driven (backend, phase, the loss's generation against the running one)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A sharded model's mesh is its generation's (issue 20): torch's DTensor caches key on DeviceMesh
+"""A sharded model's mesh is its generation's: torch's DTensor caches key on DeviceMesh
 equality, which ignores the process groups, and used to hand a re-wrapped module the equal mesh of
 an earlier generation, whose group names no longer resolve ("Could not resolve the process group
 registered under the name N") or resolve to another group. The check, table-driven (the real gloo

@@ -138,7 +138,7 @@ def test_records_round_trip():
     assert Round.from_json(b'{"round": 1, "members": ["a/b"]}', 1) is None
 
 
-# -- issue 18: a missing round record while members of the job are alive --------------------
+# -- a missing round record while members of the job are alive ------------------------------
 
 def _decl(node: str, wants: int, revision: int) -> Declaration:
     return Declaration(node, f"addr-{node}", wants, revision=revision)
@@ -167,7 +167,7 @@ def test_no_round_is_sealed_beside_live_members_it_cannot_see(current, live, unr
     (Round(3, ("a",), sealed_at=5.0), Round(2, ("a", "b"), sealed_at=9.0), "known"),
     # a restored copy of the same round is that round (at its new revision)
     (Round(3, ("a",), sealed_at=5.0), Round(3, ("a",), sealed_at=5.0, revision=99), "candidate"),
-    # issue 23.3: a forged record of the same number (no seal time, or a later one) never wins
+    # a forged record of the same number (no seal time, or a later one) never wins
     (Round(3, ("a", "b"), sealed_at=5.0), Round(3, ("x",)), "known"),
     (Round(3, ("a", "b"), sealed_at=5.0), Round(3, ("a", "b", "c"), sealed_at=6.0), "known"),
     # ... and a node that believed the late one settles on the round sealed first
@@ -233,7 +233,7 @@ def test_a_running_member_slow_to_declare_is_waited_for_longer(live, known, last
     assert last_call_for(None, live, known, 0.5, 2.0) == 0.5  # a first round: nobody known by name
 
 
-# -- issue 21.5: a few members follow the declarations and publish changes for the others ----
+# -- a few members follow the declarations and publish changes for the others ----------------
 
 @pytest.mark.parametrize(("members", "addrs", "followers"), [
     (("a",), ("h1",), ("a",)),

@@ -1,4 +1,4 @@
-"""A sharded job's generations admit whole nodes (issue 20): who is sealed, when, and what makes the
+"""A sharded job's generations admit whole nodes: who is sealed, when, and what makes the
 running generation re-form, table-driven (no etcd, no torch). Members are workers ``<node>.<local rank>``;
 a worker of a sharded job declares how many workers its node brings (``node_workers``), one of a
 replicated (DDP) job declares 0 and is admitted on its own, as agents are."""

@@ -1,4 +1,4 @@
-"""The rendezvous view's writer (issue 21): the ctl/reform publish runs off the watch thread,
+"""The rendezvous view's writer: the ctl/reform publish runs off the watch thread,
 latest-wins. Real threads, no etcd: the task is a function the test holds up at will."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ T, F = True, False
     # the step in flight: only the survivor that applied it sends it
     ([7, 8, -1], [T, T, F], SyncPlan(sources=(1,))),
     ([8, 7, 8, -1], [T, T, T, F], SyncPlan(sources=(0, 2))),
-    # issue 23.2: an admitted newcomer claims step 50,000: the survivors' state wins
+    # an admitted newcomer claims step 50,000: the survivors' state wins
     ([100, 100, 50_000], [T, T, F], SyncPlan(sources=(0, 1))),
     ([100, 50_000], [T, F], SyncPlan(sources=(0,))),
     # a newcomer at the survivors' step is not a sender: its word is not checked

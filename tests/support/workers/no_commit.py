@@ -1,4 +1,4 @@
-"""A trainer that never calls state.commit (issue 23, item 10): its function waits until the
+"""A trainer that never calls state.commit: its function waits until the
 file named by argv[1] exists, then returns at step 0. argv[2]: the runtime's no_step_warning."""
 
 import os

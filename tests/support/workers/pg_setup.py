@@ -1,4 +1,4 @@
-"""One worker's process-group set-up across generations (issue 23.1), for tests/test_generation_setup.py.
+"""One worker's process-group set-up across generations, for tests/test_generation_setup.py.
 
 ``--fail-first``: this worker first meets a generation whose set-up fails on it alone (it is
 rank 0 of a world of 2 whose rank 1 never comes: init_process_group times out), then sets up
