@@ -23,6 +23,7 @@ whether its group was reconfigured or built) and whether the replicas stayed ide
 from __future__ import annotations
 
 import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -115,10 +116,18 @@ def run(repeats: int, root: Path, etcd: EtcdClient, caps: Caps, report=print) ->
     return {"repeats": repeats, "variants": samples}
 
 
+SLOW_PAUSE_S = 0.2  # a pause above this is counted apart: on 2 cores they fall in two groups
+
+
 def _medians(samples: list[dict], event: str, phase: str) -> float | None:
     values = [(s["events"].get(event) or {}).get("timeline", {}) or {} for s in samples]
     found = [v[phase] for v in values if isinstance(v.get(phase), (int, float))]
-    return sorted(found)[len(found) // 2] if found else None
+    return round(statistics.median(found), 3) if found else None
+
+
+def _slow(samples: list[dict], event: str) -> str:
+    pauses = [(s["events"].get(event) or {}).get("pause_s") for s in samples if event in s["events"]]
+    return f"{sum(1 for p in pauses if p is not None and p > SLOW_PAUSE_S)}/{len(pauses)}"
 
 
 def section(results: dict, cell, ratio) -> list[str]:
@@ -157,6 +166,10 @@ def section(results: dict, cell, ratio) -> list[str]:
         ("Median seconds from the change seen to the group ready (the survivor's timeline): "
          + "; ".join(f"{event}: {group_seconds['reconfigured'][event]} reconfigured vs "
                      f"{group_seconds['rebuilt'][event]} rebuilt" for event in EVENTS)
+         + f". Pauses over {SLOW_PAUSE_S:g} s (they form a group of their own here, in both variants, spent "
+           "before the group is ready): "
+         + "; ".join(f"{event} {_slow(variants['reconfigured'], event)} reconfigured, "
+                     f"{_slow(variants['rebuilt'], event)} rebuilt" for event in EVENTS)
          + f". Replicas identical at every step: {'yes' if identical else 'NO'}."),
         "",
     ]
