@@ -9,9 +9,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from support.etcd_cluster import etcd_cluster
 from support.helpers import start_tls_etcd, wait_for
 
-from elasticctl import processes
 from elasticctl.errors import (
     EtcdRequestError,
     EtcdServerError,
@@ -20,7 +20,7 @@ from elasticctl.errors import (
 )
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
 from elasticctl.etcd.lease import Lease
-from elasticctl.embedded_etcd import EmbeddedEtcd, find_etcd_binary, free_port
+from elasticctl.embedded_etcd import EmbeddedEtcd, find_etcd_binary
 from elasticctl.rendezvous.backend import EtcdRendezvousBackend
 
 
@@ -63,36 +63,18 @@ def test_tls_with_client_certificates(tmp_path, run_id):
 
 
 def test_failover_between_members_of_a_three_member_cluster(tmp_path):
-    binary = find_etcd_binary()
-    ports = [(free_port(), free_port()) for _ in range(3)]
-    cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
-    members = []
-    try:
-        for i, (client_port, peer_port) in enumerate(ports):
-            with open(tmp_path / f"m{i}.log", "wb") as log:  # the member keeps its own descriptor
-                members.append(processes.spawn([
-                    binary, "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
-                    "--listen-client-urls", f"http://127.0.0.1:{client_port}",
-                    "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                    "--initial-cluster", cluster, "--initial-cluster-state", "new",
-                ], stdout=log, stderr=subprocess.STDOUT))
-        endpoints = ",".join(f"127.0.0.1:{c}" for c, _ in ports)
-        client = EtcdClient(EtcdSettings.from_string(endpoints, retry_timeout=30, read_timeout=2))
+    with etcd_cluster(find_etcd_binary(), 3, tmp_path) as cluster:
+        client = EtcdClient(EtcdSettings.from_string(cluster.endpoints, retry_timeout=30, read_timeout=2))
         wait_for(lambda: _answers(client), 60, "the three-member cluster to elect a leader")
         client.put("/failover/k", b"v")
         # Kill the member the client is talking to; the other two keep a quorum.
         in_use = client._connect().endpoint_in_use.netloc
-        victim = [f"127.0.0.1:{c}" for c, _ in ports].index(in_use)
-        members[victim].kill()
-        members[victim].wait()
+        victim = cluster.client_endpoints.index(in_use)
+        cluster.members[victim].kill()
+        cluster.members[victim].wait()
         client.put("/failover/after", b"still writable")
         assert client.get("/failover/k").value == b"v"
         assert client._connect().endpoint_in_use.netloc != in_use
-    finally:
-        for member in members:
-            processes.terminate(member, timeout=5)
 
 
 def _answers(client: EtcdClient) -> bool:

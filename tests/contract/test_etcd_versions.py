@@ -10,20 +10,15 @@ tests/process/test_doctor_cli.py (the check on the suite's etcd).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
 from conftest import ETCD_BINARIES
-from support.helpers import MLP, cli, wait_for
+from support.etcd_cluster import etcd_cluster
+from support.helpers import MLP, cli
 
-from elasticctl import processes
 from elasticctl.doctor.checks import INCONSISTENT_ETCD, parse_etcd_version
-from elasticctl.embedded_etcd import EmbeddedEtcd, free_port
-from elasticctl.etcd.client import EtcdClient, EtcdSettings, member_versions
-from elasticctl.errors import ElasticctlError
+from elasticctl.embedded_etcd import EmbeddedEtcd
 
 FIX = "Upgrade the etcd members to 3.5.3 or later."
 
@@ -33,45 +28,11 @@ def affected(version: str) -> bool:
     return low <= parse_etcd_version(version) <= high
 
 
-@contextlib.contextmanager
-def etcd_cluster(binary: str, size: int, directory: Path):
-    """``size`` etcd members of ``binary`` on free loopback ports; yields their client endpoints
-    once every member reports its version."""
-    ports = [(free_port(), free_port()) for _ in range(size)]
-    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
-    members = []
-    try:
-        for i, (client_port, peer_port) in enumerate(ports):
-            with open(directory / f"m{i}.log", "wb") as log:  # the member keeps its own descriptor
-                members.append(processes.spawn([
-                    binary, "--name", f"m{i}", "--data-dir", str(directory / f"m{i}"),
-                    "--listen-client-urls", f"http://127.0.0.1:{client_port}",
-                    "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                    "--initial-cluster", initial, "--initial-cluster-state", "new", "--log-level", "warn",
-                ], stdout=log, stderr=subprocess.STDOUT))
-        endpoints = ",".join(f"127.0.0.1:{client}" for client, _ in ports)
-        with EtcdClient(EtcdSettings.from_string(endpoints, retry_timeout=2, read_timeout=2)) as client:
-            def every_member_answers() -> bool:
-                try:
-                    found = member_versions(client)
-                except ElasticctlError:
-                    return False
-                return len(found) == size and all(m.version for m in found)
-
-            wait_for(every_member_answers, 60, f"the {size} etcd members to answer")
-        yield endpoints
-    finally:
-        for member in members:
-            processes.terminate(member, timeout=5)
-
-
 @pytest.fixture(scope="module", params=sorted(ETCD_BINARIES), ids=lambda v: f"etcd-{v}")
 def three_members(request, tmp_path_factory):
     """(version, endpoints) of a 3-member cluster of each installed etcd version."""
-    with etcd_cluster(ETCD_BINARIES[request.param], 3, tmp_path_factory.mktemp("cluster")) as endpoints:
-        yield request.param, endpoints
+    with etcd_cluster(ETCD_BINARIES[request.param], 3, tmp_path_factory.mktemp("cluster")) as cluster:
+        yield request.param, cluster.endpoints
 
 
 def doctor_checks(endpoints: str) -> dict[str, dict]:
