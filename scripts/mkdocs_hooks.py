@@ -1,9 +1,9 @@
 """MkDocs hooks of the user guide (mkdocs.yml names this file).
 
-* The repository's own top-level documents (SECURITY.md, BENCHMARKS.md, ARCHITECTURE.md) stay
-  where GitHub, bench.run and their readers expect them, and are pages of the guide too.
-* A link from a page to a file of the repository outside docs/ (``../trainers/mlp.py``, or
-  ``bench/results/...`` from BENCHMARKS.md) becomes a link to that file's source at ``repo_url``,
+* The repository's own top-level documents SECURITY.md and ARCHITECTURE.md stay where GitHub
+  and their readers expect them, and are pages of the guide too.
+* A link from a page to a file of the repository outside docs/ (``../trainers/mlp.py``,
+  ``../BENCHMARKS.md``) becomes a link to that file's source at ``repo_url``,
   once the file is found to exist; a link to a file that does not exist is a warning, which
   ``mkdocs build --strict`` turns into a failure, like any other broken link.
 """
@@ -20,7 +20,7 @@ log = logging.getLogger("mkdocs.hooks.elasticctl")
 
 ROOT = Path(__file__).resolve().parents[1]
 # page in the guide -> the repository's file it is made from
-INCLUDED = {"security.md": "SECURITY.md", "benchmarks.md": "BENCHMARKS.md", "architecture.md": "ARCHITECTURE.md"}
+INCLUDED = {"security.md": "SECURITY.md", "architecture.md": "ARCHITECTURE.md"}
 # [text](target) and ![alt](target); a target with a scheme or a bare #anchor is left alone
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 
