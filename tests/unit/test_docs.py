@@ -125,6 +125,15 @@ def test_the_checked_form_starts_nothing():
     assert checked_form(["--version"]) == ["--version"]
 
 
+def test_every_command_of_the_cli_is_in_the_command_tables():
+    from elasticctl.cli import cli
+
+    for page in (README, DOCS / "commands.md"):
+        text = page.read_text()
+        missing = [name for name in cli.commands if f"| `{name}" not in text]
+        assert missing == [], (page.name, missing)
+
+
 # -- the exit-code page's examples -------------------------------------------------------------
 
 EXAMPLE = re.compile(r"^\| `elasticctl ([^`]+)` \| (\d+) \|$", flags=re.MULTILINE)
