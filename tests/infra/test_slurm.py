@@ -136,7 +136,7 @@ class Job:
 
 def submit(slurm: SlurmCluster, name: str, nodes: int, trainer_args: list[str], *sbatch_options: str,
            min_nodes: int = 1) -> Job:
-    """sbatch the script from the repository, as the README does, with small settings."""
+    """sbatch the script from the repository, as docs/operations.md does, with small settings."""
     workdir = slurm.jobs / name
     workdir.mkdir()
     job_settings = {

@@ -185,7 +185,7 @@ def build_image(engine: Engine, torch_version: str) -> None:
 
 
 def image_variables(torch_version: str) -> dict[str, str]:
-    """The variables compose.yaml reads to run without a registry (the README's recipe)."""
+    """The variables compose.yaml reads to run without a registry (the recipe in docs/operations.md)."""
     return {"ETCD_IMAGE": ETCD_IMAGE, "BASE_IMAGE": BASE_IMAGE, "ELASTICCTL_IMAGE": IMAGE,
             "WHEELS_ONLY": "1", "TORCH_VERSION": torch_version}
 

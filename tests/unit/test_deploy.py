@@ -2,8 +2,8 @@
 
 No container engine or cluster runs here, so these tests check what the recipes rely on:
 the structure the tools accept (`docker-compose config`, `kubectl kustomize` where
-installed) and the fields the README's walk-throughs depend on. The Slurm script is
-run for real against stub `srun`/`scontrol`/`scancel`/`elasticctl` commands.
+installed) and the fields the guide's walk-throughs (docs/operations.md) depend on. The Slurm
+script is run for real against stub `srun`/`scontrol`/`scancel`/`elasticctl` commands.
 
 Layer tests/unit: no etcd, no processes. The other tests of this subject:
 tests/process/test_deploy_tools.py, tests/infra/test_slurm.py (the Slurm script on a real Slurm).

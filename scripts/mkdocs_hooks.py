@@ -1,0 +1,78 @@
+"""MkDocs hooks of the user guide (mkdocs.yml names this file).
+
+* The repository's own top-level documents SECURITY.md and ARCHITECTURE.md stay where GitHub
+  and their readers expect them, and are pages of the guide too.
+* A link from a page to a file of the repository outside docs/ (``../trainers/mlp.py``,
+  ``../BENCHMARKS.md``) becomes a link to that file's source at ``repo_url``,
+  once the file is found to exist; a link to a file that does not exist is a warning, which
+  ``mkdocs build --strict`` turns into a failure, like any other broken link.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path, PurePosixPath
+
+from mkdocs.structure.files import File
+
+log = logging.getLogger("mkdocs.hooks.elasticctl")
+
+ROOT = Path(__file__).resolve().parents[1]
+# page in the guide -> the repository's file it is made from
+INCLUDED = {"security.md": "SECURITY.md", "architecture.md": "ARCHITECTURE.md"}
+# [text](target) and ![alt](target); a target with a scheme or a bare #anchor is left alone
+LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s#]+)(#[^)\s]*)?(\))")
+
+
+def on_files(files, config):
+    for page, source in INCLUDED.items():
+        files.append(File.generated(config, page, abs_src_path=str(ROOT / source)))
+    return files
+
+
+def _repository_path(page_src: str, target: str) -> PurePosixPath | None:
+    """The repository path a relative link names, if it leaves docs/ (None: a link inside the guide)."""
+    if page_src in INCLUDED:
+        # an included document's links are relative to the repository's root, where it lives
+        base = PurePosixPath(INCLUDED[page_src]).parent
+    else:
+        base = PurePosixPath("docs") / PurePosixPath(page_src).parent
+    parts: list[str] = []
+    for part in (base / target).parts:
+        if part == "..":
+            if not parts:
+                return PurePosixPath("..")  # above the repository: reported as missing
+            parts.pop()
+        elif part != ".":
+            parts.append(part)
+    path = PurePosixPath(*parts) if parts else PurePosixPath(".")
+    if path.parts[:1] == ("docs",) and not (page_src in INCLUDED and target.endswith(".md")):
+        return None
+    return path
+
+
+def on_page_markdown(markdown, page, config, files):
+    repo = config["repo_url"].rstrip("/")
+    src = page.file.src_uri
+
+    def rewrite(match: re.Match) -> str:
+        opening, target, anchor, closing = match.groups()
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("/"):
+            return match.group(0)
+        path = _repository_path(src, target)
+        if path is None:
+            return match.group(0)  # mkdocs checks links inside the guide itself
+        guide_page = {v: k for k, v in INCLUDED.items()}.get(str(path))
+        if path.parts[:1] == ("docs",) or guide_page:
+            # an included document linking a page of the guide, or another included document
+            inside = guide_page or str(PurePosixPath(*path.parts[1:]))
+            relative = "../" * str(PurePosixPath(src).parent).count("/") if "/" in src else ""
+            return f"{opening}{relative}{inside}{anchor or ''}{closing}"
+        if str(path) in ("..", ".") or not (ROOT / path).exists():
+            log.warning("Doc file '%s' links '%s', which is not a file of the repository", src, target)
+            return match.group(0)
+        kind = "tree" if (ROOT / path).is_dir() else "blob"
+        return f"{opening}{repo}/{kind}/main/{path}{anchor or ''}{closing}"
+
+    return LINK.sub(rewrite, markdown)

@@ -1,0 +1,186 @@
+"""The README and the user guide (docs/, built with MkDocs) stay true and whole.
+
+* The guide builds with ``mkdocs build --strict``: a broken link, a missing anchor, a page left
+  out of the navigation or a link to a repository file that does not exist fails the build.
+* Every ``elasticctl`` command shown in the getting-started page and in the README is one this
+  version accepts: ``up`` runs with ``--dry-run`` (it prints the torchrun command and exits: no
+  etcd, no torchrun), every other command with ``--help``.
+* The examples of the exit-code page end with the status the page gives them.
+* The README stays a short user README: at most 300 lines, its links name files that exist, and
+  the two commands CI runs from it (the one-line main command, the test command) are there.
+
+No etcd and no training here: the commands run as subprocesses that parse, check and print.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+# Commands that start nothing with --dry-run; `join --dry-run` reads the job's spec from etcd, so
+# join (like the commands that only read etcd) is checked with --help.
+DRY_RUN = {"up"}
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The bodies of the fenced code blocks of a Markdown text."""
+    return re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+def elasticctl_commands(markdown: str) -> list[list[str]]:
+    """Every command line of the code blocks that runs elasticctl (after `&&` too), as argv
+    without the program name; shell comments dropped."""
+    commands = []
+    for block in code_blocks(markdown):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                if words[:1] == ["elasticctl"]:
+                    commands.append(words[1:])
+    return commands
+
+
+def checked_form(argv: list[str]) -> list[str]:
+    """The form of a shown command that the test runs: it parses and checks everything it is
+    given, and starts nothing."""
+    if not argv or argv[0].startswith("-"):
+        return argv  # `elasticctl --version`
+    if argv[0] in DRY_RUN:
+        # right after the command name: after the script, --dry-run would be the script's argument
+        return argv if argv[1:2] == ["--dry-run"] else [argv[0], "--dry-run", *argv[1:]]
+    return [*argv, "--help"]
+
+
+def run_elasticctl(argv: list[str]) -> subprocess.CompletedProcess:
+    # `python -m` puts the working directory (the repository) first on sys.path: this checkout's
+    # elasticctl answers, whatever is installed; trainers/mlp.py is found where the docs say.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICCTL_")}
+    return subprocess.run([sys.executable, "-m", "elasticctl", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+# -- the guide builds strictly -----------------------------------------------------------------
+
+
+def test_the_guide_builds_with_mkdocs_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed (pip install -e '.[test]' brings it)")
+    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                            str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    assert "WARNING" not in build.stderr, build.stderr[-4000:]
+    site = tmp_path / "site"
+    for page in ("getting-started", "porting", "hot-recovery", "spares-and-stragglers", "operations",
+                 "troubleshooting", "glossary", "exit-codes", "protocol", "security", "benchmarks",
+                 "architecture", "testing", "reference/options"):
+        assert (site / page / "index.html").is_file(), page
+
+
+def test_every_page_of_docs_is_in_the_navigation():
+    # (the strict build warns about one left out too; this says which without mkdocs installed)
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert pages, "no pages"
+    assert {p for p in pages if p not in nav} == set()
+
+
+# -- the commands shown are commands this version accepts --------------------------------------
+
+GETTING_STARTED = elasticctl_commands((DOCS / "getting-started.md").read_text())
+README_COMMANDS = elasticctl_commands(README.read_text())
+
+
+def test_the_getting_started_page_shows_the_commands_of_a_two_node_job():
+    names = [argv[0] for argv in GETTING_STARTED if argv]
+    for needed in ("up", "join", "status", "events", "leave", "down", "etcd", "dashboard"):
+        assert needed in names, needed
+    assert len(GETTING_STARTED) >= 12, GETTING_STARTED
+
+
+@pytest.mark.parametrize("argv", GETTING_STARTED + README_COMMANDS, ids=shlex.join)
+def test_every_command_shown_is_accepted(argv):
+    checked = checked_form(argv)
+    result = run_elasticctl(checked)
+    assert result.returncode == 0, (shlex.join(checked), result.stderr[-2000:])
+    if checked[:2] == [argv[0], "--dry-run"]:
+        assert "torch.distributed.run" in result.stdout, result.stdout  # it printed, and started nothing
+
+
+def test_the_checked_form_starts_nothing():
+    assert checked_form(["up", "--nnodes", "1:2", "t.py", "--steps", "5"]) == [
+        "up", "--dry-run", "--nnodes", "1:2", "t.py", "--steps", "5"]
+    assert checked_form(["join", "--etcd", "h:2379"]) == ["join", "--etcd", "h:2379", "--help"]
+    assert checked_form(["--version"]) == ["--version"]
+
+
+def test_every_command_of_the_cli_is_in_the_command_tables():
+    from elasticctl.cli import cli
+
+    for page in (README, DOCS / "commands.md"):
+        text = page.read_text()
+        missing = [name for name in cli.commands if f"| `{name}" not in text]
+        assert missing == [], (page.name, missing)
+
+
+# -- the exit-code page's examples -------------------------------------------------------------
+
+EXAMPLE = re.compile(r"^\| `elasticctl ([^`]+)` \| (\d+) \|$", flags=re.MULTILINE)
+EXIT_EXAMPLES = [(shlex.split(c), int(s)) for c, s in EXAMPLE.findall((DOCS / "exit-codes.md").read_text())]
+
+
+def test_the_exit_code_page_has_examples_of_each_status():
+    assert {status for _, status in EXIT_EXAMPLES} >= {0, 1, 2}
+
+
+@pytest.mark.parametrize(("argv", "status"), EXIT_EXAMPLES, ids=lambda v: shlex.join(v) if isinstance(v, list) else str(v))
+def test_the_exit_code_examples_end_as_the_page_says(argv, status):
+    assert argv[0] != "up" or argv[1] == "--dry-run", "an example must start nothing"
+    result = run_elasticctl(argv)
+    assert result.returncode == status, (shlex.join(argv), result.stderr[-2000:])
+    if status:
+        assert result.stderr.strip().splitlines()[-1].startswith("elasticctl: error: "), result.stderr
+
+
+# -- the README ----------------------------------------------------------------------------------
+
+
+def test_the_readme_is_a_short_user_readme():
+    assert len(README.read_text().splitlines()) <= 300
+
+
+def test_the_readme_links_only_to_files_that_exist():
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert len(links) >= 10, links  # the links are found: not vacuous
+    missing = []
+    for link in links:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", link) or link.startswith("#"):
+            continue
+        if not (ROOT / link.split("#", 1)[0]).exists():
+            missing.append(link)
+    assert missing == []
+
+
+def test_the_readme_keeps_the_commands_ci_runs():
+    text = README.read_text()
+    # the one-line main command: install, then the main job on the embedded etcd
+    main = [line for line in text.splitlines()
+            if line.startswith("pip install torch==") and "&& pip install -e '.[train,etcd]' && elasticctl up " in line]
+    assert len(main) == 1, main
+    up = shlex.split(main[0].split("&&")[-1])
+    assert up[:2] == ["elasticctl", "up"] and "--etcd-listen" in up and "trainers/mlp.py" in up
+    # the test command, and what it runs
+    assert "\nbash .ci/run\n" in text and (ROOT / ".ci" / "run").is_file()
+    assert "bash scripts/test" in text and (ROOT / "scripts" / "test").is_file()
