@@ -1,4 +1,4 @@
-"""A model with BatchNorm, its layers converted to SyncBatchNorm, on elasticctl's worker runtime.
+"""A convolutional model with BatchNorm, converted to SyncBatchNorm, on elasticctl's worker runtime.
 
 SyncBatchNorm computes each batch's mean and variance over every worker's batch (one all-gather
 per layer and step, on the default process group), so a BatchNorm model trains as it would on
@@ -82,9 +82,12 @@ def main(args):
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
     torch.manual_seed(0)
-    x = torch.randn(args.dataset_size, 16)
-    dataset = TensorDataset(x, (x ** 2).sum(dim=1, keepdim=True))
-    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
+    # Small one-channel images; the target is their mean square. A convolution's batch
+    # statistics cover every pixel, so even a last batch of one sample per worker has them.
+    x = torch.randn(args.dataset_size, 1, 8, 8)
+    dataset = TensorDataset(x, (x ** 2).mean(dim=(1, 2, 3)).unsqueeze(1))
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 1))
     if device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the port: every BatchNorm*d becomes one
     elif local_rank == 0:
