@@ -21,7 +21,7 @@ rendezvous handler names in the worker environment (:mod:`elasticctl.job.environ
 
 Before the script runs, :func:`elasticctl.train.porting.install` sets up the checks for habits of
 other launchers that cannot work here (``torch.multiprocessing.spawn``: the worker ends with the fix;
-``nn.DataParallel``: a warning). That imports torch first, as the script would.
+``nn.DataParallel``: a warning). In a launched worker that imports torch first, as the script would.
 """
 
 from __future__ import annotations

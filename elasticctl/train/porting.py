@@ -139,12 +139,15 @@ def _record_in_history(text: str) -> None:
         print(f"elasticctl: warning: cannot record the warning in the job's history: {exc}", file=sys.stderr)
 
 
-def install() -> None:
-    """Set up both checks in this worker (a no-op where torch is not installed: then the
-    script can use neither)."""
+def install(environ: Mapping[str, str] = os.environ) -> None:
+    """Set up both checks in this worker. Outside a launched world (:func:`launched`) they would
+    let everything through, so nothing is installed and torch is not imported; nor where torch
+    is not installed (then the script can use neither)."""
+    if not launched(environ):
+        return
     try:
         import torch  # noqa: F401
     except ImportError:
         return
-    refuse_spawn()
-    warn_on_data_parallel(record=_record_in_history)
+    refuse_spawn(environ)
+    warn_on_data_parallel(environ, record=_record_in_history)

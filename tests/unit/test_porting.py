@@ -97,6 +97,12 @@ def test_outside_a_launched_world_spawn_is_torchs(torch_restored):
     assert porting.spawn_refusal("spawn", {}) is None
 
 
+def test_nothing_is_installed_outside_a_launched_world(torch_restored):
+    spawn, start_processes = mp.spawn, mp.start_processes
+    porting.install({"LOCAL_RANK": "0"})
+    assert (mp.spawn, mp.start_processes) == (spawn, start_processes)
+
+
 def test_the_first_forward_of_data_parallel_warns_once_and_the_hook_goes(torch_restored, capsys):
     recorded = []
     porting.warn_on_data_parallel(LAUNCHED, record=recorded.append)
