@@ -72,9 +72,10 @@ def refuse_spawn(environ: Mapping[str, str] = os.environ) -> None:
     Why a wrapper: torch has no hook for these calls, and a guard further down (a rendezvous
     that notices too many ranks) would only speak after its timeout. Only the public names are
     replaced, before the script runs, so ``import torch.multiprocessing as mp; mp.spawn(...)``
-    and ``from torch.multiprocessing import spawn`` both find the guard; ``mp.spawn`` itself
-    calls ``start_processes`` of its own module, which it never reaches. The worker says the
-    sentence, marks itself unrecoverable (a restart would call it again) and exits 1.
+    and ``from torch.multiprocessing import spawn`` both find the guard (torch's ``spawn`` calls
+    the ``start_processes`` of its own module, not the public name: each name has its guard).
+    The worker says the sentence, marks itself unrecoverable (a restart would call it again)
+    and exits 1.
     """
     import torch.multiprocessing as mp
 
@@ -127,11 +128,11 @@ def _record_in_history(text: str) -> None:
     from elasticctl.job.events import EventLog
     from elasticctl.job.records import EventKind
 
-    environment = WorkerEnvironment.from_env()
-    settings = environment.etcd_settings(retry_timeout=5.0)
-    if settings is None:  # not under elasticctl: stderr is all there is
-        return
     try:
+        environment = WorkerEnvironment.from_env()
+        settings = environment.etcd_settings(retry_timeout=5.0)
+        if settings is None:  # not under elasticctl: stderr is all there is
+            return
         with EtcdClient(settings) as client:
             EventLog(client, environment.job_keys()).record(EventKind.SCRIPT_WARNING, environment.node,
                                                             reason=text)
