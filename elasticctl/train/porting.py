@@ -20,6 +20,8 @@ only wires them to torch.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping
@@ -140,15 +142,44 @@ def _record_in_history(text: str) -> None:
         print(f"elasticctl: warning: cannot record the warning in the job's history: {exc}", file=sys.stderr)
 
 
+class _AfterTorchLoads(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` once the script's own ``import torch`` has finished, and leaves
+    ``sys.meta_path`` as it found it. Why not import torch here: a script may set what torch reads
+    at import (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``) in ``os.environ`` before it imports
+    torch, and must keep that power under elasticctl."""
+
+    def __init__(self, then) -> None:
+        self.then = then
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # one shot; the real finders find torch
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        load = spec.loader.exec_module
+
+        def load_then(module) -> None:
+            load(module)
+            self.then()
+
+        spec.loader.exec_module = load_then
+        return spec
+
+
 def install(environ: Mapping[str, str] = os.environ) -> None:
-    """Set up both checks in this worker. Outside a launched world (:func:`launched`) they would
-    let everything through, so nothing is installed and torch is not imported; nor where torch
-    is not installed (then the script can use neither)."""
+    """Set up both checks in this worker, once the script imports torch (never before: see
+    :class:`_AfterTorchLoads`). Outside a launched world (:func:`launched`) they would let
+    everything through, so nothing is installed."""
     if not launched(environ):
         return
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return
-    refuse_spawn(environ)
-    warn_on_data_parallel(environ, record=_record_in_history)
+
+    def both() -> None:
+        refuse_spawn(environ)
+        warn_on_data_parallel(environ, record=_record_in_history)
+
+    if "torch" in sys.modules:
+        both()
+    else:
+        sys.meta_path.insert(0, _AfterTorchLoads(both))

@@ -5,6 +5,11 @@ The scripts themselves run under real `elasticctl up` in tests/process/test_port
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -126,3 +131,22 @@ def test_the_warning_is_an_event_of_the_history():
     text = porting.data_parallel_warning(nn.DataParallel(nn.Linear(2, 1)), LAUNCHED)
     event = Event(time=1.0, kind=EventKind.SCRIPT_WARNING, node="a", reason=text)
     assert Event.from_json(event.to_json().encode()) == event
+
+
+def test_the_checks_wait_for_the_scripts_own_import_of_torch():
+    # A script may set what torch reads at import before it imports torch: that must still work
+    # under elasticctl, so installing the checks imports nothing; they arrive with torch.
+    code = textwrap.dedent("""
+        import os, sys
+        from elasticctl.train import porting
+        porting.install({"RANK": "0", "WORLD_SIZE": "2"})
+        assert "torch" not in sys.modules, "installing the checks imported torch"
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch, torch.multiprocessing as mp
+        print(torch.get_num_threads(), hasattr(mp.spawn, "__wrapped__"),
+              any(type(f).__name__ == "_AfterTorchLoads" for f in sys.meta_path))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "True", "False"], result.stdout
