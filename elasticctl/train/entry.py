@@ -18,6 +18,10 @@ rendezvous handler names in the worker environment (:mod:`elasticctl.job.environ
     python -m elasticctl.train.entry [--module] [--local-rank-flag] SCRIPT [ARGS...]
 
 ``--local-rank-flag`` hands the script ``--local_rank=N`` as torch.distributed.launch did.
+
+Before the script runs, :func:`elasticctl.train.porting.install` sets up the checks for habits of
+other launchers that cannot work here (``torch.multiprocessing.spawn``: the worker ends with the fix;
+``nn.DataParallel``: a warning). In a launched worker that imports torch first, as the script would.
 """
 
 from __future__ import annotations
@@ -114,6 +118,11 @@ def main(argv: list[str]) -> None:
     if local_rank_flag:
         args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
     _mark("started")
+    # Before the script imports anything: scripts written for another launcher (mp.spawn,
+    # nn.DataParallel) are stopped or warned about in one sentence (elasticctl/train/porting.py).
+    from elasticctl.train import porting
+
+    porting.install()
     # Runs last (atexit is LIFO): with every object frozen, the interpreter's teardown skips
     # collecting torch's module graph, which took 0.7 of 1.0 s here. A worker stopped for a
     # new round exits that much sooner; the callbacks registered later still run first.
