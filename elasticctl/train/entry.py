@@ -122,7 +122,7 @@ def main(argv: list[str]) -> None:
     # nn.DataParallel) are stopped or warned about in one sentence (elasticctl/train/porting.py).
     from elasticctl.train import porting
 
-    porting.install()
+    porting.install(mark_unrecoverable=note_unrecoverable)
     # Runs last (atexit is LIFO): with every object frozen, the interpreter's teardown skips
     # collecting torch's module graph, which took 0.7 of 1.0 s here. A worker stopped for a
     # new round exits that much sooner; the callbacks registered later still run first.

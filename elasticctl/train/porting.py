@@ -68,7 +68,11 @@ def data_parallel_warning(module: object, environ: Mapping[str, str]) -> str | N
             f"trains a model of its own; replace it with {DDP_LINE}.")
 
 
-def refuse_spawn(environ: Mapping[str, str] = os.environ) -> None:
+def _no_mark(reason: str) -> None:
+    """Outside the worker entry nothing marks a worker unrecoverable."""
+
+
+def refuse_spawn(environ: Mapping[str, str] = os.environ, mark_unrecoverable=_no_mark) -> None:
     """Make torch.multiprocessing's ``spawn`` and ``start_processes`` end this worker at once.
 
     Why a wrapper: torch has no hook for these calls, and a guard further down (a rendezvous
@@ -76,12 +80,10 @@ def refuse_spawn(environ: Mapping[str, str] = os.environ) -> None:
     replaced, before the script runs, so ``import torch.multiprocessing as mp; mp.spawn(...)``
     and ``from torch.multiprocessing import spawn`` both find the guard (torch's ``spawn`` calls
     the ``start_processes`` of its own module, not the public name: each name has its guard).
-    The worker says the sentence, marks itself unrecoverable (a restart would call it again)
-    and exits 1.
+    The worker says the sentence, marks itself unrecoverable (``mark_unrecoverable``, the entry's:
+    a restart would call it again) and exits 1.
     """
     import torch.multiprocessing as mp
-
-    from elasticctl.train import entry
 
     def guard(name, original):
         @functools.wraps(original)
@@ -89,7 +91,7 @@ def refuse_spawn(environ: Mapping[str, str] = os.environ) -> None:
             reason = spawn_refusal(name, environ)
             if reason is None:
                 return original(*args, **kwargs)
-            entry.note_unrecoverable(reason)
+            mark_unrecoverable(reason)
             print(f"elasticctl: error: {reason[0].upper()}{reason[1:]}", file=sys.stderr, flush=True)
             raise SystemExit(1)
         return guarded
@@ -168,7 +170,7 @@ class _AfterTorchLoads(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install(environ: Mapping[str, str] = os.environ) -> None:
+def install(environ: Mapping[str, str] = os.environ, mark_unrecoverable=_no_mark) -> None:
     """Set up both checks in this worker, once the script imports torch (never before: see
     :class:`_AfterTorchLoads`). Outside a launched world (:func:`launched`) they would let
     everything through, so nothing is installed."""
@@ -176,7 +178,7 @@ def install(environ: Mapping[str, str] = os.environ) -> None:
         return
 
     def both() -> None:
-        refuse_spawn(environ)
+        refuse_spawn(environ, mark_unrecoverable)
         warn_on_data_parallel(environ, record=_record_in_history)
 
     if "torch" in sys.modules:

@@ -86,7 +86,7 @@ def torch_restored(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", porting.SPAWN_FUNCTIONS)
 def test_a_launched_worker_that_spawns_exits_1_with_the_sentence_and_marks_itself_unrecoverable(
         torch_restored, capsys, name):
-    porting.refuse_spawn(LAUNCHED)
+    porting.refuse_spawn(LAUNCHED, entry.note_unrecoverable)  # as the worker entry installs it
     with pytest.raises(SystemExit) as exited:
         getattr(mp, name)(print, nprocs=2)
     assert exited.value.code == 1
