@@ -482,6 +482,16 @@ class Runtime:
 
     # -- step boundaries -----------------------------------------------------------------
 
+    def before_step_applied(self) -> None:
+        """Called by :meth:`State.commit` before the optimizer step. Hot mode, sharded model: the
+        workers of each shard group agree that all of their gradients arrived, so that a peer lost
+        mid-backward leaves no node with its shards at two steps (the next generation's state sync
+        needs one step per row: :meth:`ShardedModel.agree_gradients_complete`). Restart mode
+        restores every worker from the checkpoint anyway."""
+        if (self._sharded is not None and self.phase is Phase.TRAINING
+                and self.membership.mode is RecoveryMode.HOT):
+            self._sharded.agree_gradients_complete()
+
     def step_done(self, samples: int = 0, loss: float | None = None) -> None:
         """Called by :meth:`State.commit` after the step is applied; may raise _Boundary."""
         now = time.monotonic()

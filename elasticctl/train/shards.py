@@ -242,7 +242,9 @@ class ShardedModel:
         self._parameters: dict[str, nn.Parameter] = {}
         self.mesh: Any = None
         self.replicate_dim: int | None = None
+        self.shard_dim: int | None = None
         self.position: ShardPosition | None = None
+        self._device: torch.device | None = None
 
     def rewrap(self, state: State, group: Group) -> bool:
         """Shard ``state.model`` over ``group``'s mesh as a new module; True if this worker kept its
@@ -277,10 +279,27 @@ class ShardedModel:
         if state.optimizer is not None:
             rebind_optimizer(state.optimizer, old_parameters, parameters, keep_state=kept)
         state.model, self._parameters = fresh, parameters
-        self.mesh, self.replicate_dim, self.position = mesh, replicate_dim, position
+        self.mesh, self.replicate_dim, self.shard_dim, self.position = mesh, replicate_dim, shard_dim, position
+        self._device = group.device
         if not kept:
             state.live = False
         return kept
+
+    def agree_gradients_complete(self) -> None:
+        """Return once every worker of this worker's shard group (its node's row of an HSDP mesh, the
+        whole world for FSDP) has finished its backward; raise where one cannot.
+
+        Why: each shard index's gradients are all-reduced over its own replicate group, so a peer
+        lost mid-backward can fail that collective on some shard indices and not on others. A worker
+        whose collective completed would apply its step while its node-mates could not: the node's
+        shards would then sit at two steps, and no one state could be made of them. After this
+        agreement a worker applies the step only if its whole row can, so every row holds all of
+        its shards at one step. One small all-reduce per step, on the training backend."""
+        import torch.distributed as dist
+
+        if self.mesh is None or self.shard_dim is None or self.mesh.size(self.shard_dim) < 2:
+            return  # a row of one worker cannot be split
+        dist.all_reduce(torch.ones(1, device=self._device), group=self.mesh.get_group(self.shard_dim))
 
     def replica_group(self) -> Any:
         """The process group of the workers that hold this worker's shard (None: no replicas)."""

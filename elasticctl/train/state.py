@@ -83,6 +83,8 @@ class State:
         only goes to ``elasticctl status``). The step is a boundary where the membership may
         change: the runtime then leaves the script's function and re-enters it in the next
         generation, with this state."""
+        if self._runtime is not None:
+            self._runtime.before_step_applied()
         if self.optimizer is not None:
             if self.scaler is not None:  # mixed precision: unscale, skip the step on inf/NaN gradients
                 self.scaler.step(self.optimizer)

@@ -261,24 +261,39 @@ def plan_peer_copy_restore(held: Sequence[Sequence[HeldShard]], survivors: Seque
 
 def _plan_live_shards(steps: Sequence[int], shards: Sequence[int], survivors: Sequence[bool],
                       max_lead: int) -> ShardSyncPlan:
-    """:func:`plan_shard_sync` from the members' live shards alone."""
+    """:func:`plan_shard_sync` from the members' live shards alone.
+
+    The step taken is the newest one at which every shard index has a trusted holder: a peer lost
+    mid-step can leave one shard index a step ahead of another (its replicas' all-reduce went
+    through, the other's did not), and a shard a step ahead cannot be combined with the rest. The
+    holders a step ahead then receive the older shard like any other member: the step that did not
+    reach every shard is trained again. Where no step has every shard, the missing ones are those
+    of the newest step."""
     overall = plan_state_sync(steps, survivors, max_lead)
     if overall.source is None:
         return ShardSyncPlan(from_checkpoint=overall.from_checkpoint, refused=overall.refused)
-    best = steps[overall.source]
     from_survivors = survivors[overall.source]
-    trusted = [rank for rank, step in enumerate(steps)
-               if step == best and rank not in overall.refused and (survivors[rank] or not from_survivors)]
-    transfers, missing = [], []
-    for shard in sorted(set(shards)):
+    eligible = [rank for rank, step in enumerate(steps)
+                if step >= 0 and rank not in overall.refused and (survivors[rank] or not from_survivors)]
+    indices = sorted(set(shards))
+    newest = steps[overall.source]
+    best, missing = newest, []
+    for candidate in sorted({steps[rank] for rank in eligible}, reverse=True):
+        held = {shards[rank] for rank in eligible if steps[rank] == candidate}
+        absent = [shard for shard in indices if shard not in held]
+        if candidate == newest:
+            missing = absent
+        if not absent:
+            best, missing = candidate, []
+            break
+    if missing:
+        return ShardSyncPlan(from_checkpoint=True, missing=tuple(missing), refused=overall.refused)
+    trusted = [rank for rank in eligible if steps[rank] == best]
+    transfers = []
+    for shard in indices:
         members = tuple(rank for rank in range(len(steps)) if shards[rank] == shard)
         holders = tuple(rank for rank in trusted if shards[rank] == shard)
-        if not holders:
-            missing.append(shard)
-            continue
         sources = holders if from_survivors else holders[:1]
         if set(sources) != set(members):
             transfers.append(ShardTransfer(shard, members, sources))
-    if missing:
-        return ShardSyncPlan(from_checkpoint=True, missing=tuple(missing), refused=overall.refused)
     return ShardSyncPlan(transfers=tuple(transfers), refused=overall.refused, step=best)

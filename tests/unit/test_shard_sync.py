@@ -30,6 +30,12 @@ T, F = True, False
     ([9, -1, 9, 9], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(transfers=(ShardTransfer(1, (1, 3), (3,)),), step=9)),
     # shard 1 has no holder at the newest step: no mixing of steps, the checkpoint instead
     ([9, 8, 9, 8], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(from_checkpoint=True, missing=(1,))),
+    # a peer lost mid-step: shard 0's replicas applied step 9 on one node, shard 1's on none; the newest
+    # step every shard has is 8, so the node a shard ahead receives it back at 8 (step 9 is trained again)
+    ([9, 8, 8, 8], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2), (2,)),), step=8)),
+    # ... and a newcomer gets every shard of that step
+    ([9, 8, 8, 8, -1, -1], [0, 1, 0, 1, 0, 1], [T, T, T, T, F, F],
+     ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2, 4), (2,)), ShardTransfer(1, (1, 3, 5), (1, 3))), step=8)),
     # every replica of shard 1 lost (FSDP without replicas after a resize): the checkpoint
     ([9, -1, -1], [0, 1, 2], [T, T, F], ShardSyncPlan(from_checkpoint=True, missing=(1, 2))),
     # a newcomer claiming a far step is not a holder: the survivors' shards win
