@@ -130,7 +130,7 @@ def run_id() -> str:
 def nodes(request, tmp_path):
     """Start nodes with ``nodes(name, command)``; every one is stopped at teardown, even on failure
     (and a failing test shows each one's log tail: :func:`pytest_runtest_makereport`)."""
-    from support.helpers import Node
+    from support.helpers import Node, stop_nodes
 
     started: list[Node] = request.node.stash.setdefault(STARTED_NODES, [])
 
@@ -140,8 +140,7 @@ def nodes(request, tmp_path):
         return node
 
     yield start
-    for node in started:
-        node.stop()
+    stop_nodes(started)
 
 
 @pytest.fixture
