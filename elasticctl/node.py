@@ -27,6 +27,7 @@ from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.events import EventLog
 from elasticctl.job import environment
 from elasticctl.job.records import EventKind, FailureCause, MemberState, NodeState
+from elasticctl.job.options import BY_NAME, number_text
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, now, request_for
 from elasticctl.job.spec import JobSpec
 from elasticctl.etcd.watch import WatchedKeys
@@ -77,6 +78,8 @@ def tls_conf(settings: EtcdSettings) -> dict[str, str]:
         value = getattr(settings, name)
         if value:
             conf[name] = value
+    if settings.connect_timeout != BY_NAME["connect_timeout"].default:
+        conf["connect_timeout"] = number_text(settings.connect_timeout)
     return conf
 
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import click
+from click.core import ParameterSource
 
 from elasticctl.cli.options import _FLAT_ENV, _checked_name, _Seconds, _settings, etcd_options
 from elasticctl.errors import ElasticctlError
@@ -48,10 +49,14 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
     found: list = []
     endpoints = etcd_params["etcd_endpoints"] or embedded_endpoint()
     if endpoints:
-        # A doctor answers quickly: a dead etcd is a failed check, not a 30 s wait.
-        settings = dataclasses.replace(_settings(etcd_params, endpoints), retry_timeout=2.0)
+        # A doctor answers quickly: a dead etcd is a failed check, not a 30 s wait (unless
+        # --connect-timeout asks for longer).
+        settings = _settings(etcd_params, endpoints)
+        given = click.get_current_context().get_parameter_source("connect_timeout") is not ParameterSource.DEFAULT
+        settings = dataclasses.replace(settings, retry_timeout=2.0,
+                                       connect_timeout=settings.connect_timeout if given else 2.0)
         try:
-            client = connect(settings, timeout=2.0)
+            client = connect(settings)
         except ElasticctlError as exc:
             etcd_error = str(exc)[:1].lower() + str(exc)[1:].rstrip(".")
     try:

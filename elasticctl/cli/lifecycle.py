@@ -22,6 +22,7 @@ from elasticctl.cli.options import (
     _fail,
     _not_empty,
     _Seconds,
+    read_as_usage,
     _settings,
     JOB_SETTING_FLAGS,
     etcd_options,
@@ -132,27 +133,28 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
 
     worker_logs = worker_logs_from(params)
 
-    if script is None:
-        raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
-    if nnodes is None:
-        raise ConfigError("--nnodes N or MIN:MAX is required (on the command line or in --config).")
-    low, high = parse_nnodes(nnodes)
-    # Every value is checked when the spec is built (job.settings), before anything is published.
-    fields, conf = _settled_settings(rdzv_conf, params)
-    spec = JobSpec(
-        name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
-        nproc_per_node=str(nproc_per_node), rdzv_conf=tuple(conf.items()), checkpoint_dir=checkpoint_dir,
-        module=module, env=parse_env(env), legacy_local_rank=legacy_local_rank, **fields,
-    )
-    launcher.check_script(spec)
+    with read_as_usage():  # every value is checked here, before anything starts or is published
+        if script is None:
+            raise ConfigError("A training SCRIPT is required (on the command line or as 'script' in --config).")
+        if nnodes is None:
+            raise ConfigError("--nnodes N or MIN:MAX is required (on the command line or in --config).")
+        low, high = parse_nnodes(nnodes)
+        fields, conf = _settled_settings(rdzv_conf, params)
+        spec = JobSpec(
+            name=job, script=script, script_args=tuple(script_args), min_nodes=low, max_nodes=high,
+            nproc_per_node=str(nproc_per_node), rdzv_conf=tuple(conf.items()), checkpoint_dir=checkpoint_dir,
+            module=module, env=parse_env(env), legacy_local_rank=legacy_local_rank, **fields,
+        )
+        launcher.check_script(spec)
+        if params["etcd_endpoints"] is None:
+            check_listen_host(etcd_listen)
+            if etcd_port == etcd_peer_port != 0:
+                raise ConfigError(f"The etcd client and peer ports must differ (both are {etcd_port}).")
     for warning in filter(None, [no_checkpoint_warning(spec)]):
         click.echo(f"elasticctl: warning: {warning}", err=True)
 
     server = None
     if params["etcd_endpoints"] is None:
-        check_listen_host(etcd_listen)
-        if etcd_port == etcd_peer_port != 0:
-            raise ConfigError(f"The etcd client and peer ports must differ (both are {etcd_port}).")
         # Chosen now, so that the endpoint (and --dry-run) names the real port.
         etcd_port = etcd_port or free_port(etcd_listen)
         etcd_peer_port = etcd_peer_port or free_port(etcd_listen)

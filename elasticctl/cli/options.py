@@ -3,6 +3,7 @@ option types, and the one-line error exit."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -97,7 +98,8 @@ def _checked_name(what: str):
     """A click callback applying the one naming rule (spec.validate_name) to an option's value."""
 
     def check(_ctx, _param, value):
-        return value if value is None else validate_name(value, what)
+        with read_as_usage():
+            return value if value is None else validate_name(value, what)
 
     return check
 
@@ -197,6 +199,9 @@ def setting_option(flag: str):
         return click.option(flag, type=click.Choice([mode.value for mode in RecoveryMode]), default=None, **common)
     if option.kind is Kind.KEY_PREFIX:
         return click.option(flag, default=option.default, show_default=True, callback=_checked_key_prefix, **common)
+    if option.kind is Kind.SECONDS:
+        return click.option(flag, type=_Seconds(min=0, min_open=True, max=option.high), default=option.default,
+                            show_default=True, **common)
     # Read as text, then by the table's parser (one sentence naming the flag and the value).
     return click.option(flag, default=None, metavar=_METAVARS.get(option.kind), callback=_not_empty,
                         show_default=option.home is Home.NODE and option.default is not None, **common)
@@ -230,7 +235,24 @@ def etcd_options(func):
     return func
 
 
+@contextlib.contextmanager
+def read_as_usage():
+    """A value refused while the command line is read, before the command reaches etcd or starts
+    anything, is a usage error (exit 2, like click's own): every retry would fail alike. What is
+    refused later (the job's state, etcd's answer) stays a runtime error (exit 1)."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
+    """How this command reaches etcd, from its flags (a bad value: a usage error)."""
+    with read_as_usage():
+        return _settings_from(params, endpoints)
+
+
+def _settings_from(params: dict, endpoints: str | None) -> EtcdSettings:
     from elasticctl.embedded_etcd import embedded_endpoint
 
     endpoints = endpoints or params["etcd_endpoints"] or embedded_endpoint()
@@ -240,4 +262,5 @@ def _settings(params: dict, endpoints: str | None = None) -> EtcdSettings:
     return EtcdSettings.from_string(
         endpoints, protocol="https" if params["etcd_cacert"] else None, cacert=params["etcd_cacert"],
         cert=params["etcd_cert"], key=params["etcd_key"], user=params["etcd_user"], password=password,
+        connect_timeout=params["connect_timeout"],
     )

@@ -107,6 +107,7 @@ class EtcdSettings:
     password: str | None = dataclasses.field(default=None, repr=False)
     read_timeout: float = 5.0
     retry_timeout: float = 30.0
+    connect_timeout: float = 10.0  # how long :func:`connect` waits for a first answer
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -117,7 +118,7 @@ class EtcdSettings:
             raise ConfigError("The etcd client certificate and key must be given together.")
         if (self.user is None) != (self.password is None):
             raise ConfigError("The etcd user and password must be given together.")
-        for name in ("read_timeout", "retry_timeout"):
+        for name in ("read_timeout", "retry_timeout", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"The etcd {name} ({getattr(self, name)}) must be positive.")
 
@@ -489,8 +490,10 @@ def wait_until_healthy(client: EtcdClient, timeout: float) -> str:
         probe.close()
 
 
-def connect(settings: EtcdSettings, timeout: float = 10.0) -> EtcdClient:
-    """A client whose etcd has answered within ``timeout`` seconds, else a one-sentence error."""
+def connect(settings: EtcdSettings, timeout: float | None = None) -> EtcdClient:
+    """A client whose etcd has answered within ``timeout`` seconds (default: the settings'
+    ``connect_timeout``), else a one-sentence error."""
+    timeout = settings.connect_timeout if timeout is None else timeout
     client = EtcdClient(settings)
     try:
         wait_until_healthy(client, timeout)

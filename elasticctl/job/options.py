@@ -231,7 +231,8 @@ OPTIONS: tuple[Option, ...] = (
            home=Home.NODE, environment="ELASTICCTL_ETCD_PASSWORD", secret=True),
     _seconds("read_timeout", 5.0, "Seconds per etcd request."),
     _seconds("retry_timeout", 30.0, "Seconds an etcd operation keeps retrying across endpoints before failing."),
-    _seconds("connect_timeout", 10.0, "Seconds to wait for etcd when the agent starts."),
+    _seconds("connect_timeout", 10.0, "Seconds this command (and the node's torchrun agent, as it starts) waits "
+             "for etcd to answer before it gives up with one sentence.", home=Home.NODE, flag="--connect-timeout"),
     Option("key_prefix", Kind.KEY_PREFIX, DEFAULT_KEY_PREFIX, "Where jobs live in etcd.", home=Home.NODE,
            flag="--key-prefix"),
     _whole("ttl", 7200, "Seconds an abandoned run's keys survive its last process.", 2, MAX_SECONDS),

@@ -321,13 +321,14 @@ def settings_from_params(params: RendezvousParameters, options: RdzvOptions | No
         key=options.key, user=options.user,
         password=options.password or environment.etcd_password or None,
         read_timeout=options.read_timeout, retry_timeout=options.retry_timeout,
+        connect_timeout=options.connect_timeout,
     )
 
 
 def _connect(params: RendezvousParameters, options: RdzvOptions, environment: WorkerEnvironment) -> EtcdClient:
     settings = settings_from_params(params, options, environment)
     try:
-        return connect(settings, options.connect_timeout)
+        return connect(settings)
     except EtcdUnavailableError as exc:
         raise RendezvousConnectionError(
             f"The etcd3 rendezvous cannot reach etcd at {settings.describe()}: {exc.__cause__ or exc}"

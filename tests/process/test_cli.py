@@ -63,9 +63,9 @@ def test_an_unknown_option_before_the_script_is_refused_with_a_suggestion():
         (["--nnodes", "1", "--local-ranks-filter", "a"], "'a'"),
     ],
 )
-def test_bad_input_is_one_sentence_and_nonzero(args, needle):
+def test_bad_input_is_one_sentence_and_a_usage_error(args, needle):
     result = run_cli("up", "--dry-run", *args, MLP)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -73,8 +73,19 @@ def test_bad_input_is_one_sentence_and_nonzero(args, needle):
 
 def test_missing_script_is_named():
     result = run_cli("up", "--dry-run", "--nnodes", "1", "no/such/train.py")
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "'no/such/train.py' does not exist" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["status"], ["events"], ["jobs"], ["leave", "--node", "a"], ["down"],
+                                     ["join", "--wait", "30"], ["up", "--nnodes", "1", MLP]])
+def test_every_command_that_reads_etcd_gives_up_after_its_connect_timeout(command):
+    # Nothing listens on the port: the command says so after --connect-timeout, not after 10-120 s.
+    port = free_port()
+    result = run_cli(*command[:1], "--etcd", f"127.0.0.1:{port}", "--connect-timeout", "0.5", *command[1:])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"elasticctl: error: Cannot reach etcd at 127.0.0.1:{port}: no answer within 0.5 s (is it running there?).")
 
 
 def test_up_with_embedded_etcd_trains_and_leaves_nothing_behind(tmp_path):
