@@ -184,3 +184,23 @@ def test_the_readme_keeps_the_commands_ci_runs():
     # the test command, and what it runs
     assert "\nbash .ci/run\n" in text and (ROOT / ".ci" / "run").is_file()
     assert "bash scripts/test" in text and (ROOT / "scripts" / "test").is_file()
+
+
+def test_the_dashboard_screenshot_shows_the_page_as_it_is():
+    from support import screenshot
+
+    stamp = screenshot.stamp_of(screenshot.SCREENSHOT.read_bytes())
+    assert stamp == screenshot.page_fingerprint(), (
+        f"{screenshot.SCREENSHOT.relative_to(screenshot.ROOT)} shows another version of the dashboard page "
+        f"than elasticctl/dashboard/static: take it again with `{screenshot.REFRESH}` and commit it")
+
+
+def test_the_screenshot_stamp_round_trips_and_replaces_an_older_one():
+    from support import screenshot
+
+    png = screenshot.SCREENSHOT.read_bytes()
+    once = screenshot.stamp(png, "a" * 64)
+    twice = screenshot.stamp(once, "b" * 64)
+    assert screenshot.stamp_of(once) == "a" * 64 and screenshot.stamp_of(twice) == "b" * 64
+    assert len(twice) == len(once) and twice.endswith(b"IEND\xaeB`\x82")
+    assert "](dashboard.png)" in (screenshot.ROOT / "docs" / "operations.md").read_text()
