@@ -17,7 +17,7 @@ modules of this package that need no torch import none through this file.
 
 import importlib
 
-_EXPORTS = {"Group": "elasticctl.train.runtime", "run": "elasticctl.train.runtime",
+_EXPORTS = {"Group": "elasticctl.train.group", "run": "elasticctl.train.runtime",
             "State": "elasticctl.train.state", "ResumableSampler": "elasticctl.train.sampler",
             "hsdp_mesh": "elasticctl.train.shards"}
 __all__ = sorted(_EXPORTS)

@@ -29,7 +29,6 @@ writes and digests both use are in :mod:`elasticctl.train.checkpoint_files`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -57,6 +56,7 @@ from elasticctl.train.checkpoint_files import (
     _signature,
     _VerificationMemo,
     _write_atomically,
+    Restored,
     check_directory,
     write_failure_reason,
 )
@@ -73,17 +73,6 @@ _DIGEST_SUFFIX = ".sha256"
 # What the payload of a single-file checkpoint must hold, beyond its format, for restore to use it.
 _PAYLOAD_FIELDS = {"step": int, "epoch": int, "world_size": int, "state": dict, "rng": dict,
                    "extra": dict}
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    """What :meth:`Checkpointer.restore` loaded."""
-
-    step: int
-    epoch: int
-    path: Path
-    world_size: int  # the world size that wrote it
-    extra: dict
 
 
 def _unwrap(obj: Any) -> Any:

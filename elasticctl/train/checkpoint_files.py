@@ -12,6 +12,7 @@ modules were split from ``checkpoint.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -30,6 +31,17 @@ _TMP_PREFIX = ".tmp-"
 # What load_state_dict and the RNG setters raise for state of the wrong shape or kind.
 _UNFIT_STATE_ERRORS = (ArithmeticError, AttributeError, LookupError, RuntimeError, TypeError,
                        ValueError)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What a checkpointer's ``restore`` loaded (the replicated and the sharded one alike)."""
+
+    step: int
+    epoch: int
+    path: Path
+    world_size: int  # the world size that wrote it
+    extra: dict
 
 
 class CheckpointError(ElasticctlError):

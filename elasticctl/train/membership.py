@@ -33,7 +33,8 @@ from elasticctl.train.state import StateError
 
 if TYPE_CHECKING:
     from elasticctl.train.generations import Generations
-    from elasticctl.train.runtime import Group, Runtime
+    from elasticctl.train.group import Group
+    from elasticctl.train.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -68,6 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elasticctl.train import script as worker_env
 from elasticctl.train import entry as worker_entry
 from elasticctl.train.checkpoint import CheckpointError, Checkpointer
+from elasticctl.train.group import Group
 from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.job import environment as environment_names
 from elasticctl.job.environment import WorkerEnvironment
@@ -108,24 +109,6 @@ def no_step_warning_after(node_ttl: float | None) -> float:
     TTL and a minute. A joiner waits for a boundary to be admitted and a leaver to be let go;
     a step longer than this is rare, a script that never calls ``state.commit`` is not."""
     return 2 * max(node_ttl or 0.0, 60.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """One generation as the training function sees it."""
-
-    number: int
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    model: torch.nn.Module  # the state's model, wrapped in DDP over this generation's group (or sharded)
-    members: tuple[str, ...] = ()  # hot mode: the workers <node>.<local rank> in rank order
-    local_world_size: int = 1  # workers per node (LOCAL_WORLD_SIZE): an HSDP mesh's shard count
-    shard: int | None = None  # run(..., sharded=True): the index of the shard this worker holds
-    # The collectives' timeout (the node TTL unless pg_timeout says otherwise): the groups of a mesh
-    # built for this generation take it too, else a frozen peer stalls them for torch's 30 minutes.
-    timeout: datetime.timedelta | None = None
 
 
 class _Boundary(BaseException):

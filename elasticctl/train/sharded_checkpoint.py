@@ -47,6 +47,7 @@ from elasticctl.train.checkpoint_files import (
     _signature,
     _VerificationMemo,
     _write_atomically,
+    Restored,
     check_directory,
 )
 
@@ -446,7 +447,6 @@ class ShardedStateCheckpointer:
     def restore(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **objects: Any) -> Any:
         """Load the newest verified checkpoint into the state's objects (resharded to this world);
         a :class:`~elasticctl.train.checkpoint.Restored`, or None when there is none."""
-        from elasticctl.train.checkpoint import Restored
 
         extra = self._inner.restore(model, optimizer)
         if extra is None:

@@ -61,7 +61,7 @@ from elasticctl.train.state import State, StateError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from elasticctl.train.runtime import Group
+    from elasticctl.train.group import Group
 
 REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
 
