@@ -190,7 +190,11 @@ class Runtime:
         # first step is recorded (None: the generation ends no recovery, or it is recorded).
         self._recovering_since: float | None = None
         self._recovery_marks: dict[str, float] = {}  # phase -> wall time it ended (train/timeline.py)
-        self._events: Any = None
+        # The job's event history (False: not under elasticctl), made here and not on first use:
+        # the watchdog thread records too, and must not race the training thread to create it.
+        from elasticctl.job.events import EventLog
+
+        self._events: Any = EventLog.from_env(self.environment) or False
         self._progress: Any = None
         self._samples_since = (time.monotonic(), 0)
         self.no_step_warning = no_step_warning or no_step_warning_after(self.membership.node_ttl)
@@ -812,7 +816,7 @@ class Runtime:
                 pass  # a write that failed while the worker stopped otherwise: logged and recorded
         if self._progress is not None:
             self._progress.close()
-        if self._events:  # None: never needed; False: not under elasticctl
+        if self._events:  # False: not under elasticctl
             self._events.flush(5.0)
         self.membership.close()
         self.control_group = None  # destroyed with the training group (the run ended without a teardown)
@@ -852,10 +856,6 @@ class Runtime:
 
     def _record(self, kind: EventKind, node: str | None = None, **fields) -> None:
         """Record an event of ``node`` (default: this worker's) on the event writer thread."""
-        if self._events is None:
-            from elasticctl.job.events import EventLog
-
-            self._events = EventLog.from_env(self.environment) or False
         if self._events:
             self._events.record_later(kind, node or self.node, **fields)
 
