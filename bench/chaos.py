@@ -48,6 +48,7 @@ import psutil
 
 from bench import accounting
 from bench.cluster import Cluster, Node, wait_for
+from bench.harness import trained_together
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
@@ -325,15 +326,9 @@ def first_together(lines: list[dict], names: set[str], after_generation: int, pe
     """Time of the first step of a generation after ``after_generation`` whose lines at world
     ``len(names) * per_node`` come from exactly ``names``, each with ``per_node`` workers (every
     one of them trained in it); None if none."""
-    by_generation: dict[int, list[dict]] = collections.defaultdict(list)
-    for r in lines:
-        if r["generation"] > after_generation and r["world_size"] == len(names) * per_node:
-            by_generation[r["generation"]].append(r)
-    for _, members in sorted(by_generation.items()):
-        workers = collections.Counter(node for node, _ in {(r["node"], r.get("pid")) for r in members})
-        if set(workers) == names and all(count == per_node for count in workers.values()):
-            return min(r["time"] for r in members)
-    return None
+    together = trained_together(lines, len(names) * per_node, names, since=float("-inf"),
+                                after_generation=after_generation, workers_per_node=per_node, exactly=True)
+    return min(r["time"] for r in together) if together else None
 
 
 def join_failed(summary: dict) -> bool:

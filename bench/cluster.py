@@ -1,4 +1,5 @@
 """A 3-node training job on loopback, run by elasticctl (restart or hot recovery) or plain torchrun, and its record.
+Its nodes, record and waits are the harness the tests share (:mod:`bench.harness`).
 
 Each "node" is one launcher process (``elasticctl up/join`` or ``torchrun``) with
 its whole process tree; faults are signals sent to that tree. Every rank of the
@@ -8,18 +9,13 @@ the benchmarks time and wait on.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-from elasticctl import processes
+from bench.harness import Node, Record, stop_nodes, trained_together, wait_for
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import free_port
 from elasticctl.job.registry import Registry
@@ -32,86 +28,6 @@ SYSTEMS = ("elasticctl", "elasticctl-hot", "torchrun")
 # hot mode's freeze target is TTL + 0.5 s.
 NODE_TTL = 2
 LOOPBACK = "127.0.0.1"
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05,
-             give_up: Callable[[], bool] = lambda: False):
-    """Poll ``predicate`` until it returns something truthy; None after ``timeout`` s or once ``give_up()``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline or give_up():
-            return None
-        time.sleep(interval)
-
-
-class Record:
-    """The trainer's JSON-lines record, read incrementally (it grows by thousands of lines)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lines: list[dict] = []
-        self._offset = 0
-
-    def read(self) -> list[dict]:
-        if self.path.exists():
-            with open(self.path, "rb") as file:
-                file.seek(self._offset)
-                chunk = file.read()
-            end = chunk.rfind(b"\n") + 1  # a line being written now is read next time
-            for line in chunk[:end].splitlines():
-                try:
-                    self.lines.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # interleaved writes of two ranks: rare, and one step more or less does not matter
-            self._offset += end
-        return self.lines
-
-    def steps(self, since: float = 0.0, world: int | None = None) -> list[dict]:
-        return [r for r in self.read() if "event" not in r and r["time"] > since
-                and (world is None or r["world_size"] == world)]
-
-
-class Node:
-    """One host's launcher and its whole process tree."""
-
-    def __init__(self, name: str, command: list[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICCTL_NODE": name, **env}
-        with open(self.log_path, "ab") as log:
-            self.process = processes.spawn(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def signal_tree(self, sig: int) -> None:
-        """Signal the launcher and every descendant (torchrun puts workers in sessions of their own)."""
-        for proc in self.tree():
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-
-    def stop(self) -> None:
-        tree = self.tree()
-        if self.process.poll() is None:
-            self.signal_tree(signal.SIGCONT)  # a frozen tree cannot act on SIGTERM
-            processes.terminate(self.process, timeout=5)
-        for proc in tree:  # workers orphaned by a killed launcher are no longer in its tree
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(tree, timeout=10)
-        if self.process.poll() is None:
-            self.process.wait(10)
 
 
 class Cluster:
@@ -176,16 +92,12 @@ class Cluster:
     def wait_world(self, world: int, nodes: set[str], since: float, timeout: float,
                    give_up: Callable[[], bool] = lambda: False) -> float | None:
         """Time of the first step at ``world`` after ``since`` once every node in ``nodes`` trained there."""
-        def reached():
-            recent = self.record.steps(since, world)
-            return recent if {r["node"] for r in recent} >= nodes else None
-
-        recent = wait_for(reached, timeout, give_up=give_up)
+        recent = wait_for(lambda: trained_together(self.record.read(), world, nodes, since=since), timeout,
+                          give_up=give_up)
         return min(r["time"] for r in recent) if recent else None
 
     def last_time(self) -> float:
         return max((r["time"] for r in self.record.read()), default=0.0)
 
     def close(self) -> None:
-        for node in self.nodes.values():
-            node.stop()
+        stop_nodes(self.nodes.values())

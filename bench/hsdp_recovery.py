@@ -45,6 +45,7 @@ from pathlib import Path
 
 from bench.accounting import AccountingError, check_replicas, check_samples
 from bench.cluster import REPO, Cluster, wait_for
+from bench.harness import trained_together
 from bench.scenarios import _phases, _recovery
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.etcd.client import EtcdClient
@@ -71,10 +72,8 @@ def together_at(steps: list[dict], world: int, nodes: set[str], since: float,
 
     ``after_generation`` keeps out a thawed node's lines of the generation it was frozen in: it may
     still write one at the old world after the SIGCONT, which is no sign of the new world."""
-    recent = [r for r in steps if r["time"] > since and r["world_size"] == world
-              and r.get("generation", 0) > after_generation]
-    pids = {(r["node"], r["pid"]) for r in recent if r["node"] in nodes}
-    return recent if len(pids) == WORKERS_PER_NODE * len(nodes) else None
+    return trained_together(steps, world, nodes, since=since, after_generation=after_generation,
+                            workers_per_node=WORKERS_PER_NODE)
 
 
 def seconds_to_world(steps: list[dict], event: float, world: int, nodes: set[str],

@@ -2,7 +2,9 @@
 
 The runtime (:mod:`elasticctl.train.runtime`) trains in a generation and acts on step
 boundaries; which workers form a generation, when the flags of a boundary are agreed
-on, and whether a failure can be recovered in process is its :class:`Membership`'s:
+on, and whether a failure can be recovered in process is its :class:`Membership`'s. A
+membership joins the next generation and returns it (:class:`Sealed`); the runtime builds its
+groups, brings the state in sync and decides everything else (:mod:`elasticctl.train.lifecycle`):
 
 * :class:`RestartMembership`: one generation per process, torchrun's round as the agent
   formed it. A boundary that lets a worker go ends the process; the agent re-forms.
@@ -13,36 +15,37 @@ on, and whether a failure can be recovered in process is its :class:`Membership`
 from __future__ import annotations
 
 import abc
-import logging
+import dataclasses
+import datetime
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from elasticctl.errors import ElasticctlError
+from elasticctl.job.environment import WorkerEnvironment
+from elasticctl.job.options import RecoveryMode
 from elasticctl.job.records import Round
 from elasticctl.job.settings import HotSettings
 from elasticctl.train import script as worker_env
-from elasticctl.job.options import RecoveryMode
-from elasticctl.train.loss_abort import LossAbort
-from elasticctl.train import entry as worker_env_entry
-from elasticctl.train.process_group import (build_control_group, build_generation_group, generation_store,
-                                            reset_group_counter)
-from elasticctl.train.reconfigure import GroupStrategy, ReconfigurableGroup, handles_of, next_group
-from elasticctl.train.state import StateError
 
 if TYPE_CHECKING:
     from elasticctl.train.generations import Generations
-    from elasticctl.train.group import Group
-    from elasticctl.train.runtime import Runtime
 
-log = logging.getLogger(__name__)
 
-FORM_ATTEMPTS = 5  # generations in a row that fail while they form
+@dataclasses.dataclass(frozen=True)
+class Sealed:
+    """A generation this worker is a member of: the record, its rank and the world's size.
+    ``groups_ready``: its process group is already up (restart mode: torchrun's round, set up by
+    the script's environment); else the runtime builds or reconfigures it."""
+
+    generation: Round
+    rank: int
+    world_size: int
+    groups_ready: bool = False
 
 
 class Membership(abc.ABC):
-    """Who trains together, generation after generation, for one worker."""
+    """Who trains together, generation after generation, for one worker. It joins generations
+    and says what it knows; it never touches the runtime: the runtime asks."""
 
     mode: RecoveryMode
     node_ttl: float | None = None  # seconds a member may be silent (None: torch's agent decides)
@@ -62,15 +65,13 @@ class Membership(abc.ABC):
         """Whether rank 0 records each generation formed (the agent records torchrun's rounds)."""
         return self.mode is RecoveryMode.HOT
 
-    @abc.abstractmethod
-    def form(self, runtime: Runtime) -> Group:
-        """The first generation, its process groups up (the training group, then the runtime's
-        control group: ``process_group.build_control_group``) and the state in sync."""
+    def connect(self) -> None:
+        """Before the first generation: whatever the membership needs to join one."""
 
     @abc.abstractmethod
-    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None, failed: bool = False) -> Group:
-        """Leave the current generation and train in the next (``why``: for the log; ``failed``:
-        a step failed, rather than a change agreed at a boundary)."""
+    def join(self) -> Sealed:
+        """The next generation this worker is a member of (blocks until it is sealed; raises
+        JoinCancelled when :meth:`cancel` ends the wait)."""
 
     def change_pending(self) -> bool:
         """Whether the generation must re-form (no etcd request: asked at every boundary)."""
@@ -94,16 +95,17 @@ class RestartMembership(Membership):
 
     mode = RecoveryMode.RESTART
 
-    def form(self, runtime: Runtime) -> Group:
-        ctx = worker_env.init(timeout=runtime.pg_timeout.total_seconds(), backend=runtime.backend,
-                              environment=runtime.environment)
-        generation = Round(number=ctx.restart, members=())
-        runtime.control_group = build_control_group(runtime.backend, runtime.pg_timeout)
-        return runtime.start_generation(generation, ctx.rank, ctx.world_size, noticed_at=None)
+    def __init__(self, backend: str, timeout: datetime.timedelta, environment: WorkerEnvironment) -> None:
+        self._backend, self._timeout, self._environment = backend, timeout, environment
+        self._joined = False
 
-    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None, failed: bool = False) -> Group:
-        # Never asked: a restart-mode boundary stops for the agent, a failure ends the worker.
-        raise ElasticctlError(f"A restart-mode worker does not re-form in process ({why}).")
+    def join(self) -> Sealed:
+        if self._joined:  # never asked: a restart-mode boundary stops for the agent, a failure ends the worker
+            raise ElasticctlError("A restart-mode worker does not re-form in process.")
+        self._joined = True
+        ctx = worker_env.init(timeout=self._timeout.total_seconds(), backend=self._backend,
+                              environment=self._environment)
+        return Sealed(Round(number=ctx.restart, members=()), ctx.rank, ctx.world_size, groups_ready=True)
 
 
 class HotMembership(Membership):
@@ -115,60 +117,14 @@ class HotMembership(Membership):
         self.settings = settings
         self.node_ttl = settings.node_ttl
         self._connect = connect  # the job's generations, from the worker's environment
-        self.generations: Generations | None = None  # connected by form()
+        self.generations: Generations | None = None  # connected by connect()
 
-    def form(self, runtime: Runtime) -> Group:
+    def connect(self) -> None:
         self.generations = self._connect()
-        # A member lost while this worker may wait in a collective with it: abort the group
-        # where the backend can (train/loss_abort.py), not wait for the collective's timeout.
-        self.generations.on_member_lost(LossAbort(runtime.worker, runtime.backend,
-                                                  lambda: (runtime.phase, runtime.running_generation)).on_lost)
-        return self.re_form(runtime, "", None)
 
-    def re_form(self, runtime: Runtime, why: str, noticed_at: float | None, failed: bool = False) -> Group:
-        """A generation that fails while it forms (a peer lost while the group connects or the
-        state is sent) is formed again, up to FORM_ATTEMPTS times. The group is reconfigured in
-        place where train/reconfigure.py's rule says so, else built anew."""
-        for attempt in range(1, FORM_ATTEMPTS + 1):
-            step = next_group(runtime.group_choice.strategy, group_alive=runtime.reconfigurable is not None,
-                              failed=failed or attempt > 1)
-            runtime.teardown(keep_group=step is GroupStrategy.RECONFIGURE)
-            runtime.mark_recovery("torn_down")
-            generation = self.generations.join()
-            runtime.mark_recovery("sealed")
-            rank = generation.rank_of(runtime.worker)
-            try:
-                if runtime.group_choice.strategy is GroupStrategy.RECONFIGURE:
-                    runtime.store = self._reconfigure(runtime, generation, rank)
-                else:
-                    runtime.store = build_generation_group(generation, rank, runtime.backend, runtime.pg_timeout,
-                                                           runtime.device)
-                runtime.control_group = build_control_group(runtime.backend, runtime.pg_timeout)
-                runtime.mark_recovery("group_reconfigured" if step is GroupStrategy.RECONFIGURE else "group_built")
-                return runtime.start_generation(generation, rank, generation.world_size,
-                                                noticed_at if why else None)
-            except StateError:
-                raise  # what a peer sent does not fit: another generation would send the same
-            except Exception as exc:  # noqa: BLE001 - a taken port, a peer lost while connecting or sending
-                if not dist.is_initialized():
-                    reset_group_counter()  # the failed init left torch's group counter raised
-                log.warning("[%s] generation %d did not form (attempt %d of %d): %s", runtime.worker,
-                            generation.number, attempt, FORM_ATTEMPTS, " ".join(str(exc).split())[:300])
-        raise ElasticctlError(f"The worker '{runtime.worker}' could not form a generation in "
-                              f"{FORM_ATTEMPTS} attempts; its node restarts it.")
-
-    @staticmethod
-    def _reconfigure(runtime: Runtime, generation: Round, rank: int):
-        """This worker's reconfigurable group (made now if it has none) re-formed over
-        ``generation``; returns the generation's store, kept alive with the group."""
-        store = generation_store(generation, rank, runtime.pg_timeout)
-        if runtime.reconfigurable is None:
-            runtime.reconfigurable = ReconfigurableGroup(runtime.backend, runtime.pg_timeout)
-        group = runtime.reconfigurable
-        prefixed = dist.PrefixStore(f"generation-{generation.number}", store)
-        group.reconfigure(generation.number, handles_of(prefixed, rank, generation.world_size, group.handle), prefixed)
-        worker_env_entry.note_joined()
-        return store
+    def join(self) -> Sealed:
+        generation = self.generations.join()
+        return Sealed(generation, generation.rank_of(self.generations.worker), generation.world_size)
 
     def change_pending(self) -> bool:
         return self.generations is not None and self.generations.change_pending()

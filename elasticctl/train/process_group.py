@@ -1,8 +1,10 @@
 """A generation's torch process groups: the training group, built on a fresh store of its own;
 the group the runtime's own per-step collectives run on (:func:`control_channel`, a pure
 decision, and :func:`build_control_group`); and torch's default-group counter reset after a
-set-up that failed (hot recovery forms generation after generation in one process;
-:mod:`elasticctl.train.membership` calls these)."""
+set-up that failed (hot recovery forms generation after generation in one process; the
+runtime calls these as it forms each one). Where the worker keeps one group for its life,
+:func:`reconfigure_generation_group` re-forms it over each generation instead
+(:mod:`elasticctl.train.reconfigure`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from elasticctl.job.records import Round
 from elasticctl.train import entry as worker_entry
+from elasticctl.train.reconfigure import ReconfigurableGroup, handles_of
 
 
 def build_generation_group(generation: Round, rank: int, backend: str, timeout: datetime.timedelta,
@@ -29,6 +32,19 @@ def build_generation_group(generation: Round, rank: int, backend: str, timeout: 
                             device_id=device if device.type == "cuda" else None)
     worker_entry.note_joined()
     return store
+
+
+def reconfigure_generation_group(group: ReconfigurableGroup | None, generation: Round, rank: int, backend: str,
+                                 timeout: datetime.timedelta) -> tuple[ReconfigurableGroup, dist.TCPStore]:
+    """This worker's one group (made now if it has none) re-formed in place over ``generation``;
+    returns it and the generation's store, kept alive with it."""
+    store = generation_store(generation, rank, timeout)
+    if group is None:
+        group = ReconfigurableGroup(backend, timeout)
+    prefixed = dist.PrefixStore(f"generation-{generation.number}", store)
+    group.reconfigure(generation.number, handles_of(prefixed, rank, generation.world_size, group.handle), prefixed)
+    worker_entry.note_joined()
+    return group, store
 
 
 def generation_store(generation: Round, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:

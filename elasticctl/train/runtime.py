@@ -30,22 +30,23 @@ built and torn down with each generation (why: ``process_group.control_channel``
 waits for the device on elasticctl's behalf.
 
 The two modes are two :class:`elasticctl.train.membership.Membership` implementations
-(``RestartMembership``, ``HotMembership``); what a worker does at a boundary is the pure
-:func:`elasticctl.train.boundary.at_boundary`; where the worker is, :class:`Phase`.
+(``RestartMembership``, ``HotMembership``), which join generations and return them. Where the
+worker goes next is one pure state machine, :func:`elasticctl.train.lifecycle.transition` (it
+takes :func:`elasticctl.train.boundary.at_boundary`'s decision at a boundary); the
+:class:`Runtime` is its executor.
 
 What the runtime cannot handle in process (etcd unreachable for the whole join timeout,
 a process group that will not come down) ends the worker with a non-zero status, and the
 node's restart path takes over.
 
-Why one module of over 500 lines: it is one state machine, :class:`Runtime`, whose
-methods are the transitions between its phases and share its fields (the phase, the
-group and its store, the checkpointer, the flags in flight, the last boundary), written
-on the training thread and read by the SIGTERM handler and the watchdog. What can stand
-alone already does: the decisions (``boundary.py``, ``sync.py``), the two modes
-(``membership.py``), the state (``state.py``), a new generation's state sync (``state_sync.py``)
-and the peers' copies of shards (``peer_copies.py``), checkpoints (``checkpoint.py``) and the
-process-group set-up (``process_group.py``); splitting the class would spread one set of
-fields and their threading rules over files without separating anything.
+Why one module of over 500 lines: the executor's commands share its fields (the group in use
+and its store, the checkpointer, the flags in flight, the last boundary), written on the
+training thread; the SIGTERM handler, the watchdog and the loss watcher read the machine's
+state (replaced whole) and the last boundary. What can stand alone already does: the decisions
+(``lifecycle.py``, ``boundary.py``, ``sync.py``), the two modes (``membership.py``), the state
+(``state.py``), a new generation's state sync (``state_sync.py``) and the peers' copies of
+shards (``peer_copies.py``), checkpoints (``checkpoint.py``) and the process-group set-up
+(``process_group.py``).
 """
 
 from __future__ import annotations
@@ -75,14 +76,20 @@ from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, Round
 from elasticctl.rendezvous.member import JoinCancelled
 from elasticctl.job.options import RecoveryMode
-from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary, checkpoint_before_leave
+from elasticctl.train import lifecycle
+from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary
+from elasticctl.train.lifecycle import Command, WorkerState, on_stop_request, transition
+from elasticctl.train.loss_abort import LossAbort
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
-from elasticctl.train.reconfigure import ReconfigurableGroup, group_strategy, torch_can_reconfigure
+from elasticctl.train.process_group import (build_control_group, build_generation_group,
+                                            reconfigure_generation_group, reset_group_counter)
+from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, next_group,
+                                          torch_can_reconfigure)
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
 from elasticctl.train.shards import ShardedModel, is_sharded
-from elasticctl.train.state import State
+from elasticctl.train.state import State, StateError
 from elasticctl.train.state_sync import GenerationStateSync
 from elasticctl.train.straggler_watch import StragglerWatch
 from elasticctl.train.timeline import describe_timeline, recovery_timeline
@@ -92,7 +99,6 @@ log = logging.getLogger(__name__)
 
 EXIT_RECOVERY_FAILED = 75  # the worker cannot recover in process: its node restarts it
 TEARDOWN_BOUND = 10.0      # seconds a process group may take to come down before the worker exits
-SAME_STEP_FAILURES = 3     # failures at one step, none lost: a bug in the script, not a peer
 # Seconds to wait before each retry of a final checkpoint that failed: the last chance to keep
 # the trained state, so a few tries (space freed by a prune elsewhere, a transient error).
 FINAL_CHECKPOINT_RETRY_DELAYS = (1.0, 2.0, 4.0)
@@ -143,10 +149,11 @@ class Runtime:
         # Decoded once; everything this worker's runtime starts is handed this object.
         self.environment = WorkerEnvironment.from_env()
         settings = self.environment.settings  # the worker settings, None outside elasticctl's handler
-        self.membership: Membership = (HotMembership(settings.hot, self._connect_generations)
-                                       if self.environment.recovery is RecoveryMode.HOT else RestartMembership())
-        default_timeout = self.membership.node_ttl or 60.0
+        hot = self.environment.recovery is RecoveryMode.HOT
+        default_timeout = (settings.hot.node_ttl if hot else None) or 60.0
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout or default_timeout)
+        self.membership: Membership = (HotMembership(settings.hot, self._connect_generations) if hot
+                                       else RestartMembership(self.backend, self.pg_timeout, self.environment))
         self.checkpoint_dir = worker_env.checkpoint_dir(checkpoint_dir, self.environment)
         self.checkpoint_every = checkpoint_every
         self.keep = keep
@@ -163,9 +170,11 @@ class Runtime:
         self.node = self.environment.node or "local"
         self.worker = f"{self.node}.{self.local_rank}"
         # Everything below changes on the training thread (the SIGTERM handler runs there too,
-        # between two bytecodes); the no-step watchdog and the stop timer only read phase and
-        # _last_boundary, each replaced whole.
-        self.phase = Phase.FORMING
+        # between two bytecodes); the no-step watchdog, the stop timer and the loss watcher only
+        # read the worker's state (its phase) and _last_boundary, each replaced whole.
+        self._worker_state = WorkerState(self.membership.mode)  # the machine's (train/lifecycle.py)
+        self._failure: BaseException | None = None  # the failure a RAISE command raises
+        self._ending: str | None = None  # why the generation in use ends (for the log), once decided
         self.store: Any = None  # the current generation's TCPStore (hot mode), kept alive with its group
         # The current generation's group for the boundary flags and the straggler exchange (CPU
         # tensors on gloo; None: the training group is gloo and carries them): process_group.py.
@@ -181,8 +190,11 @@ class Runtime:
         # first step is recorded (None: the generation ends no recovery, or it is recorded).
         self._recovering_since: float | None = None
         self._recovery_marks: dict[str, float] = {}  # phase -> wall time it ended (train/timeline.py)
-        self._failures_at: tuple[int, int] = (-1, 0)  # (step, failures there in a row)
-        self._events: Any = None
+        # The job's event history (False: not under elasticctl), made here and not on first use:
+        # the watchdog thread records too, and must not race the training thread to create it.
+        from elasticctl.job.events import EventLog
+
+        self._events: Any = EventLog.from_env(self.environment) or False
         self._progress: Any = None
         self._samples_since = (time.monotonic(), 0)
         self.no_step_warning = no_step_warning or no_step_warning_after(self.membership.node_ttl)
@@ -216,67 +228,145 @@ class Runtime:
 
     # -- the loop ------------------------------------------------------------------------
 
+    @property
+    def phase(self) -> Phase:
+        """Where the worker is (read by other threads: the state is replaced whole)."""
+        return self._worker_state.phase
+
     def run(self, train: Callable[[State, Group], object]) -> None:
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         threading.Thread(target=self._watch_steps, name="elasticctl-no-step", daemon=True).start()
         try:
-            self._run(train)
-        except JoinCancelled:  # told to stop while it waited for a generation: nothing to hand over
-            log.warning("[%s] told to stop while it waited for a generation; leaving at step %d",
-                        self.worker, self.state.step)
-            self.phase = Phase.LEAVING
-            try:
-                self.membership.leave()
-            except ElasticctlError as exc:  # etcd away: the declaration goes with its lease instead
-                log.warning("[%s] could not withdraw its declaration: %s", self.worker, exc)
+            self._execute(train)
         finally:
-            self.phase = Phase.FINISHED
+            self._worker_state = lifecycle.ended(self._worker_state)
             self._watchdog.set()
             signal.signal(signal.SIGTERM, previous)
             self._close()
 
-    def _run(self, train: Callable[[State, Group], object]) -> None:
-        group = self.membership.form(self)
-        while True:
-            try:
-                train(self.state, group)
-            except _Boundary as boundary:
-                if boundary.action is BoundaryAction.STOP_FOR_AGENT:
-                    self._stop_for_agent()
-                    return
-                if checkpoint_before_leave(self.membership.mode, boundary.agreed) and self._saved_before_leave():
-                    # The state is on disk: a worker told to stop since its flags went out need
-                    # not re-form (perhaps below MIN, where it would only wait) to hand it over.
-                    if self._leaving and boundary.action is BoundaryAction.RE_FORM:
-                        self._leave(everyone=False)
-                        return
-                if boundary.action in (BoundaryAction.LEAVE, BoundaryAction.LEAVE_WITH_JOB):
-                    self._leave(everyone=boundary.action is BoundaryAction.LEAVE_WITH_JOB)
-                    return
-                group = self._re_form(f"{boundary.leaving} leaving" if boundary.leaving
-                                      else self.membership.describe_change(), failed=False)
-                continue
-            except Exception as exc:
-                if not self.membership.recovers_in_process or not self._recoverable(exc):
-                    raise
-                group = self._re_form(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", failed=True)
-                continue
-            if self.state.step == 0:
-                self._warn_no_step("its training function returned at step 0: nothing was trained "
-                                   "(does it call state.commit() after each step?)")
+    def _execute(self, train: Callable[[State, Group], object]) -> None:
+        """Carry out the worker's state machine (train/lifecycle.py): each command's outcome is
+        the next event, until a command ends the run."""
+        event: lifecycle.Event | None = lifecycle.Started()
+        while event is not None:
+            self._worker_state, commands = transition(self._worker_state, event)
+            event = None
+            for command in commands:
+                event = self._do(command, train) or event
+
+    def _do(self, command: Command, train: Callable[[State, Group], object]) -> lifecycle.Event | None:
+        if command is Command.FORM:
+            self.membership.connect()
+            return self._form(rebuild=False)
+        if command is Command.RE_FORM:
+            return self._form(rebuild=False)
+        if command is Command.RE_FORM_AFTER_FAILURE:
+            return self._form(rebuild=True)
+        if command is Command.TRAIN:
+            return self._train(train)
+        if command is Command.SAVE_BEFORE_LEAVE:
+            return lifecycle.SavedBeforeLeave(self._saved_before_leave(), stop_requested=self._leaving)
+        if command in (Command.LEAVE, Command.LEAVE_WITH_JOB):
+            self._leave(everyone=command is Command.LEAVE_WITH_JOB)
+        elif command is Command.STOP_FOR_AGENT:
+            self._stop_for_agent()
+        elif command is Command.FINISH:
             self._finish()
-            return
+        elif command is Command.WARN_NOTHING_TRAINED:
+            self._warn_no_step("its training function returned at step 0: nothing was trained "
+                               "(does it call state.commit() after each step?)")
+        elif command is Command.WITHDRAW:
+            log.warning("[%s] told to stop while it waited for a generation; leaving at step %d",
+                        self.worker, self.state.step)
+            try:
+                self.membership.leave()
+            except ElasticctlError as exc:  # etcd away: the declaration goes with its lease instead
+                log.warning("[%s] could not withdraw its declaration: %s", self.worker, exc)
+        elif command is Command.RAISE:
+            step, count = self._worker_state.failures_at
+            if count >= lifecycle.SAME_STEP_FAILURES:
+                log.error("[%s] failed %d times at step %d: %s", self.worker, count, step, self._failure)
+            raise self._failure
+        elif command is Command.GIVE_UP_FORMING:
+            raise ElasticctlError(f"The worker '{self.worker}' could not form a generation in "
+                                  f"{lifecycle.FORM_ATTEMPTS} attempts; its node restarts it.")
+        else:
+            raise lifecycle.IllegalTransition(f"the training thread does not carry out '{command.value}'")
+        return None
+
+    def _train(self, train: Callable[[State, Group], object]) -> lifecycle.Event:
+        """The script's function in the generation in use, until it returns, a boundary every
+        worker agreed on calls for a change, or a step fails."""
+        try:
+            train(self.state, self._group)
+        except _Boundary as boundary:
+            self._ending = (f"{boundary.leaving} leaving" if boundary.leaving
+                            else self.membership.describe_change())
+            return lifecycle.BoundaryAgreed(boundary.agreed, me_leaving=self._leaving_sent)
+        except Exception as exc:
+            self._failure = exc
+            self._ending = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            return lifecycle.StepFailed(self.state.step)
+        return lifecycle.TrainReturned(self.state.step)
+
+    def _form(self, rebuild: bool) -> lifecycle.Event:
+        """Into the next generation (the first one: :meth:`Membership.connect` came first): the
+        current group down (kept where it is reconfigured in place: train/reconfigure.py, only
+        after a change agreed at a boundary), the generation sealed, its groups built or
+        reconfigured, the state in sync. ``rebuild``: after a failure, every group anew."""
+        if self._group is not None:  # a generation ends: what ended it, and when it was noticed
+            log.warning("[%s] generation %s ends at step %d: %s", self.worker, self._group.number,
+                        self.state.step, self._ending)
+            self._noticed_at = self._noticed_at or time.time()
+            self._recovery_marks = {}
+        first = self._worker_state.phase is Phase.FORMING
+        step = next_group(self.group_choice.strategy, group_alive=self.reconfigurable is not None, failed=rebuild)
+        self.teardown(keep_group=step is GroupStrategy.RECONFIGURE)
+        self.mark_recovery("torn_down")
+        try:
+            sealed = self.membership.join()
+        except JoinCancelled:
+            return lifecycle.JoinCancelled()
+        self.mark_recovery("sealed")
+        try:
+            if not sealed.groups_ready:
+                if self.group_choice.strategy is GroupStrategy.RECONFIGURE:
+                    self.reconfigurable, self.store = reconfigure_generation_group(
+                        self.reconfigurable, sealed.generation, sealed.rank, self.backend, self.pg_timeout)
+                else:
+                    self.store = build_generation_group(sealed.generation, sealed.rank, self.backend,
+                                                        self.pg_timeout, self.device)
+            self.control_group = build_control_group(self.backend, self.pg_timeout)
+            if not sealed.groups_ready:
+                self.mark_recovery("group_reconfigured" if step is GroupStrategy.RECONFIGURE else "group_built")
+            self.start_generation(sealed.generation, sealed.rank, sealed.world_size,
+                                  None if first else self._noticed_at)
+        except StateError as exc:  # what a peer sent does not fit: another generation would send the same
+            self._failure = exc
+            return lifecycle.FormFailed(fatal=True)
+        except Exception as exc:  # noqa: BLE001 - a taken port, a peer lost while connecting or sending
+            self._failure = exc
+            if not dist.is_initialized():
+                reset_group_counter()  # the failed init left torch's group counter raised
+            if self.membership.recovers_in_process:
+                log.warning("[%s] generation %d did not form (attempt %d of %d): %s", self.worker,
+                            sealed.generation.number, self._worker_state.form_attempt, lifecycle.FORM_ATTEMPTS,
+                            " ".join(str(exc).split())[:300])
+            return lifecycle.FormFailed()
+        return lifecycle.Formed()
 
     def _on_sigterm(self, signum, frame) -> None:
         self._leaving = True  # acted on at the next step boundary every worker agrees on
         worker_entry.note_stop_request()
-        if self.phase in (Phase.FORMING, Phase.RE_FORMING):
-            self.membership.cancel()  # between generations there is no boundary to wait for
-        # A script whose steps are long gets twice its longest step to reach the boundary.
-        bound = threading.Timer(max(STOP_BOUND, 2 * self._longest_step), self._exit_without_boundary,
-                                args=(self._last_boundary,))
-        bound.daemon = True
-        bound.start()
+        for command in on_stop_request(self.phase):
+            if command is Command.CANCEL_JOIN:
+                self.membership.cancel()  # between generations there is no boundary to wait for
+            elif command is Command.START_STOP_TIMER:
+                # A script whose steps are long gets twice its longest step to reach the boundary.
+                bound = threading.Timer(max(STOP_BOUND, 2 * self._longest_step), self._exit_without_boundary,
+                                        args=(self._last_boundary,))
+                bound.daemon = True
+                bound.start()
 
     def _exit_without_boundary(self, boundary_at_signal: float) -> None:
         """Still running after SIGTERM (STOP_BOUND s, or twice the longest step) without a step
@@ -307,17 +397,6 @@ class Runtime:
         log.warning("[%s] %s", self.worker, what)
         self._record(EventKind.NO_STEP, step=self.state.step, reason=what)
 
-    def _recoverable(self, exc: Exception) -> bool:
-        """A failure a new generation can fix: not the same failure at the same step again
-        and again (a bug in the script fails every generation)."""
-        step, count = self._failures_at
-        count = count + 1 if step == self.state.step else 1
-        self._failures_at = (self.state.step, count)
-        if count >= SAME_STEP_FAILURES:
-            log.error("[%s] failed %d times at step %d: %s", self.worker, count, step, exc)
-            return False
-        return True
-
     # -- generations ---------------------------------------------------------------------
 
     def _connect_generations(self):
@@ -334,20 +413,14 @@ class Runtime:
             for name, value in environment_names.NCCL_HOT_RECOVERY.items():
                 os.environ.setdefault(name, value)
         addr = self.environment.node_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        return Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
-                           self.membership.settings, self.environment.secret_bytes(),
-                           sharded=self._sharded is not None)
-
-    def _re_form(self, why: str, failed: bool) -> Group:
-        """Leave the current generation and train in the next (the membership forms it);
-        ``failed``: a step failed (a peer lost), rather than a change agreed at a boundary."""
-        noticed_at = self._noticed_at or time.time()
-        if why:
-            log.warning("[%s] generation %s ends at step %d: %s", self.worker,
-                        self._group.number if self._group else "-", self.state.step, why)
-        self.phase = Phase.RE_FORMING
-        self._recovery_marks = {}
-        return self.membership.re_form(self, why, noticed_at, failed=failed)
+        generations = Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
+                                  self.membership.settings, self.environment.secret_bytes(),
+                                  sharded=self._sharded is not None)
+        # A member lost while this worker may wait in a collective with it: abort the group
+        # where the backend can (train/loss_abort.py), not wait for the collective's timeout.
+        generations.on_member_lost(LossAbort(self.worker, self.backend,
+                                             lambda: (self.phase, self.running_generation)).on_lost)
+        return generations
 
     @property
     def running_generation(self) -> int | None:
@@ -387,7 +460,6 @@ class Runtime:
             self.state.sampler.num_replicas, self.state.sampler.rank = world_size, rank
         group = dataclasses.replace(group, model=model)
         self._group = group
-        self.phase = Phase.TRAINING
         self._noticed_at = None
         self._flags_sent = None
         self._stragglers.new_generation()
@@ -603,7 +675,6 @@ class Runtime:
     def _leave(self, everyone: bool) -> None:
         """This worker was told to stop (SIGTERM): a final checkpoint if the whole job stops
         (the state lives on in the others otherwise), then out of the generation."""
-        self.phase = Phase.LEAVING
         if everyone:
             self._stop_checkpoint()
         self.membership.leave()
@@ -633,7 +704,6 @@ class Runtime:
         """Restart mode, a worker was told to stop: every rank saves the same final checkpoint;
         the signalled ones exit 0, the others raise PeerLeaving (their agent re-forms without
         the leaver, from that checkpoint)."""
-        self.phase = Phase.LEAVING
         self._stop_checkpoint()
         dist.barrier()
         if not self._leaving:
@@ -641,7 +711,6 @@ class Runtime:
         self.teardown()
 
     def _finish(self) -> None:
-        self.phase = Phase.FINISHED
         self._final_checkpoint()
         if self._flags_sent is not None:
             self._flags_sent[1].wait()
@@ -747,7 +816,7 @@ class Runtime:
                 pass  # a write that failed while the worker stopped otherwise: logged and recorded
         if self._progress is not None:
             self._progress.close()
-        if self._events:  # None: never needed; False: not under elasticctl
+        if self._events:  # False: not under elasticctl
             self._events.flush(5.0)
         self.membership.close()
         self.control_group = None  # destroyed with the training group (the run ended without a teardown)
@@ -787,10 +856,6 @@ class Runtime:
 
     def _record(self, kind: EventKind, node: str | None = None, **fields) -> None:
         """Record an event of ``node`` (default: this worker's) on the event writer thread."""
-        if self._events is None:
-            from elasticctl.job.events import EventLog
-
-            self._events = EventLog.from_env(self.environment) or False
         if self._events:
             self._events.record_later(kind, node or self.node, **fields)
 

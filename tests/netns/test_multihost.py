@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from support.helpers import MLP, read_records, wait_for
+from support.helpers import MLP, read_records, trained_together, wait_for
 from support.netns import NetnsError, Topology, existing_namespaces, sweep_stale, unavailable_reason
 
 pytestmark = [
@@ -94,8 +94,7 @@ class Cluster:
     def wait_world(self, world: int, nodes: set[str], since: float, timeout: float = 150) -> list[dict]:
         """Every node in ``nodes`` trained a step at ``world`` after ``since``; returns those steps."""
         def reached():
-            recent = steps(self.records(), world, since)
-            return recent if {r["node"] for r in recent} >= nodes else None
+            return trained_together(self.records(), world, nodes, since=since)
 
         try:
             # Polled gently: the record grows by ~60 lines/s and the machine has 2 cores.

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 import torch
-from support.helpers import WORKERS, read_records, wait_for
+from support.helpers import WORKERS, read_records, trained_together, wait_for
 
 from bench.accounting import check_replicas, check_samples
 from elasticctl.embedded_etcd import EmbeddedEtcd
@@ -50,13 +50,8 @@ class HotJob:
 
     def wait_world(self, names: set[str], since: float = 0.0, timeout: float = 120) -> list[dict]:
         """Until every one of ``names`` trained a step in a generation of exactly them."""
-        def reached():
-            recent = [r for r in self.steps() if r["time"] > since and r["world_size"] == len(names)]
-            by_generation = collections.defaultdict(set)
-            for r in recent:
-                by_generation[r["generation"]].add(r["node"])
-            return [r for r in recent if by_generation[r["generation"]] == names] or None
-        return wait_for(reached, timeout, f"{sorted(names)} training together")
+        return wait_for(lambda: trained_together(self.steps(), len(names), names, since=since, exactly=True),
+                        timeout, f"{sorted(names)} training together")
 
     def declarations(self) -> set[str]:
         from elasticctl.etcd.client import EtcdClient

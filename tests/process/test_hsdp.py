@@ -19,7 +19,7 @@ import signal
 import psutil
 import pytest
 import torch
-from support.helpers import REPO, wait_for
+from support.helpers import REPO, trained_together, wait_for
 
 from bench.accounting import check_replicas, check_samples
 
@@ -41,12 +41,8 @@ def pids_by_node(records: list[dict]) -> dict[str, set[int]]:
 def wait_workers(j, world: int, nodes: set[str], since: float = 0.0) -> list[dict]:
     """The step lines since ``since`` at ``world`` workers, once each of the 2 workers of every node
     in ``nodes`` wrote one."""
-    def reached():
-        recent = [r for r in steps_of(j.records()) if r["time"] > since and r["world_size"] == world]
-        pids = pids_by_node(r for r in recent if r["node"] in nodes)
-        return recent if set(pids) == nodes and all(len(p) == 2 for p in pids.values()) else None
-
-    return wait_for(reached, 180, f"the workers of {sorted(nodes)} training at world size {world}")
+    return wait_for(lambda: trained_together(j.records(), world, nodes, since=since, workers_per_node=2), 180,
+                    f"the workers of {sorted(nodes)} training at world size {world}")
 
 
 def check_shard_replicas(steps: list[dict], world: int) -> None:

@@ -1,20 +1,19 @@
-"""Process helpers for tests: start real torchrun/elasticctl nodes, wait on records, clean up."""
+"""Process helpers for tests: start real torchrun/elasticctl nodes, wait on records, clean up.
+
+The nodes, the record and the rule for a world reached are the harness the benchmarks use too
+(:mod:`bench.harness`); here its waits fail the test, naming what they waited for."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
-from elasticctl import processes
+from bench import harness
+from bench.harness import Node, stop_nodes, trained_together  # noqa: F401 - the tests' names for them
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = str(REPO / "trainers" / "mlp.py")
@@ -28,14 +27,10 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
     """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+    result = harness.wait_for(predicate, timeout, interval)
+    if not result:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    return result
 
 
 def read_records(path: Path) -> list[dict]:
@@ -48,61 +43,6 @@ def read_records(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             pass  # a line being written right now
     return records
-
-
-class Node:
-    """One host's launcher process (torchrun or elasticctl) and its whole process tree."""
-
-    def __init__(self, name: str, command: list[str], log_dir: Path, env: dict | None = None) -> None:
-        self.name = name
-        self.command = command
-        self.log_path = log_dir / f"{name}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICCTL_NODE": name, **(env or {})}
-        with open(self.log_path, "ab") as log:
-            self.process = processes.spawn(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def signal_tree(self, sig: int) -> None:
-        """Signal the launcher and every descendant (torchrun puts workers in their own sessions)."""
-        try:
-            root = psutil.Process(self.process.pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
-        for proc in tree:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-
-    def kill(self) -> None:
-        """SIGKILL the launcher and every worker: a machine that died."""
-        self.signal_tree(signal.SIGKILL)
-        self.process.wait(10)
-
-    def wait(self, timeout: float) -> int:
-        return self.process.wait(timeout)
-
-    def stop(self) -> None:
-        """End the node at a test's end: frozen first (no process of the tree forks a new one or
-        notices the others go), then SIGKILLed, tree and all. A graceful leave is what some tests
-        assert; at teardown it only cost seconds per node, one node after the other."""
-        stop_nodes([self])
-
-
-def stop_nodes(nodes: list[Node]) -> None:
-    """Stop ``nodes`` at once (:meth:`Node.stop`): every tree frozen, then every tree killed."""
-    for node in nodes:
-        node.signal_tree(signal.SIGSTOP)
-    for node in nodes:
-        node.signal_tree(signal.SIGKILL)
-    for node in nodes:
-        try:
-            node.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def torchrun_command(endpoint: str, run_id: str, nnodes: str, script_args: list[str],

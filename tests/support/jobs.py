@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from support.helpers import ELASTICCTL, MLP, WORKERS, cli, read_records, wait_for
+from support.helpers import ELASTICCTL, MLP, WORKERS, cli, read_records, trained_together, wait_for
 
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.registry import Registry
@@ -54,11 +54,8 @@ class Job:
 
     def wait_world(self, world: int, nodes: set[str], timeout: float = 180, since: float = 0.0) -> list[dict]:
         """Wait until every node in ``nodes`` trained a step at ``world`` workers after ``since``."""
-        def reached():
-            recent = steps_at(after(self.records(), since), world)
-            return recent if {r["node"] for r in recent} >= nodes else None
-
-        return wait_for(reached, timeout, f"nodes {sorted(nodes)} training at world size {world}")
+        return wait_for(lambda: trained_together(self.records(), world, nodes, since=since), timeout,
+                        f"nodes {sorted(nodes)} training at world size {world}")
 
     def status(self) -> dict:
         result = cli("status", "--etcd", self.etcd.endpoint, "--job", self.name, "--json")
