@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from elasticctl.errors import ElasticctlError
 from elasticctl.job.options import RecoveryMode
 from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary, checkpoint_before_leave
 from elasticctl.train.phase import Phase
@@ -126,7 +127,7 @@ class TrainReturned:
 Event = Started | Formed | FormFailed | BoundaryAgreed | SavedBeforeLeave | StepFailed | JoinCancelled | TrainReturned
 
 
-class IllegalTransition(Exception):
+class IllegalTransition(ElasticctlError):
     """An event the worker's phase cannot have (a bug in the executor, never a user's mistake)."""
 
 
