@@ -179,19 +179,22 @@ class ReplicaCheckSettings:
     """How the workers of a job compare their replicas (the replicas section of
     :class:`WorkerSettings`, read by :mod:`elasticctl.train.replica_check`): every ``interval``
     steps (0: never) each worker's parameter checksum goes to every worker; a node whose copy
-    differs from its replicas' majority is named, and with ``evict`` (1) asked to leave.
-    The defaults are the table's."""
+    differs from its replicas' majority is named, and with ``evict`` (1) asked to leave, unless
+    fewer than ``min_nodes`` would be left (as a straggler's eviction). The defaults are the table's."""
 
     interval: int = BY_NAME["replica_check"].default
     evict: int = BY_NAME["evict_diverged"].default
+    min_nodes: int = 1
 
     def __post_init__(self) -> None:
         for name, option in REPLICA_SETTING_OPTIONS.items():
             BY_NAME[option].check_number(getattr(self, name), f"The replica-check setting {name}")
+        _check_nodes("replica-check setting min_nodes", self.min_nodes)
 
     @classmethod
-    def of(cls, options: RdzvOptions) -> ReplicaCheckSettings:
-        return cls(**{name: getattr(options, option) for name, option in REPLICA_SETTING_OPTIONS.items()})
+    def of(cls, options: RdzvOptions, min_nodes: int) -> ReplicaCheckSettings:
+        return cls(**{name: getattr(options, option) for name, option in REPLICA_SETTING_OPTIONS.items()},
+                   min_nodes=min_nodes)
 
 
 # 2: the replica check's section (a worker of version 1 would refuse it as unknown).
@@ -237,7 +240,7 @@ class WorkerSettings:
                               last_call=float(options.last_call_timeout), reform_last_call=REFORM_LAST_CALL,
                               join_timeout=float(options.join_timeout), run_ttl=options.ttl)
         return cls(options.recovery, StragglerSettings.of(options, min_nodes=min_nodes), hot,
-                   ReplicaCheckSettings.of(options))
+                   ReplicaCheckSettings.of(options, min_nodes=min_nodes))
 
     def to_json(self) -> str:
         return json.dumps({

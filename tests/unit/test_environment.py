@@ -21,7 +21,7 @@ FULL = WorkerEnvironment(
     etcd_cert="/c.pem", etcd_key="/k.pem", etcd_user="trainer", etcd_password="pw",
     checkpoint_dir="/ckpt", rdzv_secret="s3cret", settings=WorkerSettings(
         RecoveryMode.HOT, StragglerSettings(ratio=2.0, window=30, interval=5, evict=3.0, min_nodes=2),
-        HotSettings(min_nodes=1, max_nodes=4, node_ttl=7), ReplicaCheckSettings(interval=7, evict=1)))
+        HotSettings(min_nodes=1, max_nodes=4, node_ttl=7), ReplicaCheckSettings(interval=7, evict=1, min_nodes=2)))
 
 # A valid worker settings document, for the sentences about one changed part of it.
 DOCUMENT = json.loads(FULL.settings.to_json())

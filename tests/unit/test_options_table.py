@@ -299,7 +299,7 @@ def test_each_worker_setting_is_its_options_value(field, name):
 
 def test_the_worker_settings_defaults_are_the_tables():
     assert StragglerSettings() == StragglerSettings.of(parse_rdzv_options({}), min_nodes=1)
-    assert ReplicaCheckSettings() == ReplicaCheckSettings.of(parse_rdzv_options({}))
+    assert ReplicaCheckSettings() == ReplicaCheckSettings.of(parse_rdzv_options({}), min_nodes=1)
     hot = HotSettings(min_nodes=1, max_nodes=2)
     # A job `up` starts: its last call, and the table's defaults for the rest.
     assert hot == WorkerSettings.of(parse_rdzv_options({"recovery": "hot", **up_defaults()}), 1, 2).hot
