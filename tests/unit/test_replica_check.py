@@ -357,3 +357,32 @@ def test_a_peer_that_sends_a_bad_node_id_is_compared_but_not_named(monkeypatch):
     watch, _, events, leaves = _watch(monkeypatch, [(A, 0), (B, 0), (A, 0)], nodes=("a", "../x", "c"), evict=1)
     watch.at_boundary(_Group(0, 3), 25, _model())
     assert events == [] and leaves == []
+
+
+# -- the trainer's knob: --flip-bit STEP:RANK --------------------------------------------------
+
+def _mlp_trainer(monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("mlp_trainer_under_test", MLP)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_flip_bit_knob_is_parsed_and_flips_one_bit_the_check_sees(monkeypatch, capsys):
+    mlp = _mlp_trainer(monkeypatch)
+    assert mlp.parse_args(["--flip-bit", "20:1"]).flip_bit == (20, 1)
+    assert mlp.parse_args([]).flip_bit is None
+    for bad in ("20", "x:1", "20:-1", "20:1:2"):
+        with pytest.raises(SystemExit):
+            mlp.parse_args(["--flip-bit", bad])
+        assert "--flip-bit" in capsys.readouterr().err
+    model, replica = _model(), _model()
+    mlp.flip_one_bit(model)
+    first, copy = next(model.parameters()), next(replica.parameters())
+    differs = (first.view(torch.int32) ^ copy.view(torch.int32)).view(-1)
+    assert differs.count_nonzero() == 1 and differs[0] == 1 << mlp.FLIPPED_BIT
+    assert parameters_digest(model) != parameters_digest(replica)
