@@ -879,9 +879,10 @@ class Runtime:
                                                         environment=self.environment)
 
     def _record(self, kind: EventKind, node: str | None = None, **fields) -> None:
-        """Record an event of ``node`` (default: this worker's) on the event writer thread."""
+        """Record an event of ``node`` (default: this worker's; "": the job's own) on the event
+        writer thread."""
         if self._events:
-            self._events.record_later(kind, node or self.node, **fields)
+            self._events.record_later(kind, self.node if node is None else node, **fields)
 
 
 def _ddp(model: torch.nn.Module, group: Group, init_sync: bool = True) -> torch.nn.Module:
