@@ -20,7 +20,9 @@ digest of the parameters before the step (equal on every replica: soaks check it
 ``--exit-at`` schedules a failure for fault tests. ``--slow-node NODE=SECONDS[@FROM:TO]`` (a
 test and bench knob, repeatable) makes that node's workers sleep SECONDS in each step (steps
 FROM to TO-1 only, if given), a straggler: every node runs the same job spec, so the node is
-named by its elasticctl node id rather than slowed by a flag of its own.
+named by its elasticctl node id rather than slowed by a flag of its own. ``--flip-bit STEP:RANK``
+(a test knob) flips one bit of one parameter on that rank of the generation right after step
+STEP's commit, once per process: silent corruption, for the replica check (``--replica-check``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--slow-node", action="append", default=[], metavar="NODE=SECONDS[@FROM:TO]",
                         help="test/bench knob (repeatable): the workers of this node id sleep SECONDS in "
                              "each step (steps FROM to TO-1 only, if given): a straggler")
+    parser.add_argument("--flip-bit", default=None, metavar="STEP:RANK",
+                        help="test knob: the worker of this rank (of its generation) flips one bit of one "
+                             "parameter right after step STEP's commit, once: silent corruption of one replica")
     parser.add_argument("--log-every", type=int, default=50, help="rank 0 prints progress every N steps (0: never)")
     parser.add_argument("--record", default=None, help="append one JSON line per rank and step here")
     parser.add_argument("--record-params", action="store_true",
@@ -115,6 +120,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
     if args.step_sleep < 0:
         parser.error(f"--step-sleep ({args.step_sleep:g}) must not be negative.")
     args.slow_node = [_slow_node(parser, text) for text in args.slow_node]
+    args.flip_bit = None if args.flip_bit is None else _flip_bit(parser, args.flip_bit)
     try:
         args.exit_ranks = {int(r) for r in args.exit_ranks.split(",") if r.strip()}
     except ValueError:
@@ -136,6 +142,35 @@ def _slow_node(parser: argparse.ArgumentParser, text: str) -> tuple[str, float, 
         parser.error(f"--slow-node ({text}) must be NODE=SECONDS[@FROM:TO] with 0 <= SECONDS < 3600 "
                      "and whole steps.")
     return node, value, slowed
+
+
+def _flip_bit(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """``STEP:RANK`` as (step, rank)."""
+    step, colon, rank = text.partition(":")
+    try:
+        flip = int(step), int(rank)
+    except ValueError:
+        flip = (-1, -1)
+    if not colon or min(flip) < 0:
+        parser.error(f"--flip-bit ({text}) must be STEP:RANK, two whole numbers of at least 0.")
+    return flip
+
+
+# The bit --flip-bit flips in the first parameter's first element: bit 16 of a float32, a
+# mantissa bit worth about 1% of the value. Enough that no later update rounds the two replicas
+# back together, too little for the loss to show it (the fault the replica check is for).
+FLIPPED_BIT = 16
+
+
+def flip_one_bit(model: nn.Module) -> None:
+    """Flip :data:`FLIPPED_BIT` of the first element of ``model``'s first parameter (of its local
+    shard, for a sharded model), in place, as a faulty device's memory would."""
+    parameter = next(model.parameters())
+    local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+    with torch.no_grad():
+        raw = local.detach().view(torch.uint8).view(-1)
+        byte, bit = divmod(FLIPPED_BIT % (8 * local.element_size()), 8)
+        raw[byte] ^= 1 << bit
 
 
 def synthetic_dataset(size: int, seed: int) -> TensorDataset:
@@ -216,9 +251,10 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
                           **task.state_options)
     started = False
     injected = False
+    flipped = False
 
     def generation(state: elastic.State, group: elastic.Group) -> None:
-        nonlocal started, injected
+        nonlocal started, injected, flipped
         where.update(rank=group.rank, world_size=group.world_size)
         if not started:  # where a restarted worker's seconds go: process start -> first generation formed
             started = True
@@ -271,6 +307,10 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
                         print(f"step {step}/{args.steps} loss {mean_loss:.4f} world {group.world_size} "
                               f"restart {restart}", flush=True)
                 state.commit(samples=len(indices), loss=loss_sum)
+                if args.flip_bit == (step, group.rank) and not flipped:
+                    flipped = True  # hot mode re-enters this function in the same process: flip once
+                    flip_one_bit(group.model)
+                    write({"event": "bit_flipped", "step": step, "node": node, "pid": os.getpid()})
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 # The straggler knob: after commit, so it counts in this node's own time for the

@@ -30,9 +30,11 @@ from elasticctl.job.options import (
 )
 from elasticctl.job.settings import (
     HOT_SETTING_OPTIONS,
+    REPLICA_SETTING_OPTIONS,
     STRAGGLER_SETTING_OPTIONS,
     WORKER_SETTINGS_VERSION,
     HotSettings,
+    ReplicaCheckSettings,
     StragglerSettings,
 )
 
@@ -106,6 +108,7 @@ def _worker_settings() -> list[str]:
         *rows("stragglers", StragglerSettings, STRAGGLER_SETTING_OPTIONS),
         "| `hot` | present in hot mode only |",
         *rows("hot", HotSettings, HOT_SETTING_OPTIONS),
+        *rows("replicas", ReplicaCheckSettings, REPLICA_SETTING_OPTIONS),
     ]
 
 

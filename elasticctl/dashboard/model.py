@@ -432,6 +432,11 @@ class JobMetrics:
         """Nodes named (or evicted as) stragglers over the job's life."""
         return self.counters.count(EventKind.STRAGGLER)
 
+    @property
+    def replica_diverged_events(self) -> int:
+        """Replicas found to differ from their set's majority (or sets with none) over the job's life."""
+        return self.counters.count(EventKind.REPLICA_DIVERGED)
+
 
 def job_metrics(reading: Reading) -> JobMetrics:
     """The metric values of a reading: from the same parsed records as the page."""

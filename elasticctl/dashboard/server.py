@@ -189,6 +189,10 @@ def _job_families(out: _Families, job: str, m: JobMetrics) -> None:
     out.gauge("elasticctl_stragglers", "Live nodes named stragglers now.", job, len(m.straggler_ratios))
     out.counter("elasticctl_straggler_events", "Nodes named (or evicted as) stragglers: straggler events.",
                 job, m.straggler_events)
+    # Silent corruption: a replica whose parameters left its set's majority (the replica check).
+    out.counter("elasticctl_replica_diverged_events",
+                "Replicas whose parameters differed from their replicas' majority, or replica sets with no "
+                "majority (which stop the job): replica_diverged events.", job, m.replica_diverged_events)
     # Hot spares: the nodes waiting warm (also elasticctl_nodes{state="spare"}) against the
     # spec's --spares N, so an alert can fire while fewer wait than expected.
     out.gauge("elasticctl_spares", "Hot spares: live nodes waiting warm beside a full world.", job, m.spares)

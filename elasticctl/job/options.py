@@ -46,6 +46,7 @@ MAX_SECONDS = 30 * 24 * 3600
 MAX_COUNT = 1_000_000
 MAX_STRAGGLER_RATIO = 1000.0
 MAX_STRAGGLER_STEPS = 1_000_000
+MAX_REPLICA_CHECK_STEPS = 1_000_000
 # Quarantine's default where it applies (rendezvous/verdicts.py quarantine_by_default): the
 # setting's own default is "none given".
 DEFAULT_QUARANTINE_AFTER = 2
@@ -215,7 +216,7 @@ def _whole(name: str, default: int | None, help: str, low: int, high: int, **mor
 
 
 # The table. Order: how to reach etcd, the run's keys, liveness and the restart budget, torch's
-# rendezvous timing, the recovery mode, stragglers, spares.
+# rendezvous timing, the recovery mode, stragglers, replica checks, spares.
 OPTIONS: tuple[Option, ...] = (
     Option("protocol", Kind.PROTOCOL, None, "http or https (also implied by https:// endpoints and by a CA bundle).",
            home=Home.NODE),
@@ -275,6 +276,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("evict_stragglers", Kind.RATIO_OR_ZERO, 0.0, "Ask a node whose step time stays above this times the "
            "others' for the window to leave, as `elasticctl leave` does (0: never).", high=MAX_STRAGGLER_RATIO,
            flag="--evict-stragglers"),
+    Option("replica_check", Kind.STEPS, 100, "Every STEPS steps the workers compare a checksum of their "
+           "parameters with their replicas' and name a node whose copy differs from its replicas' majority "
+           "(silent corruption: an event, a metric); replicas with no majority stop the job (0: never check).",
+           low=0, high=MAX_REPLICA_CHECK_STEPS, flag="--replica-check"),
+    # A whole number 0/1, not a switch: every rendezvous option is a key=value of --rdzv-conf and
+    # the table has no on/off kind; 1 reads as evict_stragglers' "a ratio, 0: never" does.
+    _whole("evict_diverged", 0, "1: ask a node whose parameters differ from its replicas' majority to leave, "
+           "as `elasticctl leave` does (once per node and run); 0: only name it.", 0, 1, flag="--evict-diverged"),
     _whole("spares", 0, "Hot spares the job expects: nodes beyond --nnodes MAX start their workers and wait "
            "warm, and one takes a lost node's place at once (status shows the count and any shortfall).",
            0, MAX_COUNT, flag="--spares"),

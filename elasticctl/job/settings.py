@@ -4,7 +4,7 @@
   ``--rdzv-conf``), parsed and validated in one place. The CLI validates a job's options with
   it before it launches anything; the handler inside torchrun parses the same options with it.
 * :class:`WorkerSettings`: what a node's rendezvous handler hands its workers (the recovery
-  mode, hot recovery's settings, straggler detection's), one typed, versioned JSON document in
+  mode, hot recovery's settings, straggler detection's, the replica check's), one typed, versioned JSON document in
   one environment variable (:mod:`elasticctl.job.environment`), decoded and validated once.
 
 Imports no torch, so the CLI stays fast.
@@ -25,6 +25,7 @@ from elasticctl.job.options import (
     DEFAULT_QUARANTINE_AFTER,
     MAX_COUNT,
     MAX_NODE_TTL,
+    MAX_REPLICA_CHECK_STEPS,
     MAX_SECONDS,
     MAX_STRAGGLER_RATIO,
     MAX_STRAGGLER_STEPS,
@@ -42,8 +43,9 @@ log = logging.getLogger(__name__)
 
 # Re-exported for their readers: each is declared once, in the table's module.
 __all__ = ["DEFAULT_KEY_PREFIX", "DEFAULT_QUARANTINE_AFTER", "MAX_NODE_TTL", "MAX_SECONDS", "MAX_STRAGGLER_RATIO",
-           "MAX_STRAGGLER_STEPS", "TORCH_ONLY_OPTIONS", "RecoveryMode", "parse_key_prefix", "RdzvOptions",
-           "parse_rdzv_options", "KNOWN_OPTIONS", "HotSettings", "StragglerSettings", "WorkerSettings",
+           "MAX_STRAGGLER_STEPS", "MAX_REPLICA_CHECK_STEPS", "TORCH_ONLY_OPTIONS", "RecoveryMode", "parse_key_prefix", "RdzvOptions",
+           "parse_rdzv_options", "KNOWN_OPTIONS", "HotSettings", "StragglerSettings",
+           "ReplicaCheckSettings", "WorkerSettings",
            "DEFAULT_NODE_TTL", "DEFAULT_RUN_TTL", "WORKER_SETTINGS_VERSION"]
 
 DEFAULT_NODE_TTL: int = BY_NAME["node_ttl"].default
@@ -110,6 +112,7 @@ HOT_SETTING_OPTIONS = {"node_ttl": "node_ttl", "last_call": "last_call_timeout",
                        "run_ttl": "ttl"}
 STRAGGLER_SETTING_OPTIONS = {"ratio": "straggler_ratio", "window": "straggler_window",
                              "interval": "straggler_interval", "evict": "evict_stragglers"}
+REPLICA_SETTING_OPTIONS = {"interval": "replica_check", "evict": "evict_diverged"}
 _WHOLE_HOT_SETTINGS = ("node_ttl", "run_ttl")
 
 
@@ -171,7 +174,31 @@ class StragglerSettings:
                    min_nodes=min_nodes)
 
 
-WORKER_SETTINGS_VERSION = 1
+@dataclasses.dataclass(frozen=True)
+class ReplicaCheckSettings:
+    """How the workers of a job compare their replicas (the replicas section of
+    :class:`WorkerSettings`, read by :mod:`elasticctl.train.replica_check`): every ``interval``
+    steps (0: never) each worker's parameter checksum goes to every worker; a node whose copy
+    differs from its replicas' majority is named, and with ``evict`` (1) asked to leave, unless
+    fewer than ``min_nodes`` would be left (as a straggler's eviction). The defaults are the table's."""
+
+    interval: int = BY_NAME["replica_check"].default
+    evict: int = BY_NAME["evict_diverged"].default
+    min_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for name, option in REPLICA_SETTING_OPTIONS.items():
+            BY_NAME[option].check_number(getattr(self, name), f"The replica-check setting {name}")
+        _check_nodes("replica-check setting min_nodes", self.min_nodes)
+
+    @classmethod
+    def of(cls, options: RdzvOptions, min_nodes: int) -> ReplicaCheckSettings:
+        return cls(**{name: getattr(options, option) for name, option in REPLICA_SETTING_OPTIONS.items()},
+                   min_nodes=min_nodes)
+
+
+# 2: the replica check's section (a worker of version 1 would refuse it as unknown).
+WORKER_SETTINGS_VERSION = 2
 # An environment variable is no place for more: a longer one is refused before it is parsed.
 _MAX_DOCUMENT = 4096
 
@@ -180,7 +207,8 @@ _MAX_DOCUMENT = 4096
 class WorkerSettings:
     """What a node's rendezvous handler hands each start of its workers, decided from the job's
     rendezvous options (:meth:`of`): the recovery mode, straggler detection's settings (always,
-    from the handler; None: no detection), and in hot mode hot recovery's (present exactly then).
+    from the handler; None: no detection), and in hot mode hot recovery's (present exactly then),
+    the replica check's (always, from the handler; None: no check).
 
     Travels as one versioned JSON document (:meth:`to_json`, :meth:`from_json`) in one
     variable (``environment.WORKER_SETTINGS``), decoded and validated once per worker."""
@@ -188,6 +216,7 @@ class WorkerSettings:
     recovery: RecoveryMode
     stragglers: StragglerSettings | None = None
     hot: HotSettings | None = None
+    replicas: ReplicaCheckSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.recovery, RecoveryMode):
@@ -195,6 +224,8 @@ class WorkerSettings:
                               "is no RecoveryMode.")
         if not isinstance(self.stragglers, (StragglerSettings, type(None))):
             raise ConfigError(f"The straggler settings {quote(self.stragglers)} are no StragglerSettings.")
+        if not isinstance(self.replicas, (ReplicaCheckSettings, type(None))):
+            raise ConfigError(f"The replica-check settings {quote(self.replicas)} are no ReplicaCheckSettings.")
         if (self.hot is not None) != (self.recovery is RecoveryMode.HOT) or not isinstance(
                 self.hot, (HotSettings, type(None))):
             raise ConfigError(f"The worker settings of {self.recovery.value} mode "
@@ -208,13 +239,15 @@ class WorkerSettings:
             hot = HotSettings(min_nodes=min_nodes, max_nodes=max_nodes, node_ttl=options.node_ttl,
                               last_call=float(options.last_call_timeout), reform_last_call=REFORM_LAST_CALL,
                               join_timeout=float(options.join_timeout), run_ttl=options.ttl)
-        return cls(options.recovery, StragglerSettings.of(options, min_nodes=min_nodes), hot)
+        return cls(options.recovery, StragglerSettings.of(options, min_nodes=min_nodes), hot,
+                   ReplicaCheckSettings.of(options, min_nodes=min_nodes))
 
     def to_json(self) -> str:
         return json.dumps({
             "version": WORKER_SETTINGS_VERSION, "recovery": self.recovery.value,
             "stragglers": None if self.stragglers is None else dataclasses.asdict(self.stragglers),
             "hot": None if self.hot is None else dataclasses.asdict(self.hot),
+            "replicas": None if self.replicas is None else dataclasses.asdict(self.replicas),
         }, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -233,8 +266,8 @@ class WorkerSettings:
         if type(version) is not int or version != WORKER_SETTINGS_VERSION:
             raise ConfigError(f"The worker settings in {where} have the version {quote(version)}; this "
                               f"elasticctl reads version {WORKER_SETTINGS_VERSION} (is every node on one version?).")
-        _known("worker setting", data, {"version", "recovery", "stragglers", "hot"}, where)
-        missing = sorted({"recovery", "stragglers", "hot"} - set(data))
+        _known("worker setting", data, {"version", "recovery", "stragglers", "hot", "replicas"}, where)
+        missing = sorted({"recovery", "stragglers", "hot", "replicas"} - set(data))
         if missing:
             raise ConfigError(f"The worker settings in {where} miss {missing[0]}.")
         try:
@@ -242,12 +275,14 @@ class WorkerSettings:
         except (ValueError, TypeError):
             raise ConfigError(f"The recovery mode {quote(data['recovery'])} in {where} must be one of: "
                               f"{', '.join(mode.value for mode in RecoveryMode)}.") from None
-        stragglers, hot = data["stragglers"], data["hot"]
+        stragglers, hot, replicas = data["stragglers"], data["hot"], data["replicas"]
         if stragglers is not None:
             stragglers = StragglerSettings(**_section(StragglerSettings, "straggler setting", stragglers, where))
         if hot is not None:
             hot = HotSettings(**_section(HotSettings, "hot-recovery setting", hot, where))
-        return cls(recovery, stragglers, hot)
+        if replicas is not None:
+            replicas = ReplicaCheckSettings(**_section(ReplicaCheckSettings, "replica-check setting", replicas, where))
+        return cls(recovery, stragglers, hot, replicas)
 
 
 def _no_constant(name: str) -> None:

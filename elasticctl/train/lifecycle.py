@@ -107,9 +107,12 @@ class SavedBeforeLeave:
 
 @dataclasses.dataclass(frozen=True)
 class StepFailed:
-    """The script's function raised at ``step`` (a peer lost, or its own failure)."""
+    """The script's function raised at ``step`` (a peer lost, or its own failure). ``fatal``: a
+    failure another generation would only repeat or spread (replicas that disagree with no
+    majority): the run ends at once, in either mode."""
 
     step: int
+    fatal: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +170,7 @@ def transition(state: WorkerState, event: Event) -> tuple[WorkerState, tuple[Com
         warn = (Command.WARN_NOTHING_TRAINED,) if event.step == 0 else ()
         return dataclasses.replace(state, phase=Phase.FINISHED), (*warn, Command.FINISH)
     if isinstance(event, StepFailed):
-        if state.mode is not RecoveryMode.HOT:
+        if event.fatal or state.mode is not RecoveryMode.HOT:
             return dataclasses.replace(state, phase=Phase.FINISHED), (Command.RAISE,)
         step, count = state.failures_at
         count = count + 1 if step == event.step else 1

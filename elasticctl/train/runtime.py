@@ -22,9 +22,12 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
 
 In either mode every ``--straggler-interval`` steps the workers exchange their own step times
 and rank 0 names (and, with ``--evict-stragglers``, asks to leave) a node that sets everyone's
-pace: :mod:`elasticctl.train.stragglers`.
+pace: :mod:`elasticctl.train.stragglers`. Every ``--replica-check`` steps they exchange a
+checksum of their parameters: rank 0 names (and, with ``--evict-diverged``, asks to leave) a
+node whose replica differs from its replicas' majority, and replicas with no majority stop the
+job: :mod:`elasticctl.train.replica_check`.
 
-The flags and the straggler exchange are CPU tensors on gloo, never the GPU's: the training
+The flags, the straggler exchange and the replica check's are CPU tensors on gloo, never the GPU's: the training
 group carries them when it is gloo, a gloo side group over the same ranks otherwise (NCCL),
 built and torn down with each generation (why: ``process_group.control_channel``). No step
 waits for the device on elasticctl's behalf.
@@ -85,6 +88,8 @@ from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
 from elasticctl.train.process_group import (build_control_group, build_generation_group,
                                             reconfigure_generation_group, reset_group_counter)
+from elasticctl.train.replica_check import ReplicasDisagree
+from elasticctl.train.replica_watch import ReplicaWatch
 from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, next_group,
                                           torch_can_reconfigure)
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
@@ -205,6 +210,10 @@ class Runtime:
         self._stragglers = StragglerWatch(None if settings is None else settings.stragglers, self.worker, self.node,
                                           control_group=lambda: self.control_group, record=self._record,
                                           request_leave=self._request_leave)
+        # Silent corruption: the replicas' parameter checksums compared (train/replica_watch.py).
+        self._replicas = ReplicaWatch(None if settings is None else settings.replicas, self.worker, self.node,
+                                      control_group=lambda: self.control_group, replica_set=self._replica_set,
+                                      sharded=sharded, record=self._record, request_leave=self._request_leave)
         self._registry: Any = None
         if state.peer_copies and not sharded:
             raise ConfigError("State(peer_copies=...) is for a sharded model (run(..., sharded=True)); a replicated "
@@ -306,7 +315,13 @@ class Runtime:
         except Exception as exc:
             self._failure = exc
             self._ending = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            return lifecycle.StepFailed(self.state.step)
+            # Replicas with no majority: every node restarting (or re-forming) would train on
+            # from state no one can vouch for, so each node stops with the sentence instead.
+            fatal = isinstance(exc, ReplicasDisagree)
+            if fatal:
+                log.error("[%s] %s", self.worker, exc)
+                worker_entry.note_unrecoverable(str(exc))
+            return lifecycle.StepFailed(self.state.step, fatal=fatal)
         return lifecycle.TrainReturned(self.state.step)
 
     def _form(self, rebuild: bool) -> lifecycle.Event:
@@ -463,6 +478,7 @@ class Runtime:
         self._noticed_at = None
         self._flags_sent = None
         self._stragglers.new_generation()
+        self._replicas.new_generation()
         log.info("[%s] generation %d: rank %d of %d at step %d%s; boundary collectives on %s", self.worker,
                  generation.number, rank, world_size, self.state.step,
                  f" (state from rank {', '.join(map(str, sent_from))})" if sent_from else "",
@@ -560,6 +576,7 @@ class Runtime:
         self._record_first_step(group)
         self._act_on(self._flags_in_flight())
         self._stragglers.at_boundary(group, self.state.step)
+        self._replicas.at_boundary(group, self.state.step, self.state.model)  # before the checkpoint of the step
         if self._checkpointer and self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
             self._save()
         if self._peer_copies is not None:
@@ -601,6 +618,13 @@ class Runtime:
                                                    async_op=True))
         return self._flags_in_flight() if self.membership.agreed_at_once else None
 
+    def _replica_set(self) -> int | None:
+        """This worker's replica-set key for the replica check: every worker one set (DDP), the
+        shard index on an HSDP mesh, None for a sharded model without replicas."""
+        if self._sharded is None:
+            return 0
+        return self._sharded.position.index if self._sharded.replicate_dim is not None else None
+
     def _request_leave(self, node: str) -> None:
         """Ask ``node`` to leave as ``elasticctl leave`` does, on the event writer thread (the
         training thread never waits for etcd)."""
@@ -617,7 +641,7 @@ class Runtime:
             try:
                 registry.request_leave(node)
             except ElasticctlError as exc:
-                log.warning("[%s] could not ask the straggler %s to leave: %s", self.worker, node, exc)
+                log.warning("[%s] could not ask %s to leave: %s", self.worker, node, exc)
 
         self._events.later(request)
 
@@ -855,9 +879,10 @@ class Runtime:
                                                         environment=self.environment)
 
     def _record(self, kind: EventKind, node: str | None = None, **fields) -> None:
-        """Record an event of ``node`` (default: this worker's) on the event writer thread."""
+        """Record an event of ``node`` (default: this worker's; "": the job's own) on the event
+        writer thread."""
         if self._events:
-            self._events.record_later(kind, node or self.node, **fields)
+            self._events.record_later(kind, self.node if node is None else node, **fields)
 
 
 def _ddp(model: torch.nn.Module, group: Group, init_sync: bool = True) -> torch.nn.Module:

@@ -665,6 +665,15 @@ def test_one_family_per_metric_with_every_job_and_the_build_info():
     assert all(dict(labels).get("elastic_job") for (name, labels) in samples if name in per_job)
 
 
+def test_diverged_replicas_have_their_own_counter():
+    reading = Reading("a", NOW, counters=counted(ev(3, EventKind.REPLICA_DIVERGED, "c", step=25),
+                                                 ev(2, EventKind.REPLICA_DIVERGED, "", step=30)))
+    samples = _samples(_render([("a", job_metrics(reading)), ("b", job_metrics(Reading("b", NOW)))]))
+    assert samples[("elasticctl_replica_diverged_events_total", (("elastic_job", "a"),))] == 2
+    assert samples[("elasticctl_replica_diverged_events_total", (("elastic_job", "b"),))] == 0
+    assert samples[("elasticctl_events_total", (("elastic_job", "a"), ("kind", "replica_diverged")))] == 2
+
+
 def test_a_dashboard_that_cannot_list_the_jobs_says_so_in_one_series():
     samples = _samples(_render(None))
     assert samples[("elasticctl_dashboard_etcd_up", ())] == 0

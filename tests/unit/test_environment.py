@@ -13,7 +13,7 @@ from elasticctl.job import environment
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.keys import DEFAULT_KEY_PREFIX
 from elasticctl.job.options import RecoveryMode
-from elasticctl.job.settings import HotSettings, StragglerSettings, WorkerSettings
+from elasticctl.job.settings import HotSettings, ReplicaCheckSettings, StragglerSettings, WorkerSettings
 
 FULL = WorkerEnvironment(
     node="n0", node_addr="10.0.0.7", restarts=3, marks_dir="/tmp/marks/round-2", job="demo",
@@ -21,7 +21,7 @@ FULL = WorkerEnvironment(
     etcd_cert="/c.pem", etcd_key="/k.pem", etcd_user="trainer", etcd_password="pw",
     checkpoint_dir="/ckpt", rdzv_secret="s3cret", settings=WorkerSettings(
         RecoveryMode.HOT, StragglerSettings(ratio=2.0, window=30, interval=5, evict=3.0, min_nodes=2),
-        HotSettings(min_nodes=1, max_nodes=4, node_ttl=7)))
+        HotSettings(min_nodes=1, max_nodes=4, node_ttl=7), ReplicaCheckSettings(interval=7, evict=1, min_nodes=2)))
 
 # A valid worker settings document, for the sentences about one changed part of it.
 DOCUMENT = json.loads(FULL.settings.to_json())
@@ -105,8 +105,13 @@ SETTINGS = environment.WORKER_SETTINGS
      "The worker settings in ELASTICCTL_WORKER_SETTINGS .* are not a JSON object"),
     (SETTINGS, document(stragglers__ratio="1_5"), "The straggler setting ratio \\('1_5'\\) must be a ratio"),
     (SETTINGS, document(hot__min_nodes="１"), "node counts \\('１':4\\)"),
-    (SETTINGS, document(version=2), "have the version '2'; this elasticctl reads version 1"),
-    (SETTINGS, document(version="1"), "have the version '1'; this elasticctl reads version 1"),
+    (SETTINGS, document(replicas__evict=2), "The replica-check setting evict \\(2\\) must be a whole number from 0 to 1"),
+    (SETTINGS, document(replicas__evict=True), "The replica-check setting evict \\(True\\) must be a whole number"),
+    (SETTINGS, document(replicas__interval=-1), "The replica-check setting interval \\(-1\\) must be a whole number of "
+     "steps from 0 to 1000000"),
+    (SETTINGS, document(replicas=None), "The worker settings in ELASTICCTL_WORKER_SETTINGS miss replicas"),
+    (SETTINGS, document(version=1), "have the version '1'; this elasticctl reads version 2"),
+    (SETTINGS, document(version="2"), "have the version '2'; this elasticctl reads version 2"),
     (SETTINGS, document(version=None), "have the version 'None'"),
     (SETTINGS, document(recovery="warm"), "The recovery mode 'warm' in ELASTICCTL_WORKER_SETTINGS must be one of: "
      "restart, hot"),
@@ -171,10 +176,11 @@ def _near(section: dict) -> st.SearchStrategy:
 
 
 _DOCUMENTS = st.fixed_dictionaries({
-    "version": st.one_of(st.just(1), _JSON_VALUES),
+    "version": st.one_of(st.just(2), _JSON_VALUES),
     "recovery": st.one_of(st.sampled_from(["hot", "restart"]), _JSON_VALUES),
     "stragglers": st.one_of(st.none(), _near(DOCUMENT["stragglers"]), _JSON_VALUES),
     "hot": st.one_of(st.none(), _near(DOCUMENT["hot"]), _JSON_VALUES),
+    "replicas": st.one_of(st.none(), _near(DOCUMENT["replicas"]), _JSON_VALUES),
 }).flatmap(lambda document: _near(document))
 _VALUES = {
     environment.RESTARTS: st.one_of(_TEXT, st.integers(-5, 10**10).map(str)),

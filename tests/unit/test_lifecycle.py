@@ -71,6 +71,9 @@ def agreed(pending=0, leaving=0, world=3) -> Agreed:
     (state(failures_at=(7, SAME_STEP_FAILURES - 1)), StepFailed(step=8),
      state(phase=Phase.RE_FORMING, failures_at=(8, 1)), (C.RE_FORM_AFTER_FAILURE,)),
     (state(RESTART), StepFailed(step=7), state(RESTART, Phase.FINISHED), (C.RAISE,)),
+    # ... but a fatal failure (replicas that disagree with no majority) ends the run at once
+    (state(), StepFailed(step=7, fatal=True), state(phase=Phase.FINISHED), (C.RAISE,)),
+    (state(RESTART), StepFailed(step=7, fatal=True), state(RESTART, Phase.FINISHED), (C.RAISE,)),
     # a boundary every worker agreed on: a change re-forms (the group may be kept)
     (state(), BoundaryAgreed(agreed(pending=2), me_leaving=False), state(phase=Phase.RE_FORMING), (C.RE_FORM,)),
     # everyone leaves: with the job (the final checkpoint)

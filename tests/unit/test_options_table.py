@@ -38,9 +38,11 @@ from elasticctl.job.options import (
 )
 from elasticctl.job.settings import (
     HOT_SETTING_OPTIONS,
+    REPLICA_SETTING_OPTIONS,
     STRAGGLER_SETTING_OPTIONS,
     HotSettings,
     RdzvOptions,
+    ReplicaCheckSettings,
     StragglerSettings,
     WorkerSettings,
     parse_rdzv_options,
@@ -282,10 +284,11 @@ def test_the_recovery_mode_travels_from_the_flag_to_the_worker(monkeypatch, mode
 @pytest.mark.parametrize(("field", "name"), [
     *(("hot." + field, name) for field, name in HOT_SETTING_OPTIONS.items()),
     *(("stragglers." + field, name) for field, name in STRAGGLER_SETTING_OPTIONS.items()),
+    *(("replicas." + field, name) for field, name in REPLICA_SETTING_OPTIONS.items()),
 ])
 def test_each_worker_setting_is_its_options_value(field, name):
     option = BY_NAME[name]
-    value = {Kind.RATIO: 3.5, Kind.RATIO_OR_ZERO: 4.5}.get(option.kind, 40)
+    value = {Kind.RATIO: 3.5, Kind.RATIO_OR_ZERO: 4.5}.get(option.kind, min(40, option.high))
     conf = {"recovery": "hot", name: str(value)}
     if name == "straggler_interval":
         conf["straggler_window"] = "60"
@@ -296,6 +299,7 @@ def test_each_worker_setting_is_its_options_value(field, name):
 
 def test_the_worker_settings_defaults_are_the_tables():
     assert StragglerSettings() == StragglerSettings.of(parse_rdzv_options({}), min_nodes=1)
+    assert ReplicaCheckSettings() == ReplicaCheckSettings.of(parse_rdzv_options({}), min_nodes=1)
     hot = HotSettings(min_nodes=1, max_nodes=2)
     # A job `up` starts: its last call, and the table's defaults for the rest.
     assert hot == WorkerSettings.of(parse_rdzv_options({"recovery": "hot", **up_defaults()}), 1, 2).hot
@@ -305,8 +309,8 @@ def test_the_worker_settings_defaults_are_the_tables():
 def test_the_worker_settings_document_is_versioned_json():
     settings_ = WorkerSettings.of(parse_rdzv_options({"recovery": "hot"}), 1, 2)
     data = json.loads(settings_.to_json())
-    assert data["version"] == 1 and data["recovery"] == "hot" and set(data) == {"version", "recovery", "stragglers",
-                                                                                "hot"}
+    assert data["version"] == 2 and data["recovery"] == "hot" and set(data) == {"version", "recovery", "stragglers",
+                                                                                "hot", "replicas"}
     assert WorkerSettings.from_json(settings_.to_json()) == settings_
     restart = WorkerSettings.of(parse_rdzv_options({}), 1, 2)
     assert restart.hot is None and json.loads(restart.to_json())["hot"] is None
