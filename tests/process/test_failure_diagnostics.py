@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1]  # its parent, the repository, holds bench/ (the shared harness)
 
 FAILING = textwrap.dedent('''
     import sys
@@ -38,7 +38,7 @@ def test_a_failing_test_shows_its_nodes_records_and_keys(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                              str(tmp_path / "test_made_to_fail.py")], capture_output=True, text=True, timeout=180,
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))})
+                                filter(None, [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH")]))})
     out = result.stdout
     assert result.returncode == 1 and "made to fail" in out, out[-3000:]
     assert "node a (running): last 30 lines of" in out and "hello from node a" in out, out[-3000:]
