@@ -38,14 +38,15 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
 
     Checks versions (and that they agree with the job's nodes), GPUs, the network
     interface gloo would use, etcd latency, the clock against etcd's, a free port,
-    /dev/shm, and that the checkpoint directory is writable and shared with the other nodes.
+    /dev/shm, that the checkpoint directory is writable, shared with the other nodes and has
+    room for the next checkpoint, that this host has the job's code, and that its GPUs compute.
     """
     from elasticctl import doctor as checks
     from elasticctl import launcher
     from elasticctl.embedded_etcd import embedded_endpoint
     from elasticctl.job.registry import list_jobs
 
-    settings = client = etcd_error = registry = None
+    settings = client = etcd_error = registry = spec = None
     found: list = []
     endpoints = etcd_params["etcd_endpoints"] or embedded_endpoint()
     if endpoints:
@@ -73,7 +74,7 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
                           else launcher.primary_address())
         report = checks.run_checks(settings=settings, client=client, etcd_error=etcd_error, registry=registry,
                                    checkpoint_dir=checkpoint_dir, local_addr=local_addr, quick=False, deep=deep,
-                                   key_prefix=etcd_params["key_prefix"], prepare=False)
+                                   key_prefix=etcd_params["key_prefix"], prepare=False, spec=spec)
     finally:
         if client is not None:
             client.close()

@@ -89,6 +89,36 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 
 # -- up / join ------------------------------------------------------------------------------
 
+def _known_checks(ctx, param, values: tuple[str, ...]) -> frozenset[str]:
+    from elasticctl.doctor import ADMISSION_CHECKS
+
+    unknown = sorted(set(values) - set(ADMISSION_CHECKS))
+    if unknown:
+        raise click.BadParameter(f"{', '.join(map(repr, unknown))} is not an admission check; the checks are "
+                                 f"{', '.join(ADMISSION_CHECKS)}.", ctx, param)
+    return frozenset(values)
+
+
+def _checks_given(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    for value in values:
+        if not value.strip():
+            raise click.BadParameter("a check is a command to run; this one is empty.", ctx, param)
+    return tuple(values)
+
+
+def admission_options(command):
+    """--skip-check and --check, of up and join: each node's own, not the job's (two nodes may
+    well run different checks), so they are not in the job's options table or spec."""
+    command = click.option(
+        "--check", "checks", multiple=True, metavar="CMD", callback=_checks_given,
+        help="An admission check of your own (repeatable): CMD runs (no shell) before the node registers, "
+             "within 10 s; a status other than 0 refuses the node with its first line of output.")(command)
+    return click.option(
+        "--skip-check", "skip_checks", multiple=True, metavar="NAME", callback=_known_checks,
+        help="Skip the admission check NAME (repeatable): a doctor check's name, e.g. code, devices, "
+             "custom (docs/troubleshooting.md#admission-checks).")(command)
+
+
 @click.command(cls=TorchrunStyleCommand, context_settings={"allow_interspersed_args": False, **_FLAT_ENV})
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
               help="A YAML job file; any flag can be set there, and flags override it.")
@@ -116,13 +146,17 @@ def etcd(data_dir, listen, advertise, client_port, peer_port, name) -> None:
 @click.option("--etcd-data-dir", type=click.Path(file_okay=False), default=None, callback=_not_empty,
               help="Embedded etcd: data directory (default: temporary).")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a Python module name, as with python -m.")
+@click.option("--code-hash", default=None, metavar="PATHS", callback=_not_empty,
+              help="Files or directories of the job's code, comma-separated: their sha256 goes into the job's "
+                   "spec with the script's, and a node whose copy differs is refused (the code check).")
+@admission_options
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @worker_log_options
 @click.argument("script", required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local_rank, node_id, local_addr,
-       etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, dry_run, script, script_args,
-       **params) -> None:
+       etcd_listen, etcd_port, etcd_peer_port, etcd_data_dir, module, code_hash, skip_checks, checks, dry_run,
+       script, script_args, **params) -> None:
     """Start a job (or join it with the same spec): publish it, register, run torchrun.
 
     Without --etcd, an embedded etcd starts on this host and the line for
@@ -146,6 +180,7 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
             module=module, env=parse_env(env), legacy_local_rank=legacy_local_rank, **fields,
         )
         launcher.check_script(spec)
+        spec = _with_code_digests(spec, code_hash)
         if params["etcd_endpoints"] is None:
             check_listen_host(etcd_listen)
             if etcd_port == etcd_peer_port != 0:
@@ -187,7 +222,11 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
             click.echo(f"job {job} already runs with this spec: joining it", err=True)
         marker = None
         try:
-            marker = _quick_doctor(client, registry, spec, local_addr)
+            # Joining a running job: this host's code is compared with the digests its first node
+            # recorded (the spec in etcd), not with its own.
+            running = None if published else registry.read_spec()
+            marker = _quick_doctor(client, registry, running or spec, local_addr, node_id, skip_checks, checks,
+                                   record_refusal=not published)
             _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=server is not None,
                       worker_logs=worker_logs)
         except SystemExit:
@@ -207,6 +246,23 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
 
             forget_embedded(os.getpid())
             server.stop()
+
+
+def _with_code_digests(spec: JobSpec, code_hash: str | None) -> JobSpec:
+    """``spec`` with the sha256 of its script (the module's file for -m, found without importing
+    it) and of the ``--code-hash`` paths, as this host has them (ConfigError: a path is missing)."""
+    from elasticctl.doctor.code import hash_code, hash_file, script_file
+
+    paths = tuple(dict.fromkeys(p.strip() for p in (code_hash or "").split(",") if p.strip()))
+    if code_hash is not None and not paths:
+        raise ConfigError(f"--code-hash {code_hash!r} names no path; give files or directories, comma-separated.")
+    try:
+        script_digest = hash_file(script_file(spec.script, spec.module))
+        code_digest = hash_code(paths) if paths else None
+    except OSError as exc:
+        raise ConfigError(f"Cannot hash the job's code: {exc.filename or spec.script}: "
+                          f"{exc.strerror or exc}.") from None
+    return dataclasses.replace(spec, script_sha256=script_digest, code_paths=paths, code_sha256=code_digest)
 
 
 def _settled_settings(rdzv_conf: str, params: dict) -> tuple[dict[str, object], dict[str, str]]:
@@ -290,9 +346,10 @@ def _start_embedded(server, job: str) -> None:
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
 @click.option("--local-addr", default=None, callback=_not_empty, help="This node's address as other nodes see it.")
+@admission_options
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @worker_log_options
-def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None:
+def join(job, wait_seconds, node_id, local_addr, skip_checks, checks, dry_run, **etcd_params) -> None:
     """Join a running job: read its spec from etcd, register, run the same torchrun."""
     from elasticctl import launcher
 
@@ -315,17 +372,24 @@ def join(job, wait_seconds, node_id, local_addr, dry_run, **etcd_params) -> None
         click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr,
                                                         worker_logs=worker_logs)))
         return
-    _quick_doctor(client, registry, spec, local_addr)
+    _quick_doctor(client, registry, spec, local_addr, node_id, skip_checks, checks, record_refusal=True)
     _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False, worker_logs=worker_logs)
 
 
-def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str) -> str | None:
-    """The doctor's quick checks before this node registers: warnings are printed, a failure
-    refuses the node. Returns the checkpoint marker this node claimed as the job's first, if any."""
+def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str, node_id: str | None = None,
+                  skip: frozenset[str] = frozenset(), custom: tuple[str, ...] = (),
+                  record_refusal: bool = False) -> str | None:
+    """The admission checks (the doctor's quick ones, the code, the devices, ``custom``) before
+    this node registers: warnings are printed, a failure refuses the node, and, with
+    ``record_refusal`` (a job that other nodes run), is recorded in the job's history as a
+    node_refused event. Returns the checkpoint marker this node claimed as the job's first, if any."""
     from elasticctl import doctor
 
+    began = time.monotonic()
     report = doctor.run_checks(settings=client.settings, client=client, etcd_error=None, registry=registry,
-                               checkpoint_dir=spec.checkpoint_dir, local_addr=local_addr, quick=True)
+                               checkpoint_dir=spec.checkpoint_dir, local_addr=local_addr, quick=True, spec=spec,
+                               skip=skip, custom=custom)
+    log.debug("admission checks took %.2f s", time.monotonic() - began)
     for check in report.checks:
         if check.status is doctor.Status.WARN:
             click.echo(f"elasticctl: warning: doctor {check.name}: {check.detail}; fix: {check.fix}", err=True)
@@ -335,8 +399,23 @@ def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str) ->
     if reason is not None:
         if report.claimed_marker is not None:
             _ignore_etcd_errors(lambda: registry.release_checkpoint_marker(report.claimed_marker))
+        if record_refusal:
+            _record_refusal(client, registry, node_id, report.failed[0].name, reason)
         raise ConfigError(reason)
     return report.claimed_marker
+
+
+def _record_refusal(client, registry: Registry, node_id: str | None, check: str, reason: str) -> None:
+    """A node_refused event in the job's history: the refused node never registers, so this is
+    how `status`, `events` and the metrics see it. Best effort, like every event. Not for the
+    job's first node, whose spec is withdrawn: there is no job to see it."""
+    from elasticctl.job.events import EventLog
+    from elasticctl.job.records import EVENT_REASON_MAX, EventKind
+    from elasticctl.job.registry import _host_node_id
+
+    host = socket.gethostname()
+    text = f"host {host}: check {check}: {reason}"[:EVENT_REASON_MAX]
+    EventLog(client, registry.keys).record(EventKind.NODE_REFUSED, node_id or _host_node_id(), reason=text)
 
 
 def _ignore_etcd_errors(action) -> None:

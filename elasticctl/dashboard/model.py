@@ -433,6 +433,11 @@ class JobMetrics:
         return self.counters.count(EventKind.STRAGGLER)
 
     @property
+    def node_refused_events(self) -> int:
+        """Nodes an admission check refused (other code, a bad GPU, a failed --check) over the job's life."""
+        return self.counters.count(EventKind.NODE_REFUSED)
+
+    @property
     def replica_diverged_events(self) -> int:
         """Replicas found to differ from their set's majority (or sets with none) over the job's life."""
         return self.counters.count(EventKind.REPLICA_DIVERGED)

@@ -189,6 +189,10 @@ def _job_families(out: _Families, job: str, m: JobMetrics) -> None:
     out.gauge("elasticctl_stragglers", "Live nodes named stragglers now.", job, len(m.straggler_ratios))
     out.counter("elasticctl_straggler_events", "Nodes named (or evicted as) stragglers: straggler events.",
                 job, m.straggler_events)
+    # Hosts kept out of the job by an admission check (they never registered: no node series).
+    out.counter("elasticctl_node_refused_events",
+                "Nodes an admission check refused before they registered: node_refused events.",
+                job, m.node_refused_events)
     # Silent corruption: a replica whose parameters left its set's majority (the replica check).
     out.counter("elasticctl_replica_diverged_events",
                 "Replicas whose parameters differed from their replicas' majority, or replica sets with no "

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
+from collections.abc import Collection, Sequence
 
 import psutil
 
@@ -28,11 +30,17 @@ from elasticctl.doctor.checks import (
     decide_job,
     decide_torch_agreement,
     decide_versions,
+    skipped,
 )
 from elasticctl.doctor.gather import (
     MarkerOutcome,
+    CUSTOM_CHECK_TIMEOUT_S,
+    DEVICE_PROBE_TIMEOUT_S,
     gather_checkpoint_marker,
     gather_clock,
+    gather_code,
+    gather_custom,
+    gather_devices,
     gather_etcd_latency,
     gather_etcd_members,
     gather_gpus,
@@ -41,15 +49,24 @@ from elasticctl.doctor.gather import (
     gather_shm,
     gather_torch_build,
     installed_torch_version,
+    newest_checkpoint_bytes,
     probe_creatable,
     probe_writable,
     read_checkpoint_marker,
 )
 from elasticctl.etcd.client import EtcdClient, EtcdSettings
 from elasticctl.job.registry import DEFAULT_KEY_PREFIX, Registry, read_probe
+from elasticctl.job.spec import JobSpec
 
 
-__all__ = ["Check", "Report", "Status", "decide_job", "refusal", "run_checks"]
+__all__ = ["ADMISSION_CHECKS", "Check", "Report", "Status", "decide_job", "refusal", "run_checks"]
+
+# The checks up and join run before a node registers (the admission checks), by name: what
+# --skip-check takes. "custom" is every --check CMD.
+ADMISSION_CHECKS = ("versions", "torch-agreement", "checkpoint-writes", "interface", "etcd", "etcd-version",
+                    "clock", "ports", "shm", "checkpoint-dir", "checkpoint-shared", "code", "devices", "custom")
+# All of them together, the etcd reads and the processes they run (the device probe, --check) included.
+ADMISSION_BUDGET_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +82,22 @@ class Report:
 def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd_error: str | None,
                registry: Registry | None, checkpoint_dir: str | None, local_addr: str,
                quick: bool, deep: bool = False, key_prefix: str = DEFAULT_KEY_PREFIX,
-               prepare: bool = True) -> Report:
+               prepare: bool = True, spec: JobSpec | None = None, skip: Collection[str] = (),
+               custom: Sequence[str] = (), budget: float = ADMISSION_BUDGET_S) -> Report:
     """Every check this host can answer. ``client`` None: etcd is unreachable (``etcd_error``)
     or not given; ``registry`` None: no job to compare with. ``quick``: what up/join run.
     ``prepare``: create the checkpoint directory and claim the job's marker when this is its
     first node (up and join); without it (``elasticctl doctor``) nothing is changed but a probe
-    file, removed again."""
+    file, removed again. ``spec``: the job's, to compare this host's code with. ``skip``: checks
+    by name (ADMISSION_CHECKS) whose verdict does not count: the code, the devices and the custom
+    checks are not even run, the cheap others run and their verdict is replaced. ``custom``: the
+    user's own commands (--check). The processes (device probe, custom checks) get what is left
+    of ``budget`` seconds, counted from the start."""
+    deadline = time.monotonic() + budget
+
+    def left(at_most: float) -> float:
+        return max(0.0, min(at_most, deadline - time.monotonic()))
+
     checks: list[Check] = [decide_versions(sys.version_info, installed_torch_version())]
     nodes: dict[str, dict] = {}
     if registry is not None:
@@ -102,7 +129,8 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
         else:
             error = probe_writable(checkpoint_dir, create=prepare)
         free = None if error else psutil.disk_usage(created_under or checkpoint_dir).free
-        checks.append(decide_checkpoint_dir(checkpoint_dir, error, free, created_under))
+        newest = None if error or created_under else newest_checkpoint_bytes(checkpoint_dir)
+        checks.append(decide_checkpoint_dir(checkpoint_dir, error, free, created_under, newest))
         if error is None and registry is not None:
             try:
                 outcome = (gather_checkpoint_marker(registry, checkpoint_dir) if prepare
@@ -113,6 +141,18 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
             claimed = outcome.claimed_token
     else:
         checks.append(decide_checkpoint_dir(None, None))
+    if spec is not None:
+        checks.append(skipped("code", "--skip-check code") if "code" in skip else gather_code(spec))
+    if "devices" in skip:
+        checks.append(skipped("devices", "--skip-check devices"))
+    else:
+        gpus = launcher.visible_gpu_count()
+        checks.append(gather_devices(gpus, left(DEVICE_PROBE_TIMEOUT_S)) if gpus else gather_devices(0))
+    for command in custom:
+        checks.append(skipped("custom", f"--skip-check custom ({command})") if "custom" in skip
+                      else gather_custom(command, left(CUSTOM_CHECK_TIMEOUT_S)))
+    checks = [skipped(c.name, f"--skip-check {c.name}") if c.name in skip and not c.detail.startswith("skipped")
+              else c for c in checks]
     return Report(tuple(checks), claimed)
 
 
@@ -123,4 +163,4 @@ def refusal(report: Report, job: str) -> str | None:
     first = report.failed[0]
     more = f" (and {len(report.failed) - 1} more failed check(s) above)" if len(report.failed) > 1 else ""
     fix = first.fix[:1].lower() + first.fix[1:].rstrip(".")
-    return f"This host cannot join job '{job}': {first.detail}{more}; {fix}."
+    return f"This host cannot join job '{job}': check {first.name}: {first.detail}{more}; {fix}."

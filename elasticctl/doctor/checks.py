@@ -32,6 +32,13 @@ INCONSISTENT_ETCD = ((3, 5, 0), (3, 5, 2))
 _ETCD_VERSION_RE = re.compile(r"([0-9]{1,4})\.([0-9]{1,4})\.([0-9]{1,4})(?:[-+][0-9A-Za-z.+-]{1,40})?")
 
 GIB = float(1 << 30)
+# Free space on the checkpoint storage, in sizes of the job's newest checkpoint: below the first
+# the next checkpoint may not fit (a FAIL), below the second a few more will not (a WARN).
+CHECKPOINT_ROOM_FAIL = 2
+CHECKPOINT_ROOM_WARN = 5
+# The device probe: a matmul on each GPU against the CPU's (relative to the result's largest value).
+DEVICE_MATMUL_TOLERANCE = 1e-3
+DEVICE_PROBE_MAX_DEVICES = 64
 
 
 class Status(str, enum.Enum):
@@ -59,6 +66,25 @@ class Check:
 
 def passed(name: str, detail: str) -> Check:
     return Check(name, Status.PASS, detail)
+
+
+def skipped(name: str, why: str) -> Check:
+    """A check not run (``--skip-check``, no GPU): it passes, saying so."""
+    return Check(name, Status.PASS, f"skipped: {why}")
+
+
+def size_text(count: int) -> str:
+    """Bytes in the unit that reads best: '512 B', '3.0 MiB', '1.5 GiB'."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """Untrusted text as part of one line: control characters escaped, bounded."""
+    text = text[:limit]
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _quoted(value: str) -> str:
@@ -381,9 +407,13 @@ def decide_shm(total_bytes: int | None, free_bytes: int | None) -> Check:
 
 
 def decide_checkpoint_dir(path: str | None, error: str | None, free_bytes: int | None = None,
-                          created_under: str | None = None) -> Check:
+                          created_under: str | None = None, newest_checkpoint_bytes: int | None = None) -> Check:
     """``created_under``: the path does not exist yet, and this existing ancestor lets the job
-    create it (the doctor does not: a check must not change what it checks)."""
+    create it (the doctor does not: a check must not change what it checks).
+    ``newest_checkpoint_bytes``: the size on disk of the job's newest checkpoint in it (None or 0:
+    none yet). The next checkpoint is written beside it before the oldest is pruned: free space
+    below :data:`CHECKPOINT_ROOM_FAIL` times its size fails, below :data:`CHECKPOINT_ROOM_WARN`
+    times warns."""
     name = "checkpoint-dir"
     if path is None:
         return passed(name, "no checkpoint directory given")
@@ -391,6 +421,16 @@ def decide_checkpoint_dir(path: str | None, error: str | None, free_bytes: int |
         return Check(name, Status.FAIL, f"the checkpoint directory {_quoted(path)} is not writable: {error}",
                      "Create the directory with write permission for this user, or pass another --checkpoint-dir.")
     free = "" if free_bytes is None else f", {free_bytes / GIB:.1f} GiB free"
+    if newest_checkpoint_bytes and free_bytes is not None:
+        room = (f"{_quoted(path)} has {size_text(free_bytes)} free and the job's newest checkpoint takes "
+                f"{size_text(newest_checkpoint_bytes)}")
+        fix = (f"Free space on the checkpoint storage: at least {CHECKPOINT_ROOM_FAIL}x the newest checkpoint "
+               f"for the next one to be written, {CHECKPOINT_ROOM_WARN}x to keep a few.")
+        if free_bytes < CHECKPOINT_ROOM_FAIL * newest_checkpoint_bytes:
+            return Check(name, Status.FAIL, f"{room}: no room for {CHECKPOINT_ROOM_FAIL} more", fix)
+        if free_bytes < CHECKPOINT_ROOM_WARN * newest_checkpoint_bytes:
+            return Check(name, Status.WARN, f"{room}: room for fewer than {CHECKPOINT_ROOM_WARN} more", fix)
+        free += f", room for {free_bytes // newest_checkpoint_bytes} checkpoint(s) of the newest one's size"
     if created_under is not None:
         return passed(name, f"{_quoted(path)} does not exist yet; the job creates it in "
                             f"{_quoted(created_under)}, which is writable{free}")
@@ -424,3 +464,170 @@ def decide_checkpoint_health(progress: Mapping | None) -> Check:
     return Check(name, Status.WARN, f"the job's last {failures} checkpoint(s) failed: {error.rstrip('.')}",
                  "Free space on (or fix) the checkpoint storage: training goes on, but a restart "
                  "would resume from the last checkpoint written.")
+
+
+# -- admission checks: the code, the devices, the user's own ----------------------------------
+
+SAME_CODE_FIX = ("Install the same code on every host (the job's script and its --code-hash paths), "
+                 "then start this node again.")
+
+
+def _digest(value: object) -> str | None:
+    return value if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) else None
+
+
+def decide_code(host: str, script: str, expected_script: str | None, found_script: str | None,
+                code_paths: Sequence[str] = (), expected_code: str | None = None,
+                found_code: str | None = None, error: str | None = None) -> Check:
+    """Does this host run the job's code? ``expected_*``: the digests in the job's spec (None: it
+    records none: published by an older elasticctl, or no --code-hash); ``found_*``: this host's;
+    ``error``: why this host's files could not be hashed (a sentence's clause)."""
+    name = "code"
+    expected_script, expected_code = _digest(expected_script), _digest(expected_code)
+    if expected_script is None and expected_code is None:
+        return passed(name, "the job's spec records no digest of its code (an older elasticctl published it): "
+                            "nothing to compare")
+    if error is not None:
+        return Check(name, Status.FAIL, f"cannot hash the job's code on host {host}: {error.rstrip('.')}",
+                     SAME_CODE_FIX)
+    differ = []
+    if expected_script is not None and found_script != expected_script:
+        differ.append(f"the script {_quoted(script)} differs on host {host}: sha256 "
+                      f"{(found_script or 'none')[:12]} here, {expected_script[:12]} in the job's spec")
+    paths = ", ".join(code_paths)
+    if expected_code is not None and found_code != expected_code:
+        differ.append(f"the code under {paths} differs on host {host}: sha256 "
+                      f"{(found_code or 'none')[:12]} here, {expected_code[:12]} in the job's spec")
+    if differ:
+        return Check(name, Status.FAIL, "; ".join(differ), SAME_CODE_FIX)
+    what = [f"script {_quoted(script)} ({expected_script[:12]})"] if expected_script else []
+    what += [f"code under {paths} ({expected_code[:12]})"] if expected_code else []
+    return passed(name, f"{' and '.join(what)} as in the job's spec")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceResult:
+    """One GPU's matmul against the CPU's: ``error`` the largest difference relative to the
+    result's largest value, ``failure`` why it could not be computed."""
+
+    index: int
+    name: str
+    error: float | None
+    failure: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProbe:
+    """What ``python -m elasticctl.doctor.device_probe`` found (:func:`parse_device_probe`).
+    ``failure``: why it checked no device at all (no CUDA in torch); ``collective``: 'pass',
+    'fail' or 'skipped', and why."""
+
+    devices: tuple[DeviceResult, ...] = ()
+    failure: str | None = None
+    collective: str = "skipped"
+    collective_detail: str = ""
+
+
+def parse_device_probe(text: str) -> DeviceProbe:
+    """The probe's one JSON line (its last line of output: untrusted, like anything a subprocess
+    prints). ValueError, naming what is wrong, when it is not the probe's document."""
+    import json
+
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("it printed nothing")
+    try:
+        data = json.loads(lines[-1][:100_000])
+    except ValueError:
+        raise ValueError(f"it printed {_printable(lines[-1], 80)!r}, not its JSON line") from None
+    if not isinstance(data, dict):
+        raise ValueError("its JSON line is not an object")
+
+    def text_of(value: object, what: str) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"its {what} is not text")
+        return _printable(value)
+
+    failure = data.get("failure")
+    devices = data.get("devices", [])
+    if not isinstance(devices, list) or len(devices) > DEVICE_PROBE_MAX_DEVICES:
+        raise ValueError("its device list is malformed")
+    results = []
+    for item in devices:
+        if not isinstance(item, dict):
+            raise ValueError("a device of its list is not an object")
+        index, error = item.get("index"), item.get("error")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < DEVICE_PROBE_MAX_DEVICES:
+            raise ValueError("a device's index is malformed")
+        if error is not None and (isinstance(error, bool) or not isinstance(error, (int, float))
+                                  or not error >= 0):  # NaN fails this too
+            raise ValueError(f"GPU {index}'s matmul difference is malformed")
+        bad = item.get("failure")
+        results.append(DeviceResult(index, text_of(item.get("name", ""), "device name"),
+                                    None if error is None else float(error),
+                                    None if bad is None else text_of(bad, "device failure")))
+        if results[-1].error is None and results[-1].failure is None:
+            raise ValueError(f"GPU {index} has neither a result nor a failure")
+    collective = data.get("collective", {})
+    if not isinstance(collective, dict) or collective.get("status", "skipped") not in ("pass", "fail", "skipped"):
+        raise ValueError("its collective result is malformed")
+    return DeviceProbe(tuple(results), None if failure is None else text_of(failure, "failure"),
+                       collective.get("status", "skipped"),
+                       text_of(collective.get("detail", ""), "collective detail"))
+
+
+def decide_devices(visible: int, probe: DeviceProbe | None, error: str | None = None,
+                   tolerance: float = DEVICE_MATMUL_TOLERANCE) -> Check:
+    """Do this host's GPUs compute? ``visible``: GPUs this node may use (none: nothing to probe);
+    ``probe``: what the probe found, or ``error``: why it gave no answer (it crashed, timed out,
+    printed something else)."""
+    name = "devices"
+    if visible <= 0:
+        return skipped(name, "no GPU visible")
+    fix = "Drain this host and have its GPUs checked (or hide a bad one with CUDA_VISIBLE_DEVICES)."
+    if error is not None or probe is None:
+        return Check(name, Status.FAIL, f"the probe of the {visible} visible GPU(s) failed: "
+                     f"{(error or 'no answer').rstrip('.')}",
+                     "Check the GPUs with nvidia-smi and that torch is a CUDA build that can use them.")
+    if probe.failure is not None:
+        return Check(name, Status.FAIL, f"the {visible} visible GPU(s) cannot be used: {probe.failure.rstrip('.')}",
+                     "Install a CUDA build of torch that this host's driver supports.")
+    problems = [f"GPU {d.index} failed a matmul: {d.failure.rstrip('.')}" for d in probe.devices if d.failure]
+    problems += [f"GPU {d.index}'s matmul differs from the CPU's by {d.error:.2g} (above {tolerance:g})"
+                 for d in probe.devices if d.error is not None and d.error > tolerance]
+    if len(probe.devices) != visible:
+        problems.append(f"torch sees {len(probe.devices)} of the {visible} visible GPU(s)")
+    if probe.collective == "fail":
+        problems.append(f"an all-reduce across the GPUs failed: {probe.collective_detail.rstrip('.')}")
+    if problems:
+        return Check(name, Status.FAIL, "; ".join(problems), fix)
+    worst = max((d.error for d in probe.devices if d.error is not None), default=0.0)
+    collective = ("an all-reduce across them agrees" if probe.collective == "pass"
+                  else f"all-reduce not checked ({probe.collective_detail or 'skipped'})")
+    names = ", ".join(f"{d.index}: {d.name}" for d in probe.devices)
+    return passed(name, f"{len(probe.devices)} GPU(s) ({names}) compute a matmul as the CPU does "
+                        f"(largest difference {worst:.2g}); {collective}")
+
+
+def first_line(output: str) -> str:
+    """The first non-blank line of a command's output, as one bounded printable line."""
+    for line in output.splitlines():
+        if line.strip():
+            return _printable(line.strip())
+    return ""
+
+
+def decide_custom(command: str, returncode: int | None, output: str, error: str | None = None) -> Check:
+    """A user's own admission check (``--check CMD``): exit 0 passes; anything else fails with
+    its first line of output. ``error``: it could not be run or did not finish."""
+    name = "custom"
+    shown = quote(command, 80)
+    if error is not None:
+        return Check(name, Status.FAIL, f"the check {shown} {error.rstrip('.')}",
+                     "Fix the check or this host (or skip it with --skip-check custom).")
+    said = first_line(output)
+    if returncode != 0:
+        return Check(name, Status.FAIL, f"the check {shown} exited with status {returncode}"
+                     + (f": {said}" if said else " and printed nothing"),
+                     "Fix what the check reports on this host, then start this node again.")
+    return passed(name, f"the check {shown} passed" + (f": {said}" if said else ""))

@@ -3,13 +3,18 @@ nvidia-smi, etcd, the checkpoint directory and its marker, etcd's clock)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import email.utils
+import re
+import shlex
+import sys
 import errno
 import importlib.metadata
 import os
 import secrets
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -31,18 +36,33 @@ from elasticctl.doctor.checks import (
     clock_offset_bounds,
     decide_checkpoint_marker,
     decide_clock,
+    decide_code,
+    decide_custom,
+    decide_devices,
     decide_etcd_members,
     decide_gpus,
     decide_port,
     decide_shm,
     decide_torch_build,
+    parse_device_probe,
     parse_nvidia_smi,
 )
-from elasticctl.errors import ElasticctlError
+from elasticctl.doctor.code import hash_code, hash_file, script_file
+from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, member_versions
 from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.registry import Registry
+from elasticctl.job.spec import JobSpec
 
+
+# The admission checks that run a process: each bounded (and all of them by the caller's budget).
+DEVICE_PROBE_TIMEOUT_S = 8.0
+CUSTOM_CHECK_TIMEOUT_S = 10.0
+# A checkpoint as elasticctl.train writes them (checkpoint.py, sharded_checkpoint.py): a file
+# complete once its digest is there, or a directory renamed into place complete.
+_CHECKPOINT_FILE_RE = re.compile(r"step-([0-9]{8,})\.pt")
+_CHECKPOINT_DIR_RE = re.compile(r"step-([0-9]{8,})")
+_CHECKPOINT_DIGEST_SUFFIX = ".sha256"
 
 # How long a node that lost the race to claim the marker waits for the winner to write it.
 MARKER_WAIT_S = 2.0
@@ -331,3 +351,118 @@ def gather_clock(settings: EtcdSettings, samples: int, clock: Callable[[], float
     except (OSError, ValueError, urllib.error.URLError, ssl.SSLError) as exc:
         return decide_clock(None, str(getattr(exc, "reason", None) or exc))
     return decide_clock(clock_offset_bounds(found))
+
+
+def newest_checkpoint_bytes(checkpoint_dir: str) -> int | None:
+    """The size on disk of the newest complete checkpoint in ``checkpoint_dir`` (a file with its
+    digest, or a sharded checkpoint's directory, its files summed), or None when it holds none."""
+    newest: tuple[int, str, bool] | None = None
+    try:
+        with os.scandir(checkpoint_dir) as entries:
+            for entry in entries:
+                as_file = _CHECKPOINT_FILE_RE.fullmatch(entry.name)
+                as_dir = _CHECKPOINT_DIR_RE.fullmatch(entry.name)
+                if as_file and entry.is_file() and os.path.exists(entry.path + _CHECKPOINT_DIGEST_SUFFIX):
+                    found = (int(as_file[1]), entry.path, False)
+                elif as_dir and entry.is_dir(follow_symlinks=False):
+                    found = (int(as_dir[1]), entry.path, True)
+                else:
+                    continue
+                if newest is None or found[0] > newest[0]:
+                    newest = found
+        if newest is None:
+            return None
+        _, path, is_dir = newest
+        if not is_dir:
+            return os.stat(path).st_size
+        total = 0
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                total += os.lstat(os.path.join(root, name)).st_size
+        return total
+    except OSError:
+        return None  # unreadable: the writability probe says what is wrong
+
+
+def gather_code(spec: JobSpec, host: str | None = None) -> Check:
+    """This host's digests of the job's script and ``--code-hash`` paths, against its spec's."""
+    host = host or socket.gethostname()
+    found_script = found_code = error = None
+    try:
+        if spec.script_sha256 is not None:
+            found_script = hash_file(script_file(spec.script, spec.module))
+        if spec.code_sha256 is not None:
+            found_code = hash_code(spec.code_paths)
+    except ConfigError as exc:
+        error = str(exc)
+    except OSError as exc:
+        error = f"{exc.filename or spec.script}: {exc.strerror or exc}"
+    return decide_code(host, spec.script, spec.script_sha256, found_script, spec.code_paths,
+                       spec.code_sha256, found_code, error)
+
+
+def gather_devices(visible: int, timeout: float = DEVICE_PROBE_TIMEOUT_S) -> Check:
+    """The ``devices`` check: the probe (a matmul on each GPU, an all-reduce across them) in its
+    own bounded process; none without a visible GPU."""
+    if visible <= 0:
+        return decide_devices(visible, None)
+    command = [sys.executable, "-m", "elasticctl.doctor.device_probe"]
+    try:
+        returncode, stdout, stderr = run_bounded(command, timeout, merge_stderr=False)
+    except subprocess.TimeoutExpired:
+        return decide_devices(visible, None, f"it did not finish within {timeout:.3g} s (a hung GPU or driver)")
+    except OSError as exc:
+        return decide_devices(visible, None, f"it cannot start: {exc.strerror or exc}")
+    try:
+        probe = parse_device_probe(stdout)
+    except ValueError as exc:
+        said = (stderr.strip().splitlines() or [""])[-1][:200]
+        why = f"it exited with status {returncode} and {exc}" + (f" ({said})" if said else "")
+        return decide_devices(visible, None, why)
+    return decide_devices(visible, probe)
+
+
+def gather_custom(command: str, timeout: float = CUSTOM_CHECK_TIMEOUT_S) -> Check:
+    """A user's ``--check CMD``: run (shlex-split, no shell) with a timeout; exit 0 passes."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        return decide_custom(command, None, "", f"cannot be read as a command: {exc}")
+    if not argv:
+        return decide_custom(command, None, "", "is empty")
+    if timeout <= 0:
+        return decide_custom(command, None, "", "was not run: the admission checks' time was spent")
+    try:
+        returncode, output, _ = run_bounded(argv, timeout, merge_stderr=True)
+    except subprocess.TimeoutExpired:
+        return decide_custom(command, None, "", f"did not finish within {timeout:.3g} s")
+    except OSError as exc:
+        return decide_custom(command, None, "", f"cannot be run: {exc.strerror or exc}")
+    return decide_custom(command, returncode, output)
+
+
+def run_bounded(argv: Sequence[str], timeout: float, merge_stderr: bool) -> tuple[int, str, str]:
+    """Run ``argv`` (no shell) in a session of its own and return (status, stdout, stderr), at
+    most 1 MiB of each; past ``timeout`` the whole session is killed (a child it left behind
+    holding the output open included) and TimeoutExpired raised."""
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.communicate(timeout=1.0)
+        raise
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def text(raw: bytes | None) -> str:
+        return (raw or b"")[: 1 << 20].decode("utf-8", "replace")
+
+    return process.returncode, text(stdout), text(stderr)

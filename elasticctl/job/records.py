@@ -289,6 +289,7 @@ class EventKind(str, enum.Enum):
     """What happened (``history/events/...``)."""
 
     NODE_JOINED = "node_joined"            # an `up`/`join` process registered its node
+    NODE_REFUSED = "node_refused"          # an admission check refused a node (it never registered): reason
     NODE_WAITING = "node_waiting"          # a node's agent asks for a round (start, or joining a running job)
     ROUND_FORMED = "round_formed"          # a round was sealed: round, members, world_size, duration
     MEMBER_LOST = "member_lost"            # a member of the previous round is gone without leaving

@@ -14,6 +14,10 @@ from elasticctl.numbers import whole_number
 # matched with fullmatch, so that no trailing newline slips through as it does with '$'.
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A sha256 as the spec keeps it (elasticctl.doctor.code makes them; etcd's copy is untrusted).
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+MAX_CODE_PATHS = 64
+MAX_CODE_PATH_CHARS = 4096
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -74,6 +78,7 @@ _SPEC_JSON_TYPES = {
     "name": str, "script": str, "script_args": "strings", "min_nodes": int, "max_nodes": int,
     "nproc_per_node": str, "max_restarts": int, "rdzv_conf": "mapping", "checkpoint_dir": (str, type(None)),
     "module": bool, "env": "mapping", "legacy_local_rank": bool, "node_ttl": int,
+    "script_sha256": (str, type(None)), "code_paths": "strings", "code_sha256": (str, type(None)),
 }
 
 
@@ -94,13 +99,23 @@ class JobSpec:
     env: tuple[tuple[str, str], ...] = ()
     legacy_local_rank: bool = False
     node_ttl: int = BY_NAME["node_ttl"].default
+    # What the job runs, as `up` found it on its host (elasticctl.doctor.code): every joining node
+    # compares its own files (the `code` admission check). The digests are facts of one host, not
+    # settings: two specs that differ only in them are the same job's (compare=False), and a host
+    # with other code is refused by that check, naming both digests, not as a spec conflict. The
+    # paths hashed (`up --code-hash`) are a setting of the job, compared as any other.
+    script_sha256: str | None = dataclasses.field(default=None, compare=False)
+    code_paths: tuple[str, ...] = ()
+    code_sha256: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Canonical order, so that specs from flags, YAML and etcd compare equal.
         object.__setattr__(self, "rdzv_conf", tuple(sorted(dict(self.rdzv_conf).items())))
         object.__setattr__(self, "env", tuple(sorted(dict(self.env).items())))
         object.__setattr__(self, "script_args", tuple(self.script_args))
+        object.__setattr__(self, "code_paths", tuple(self.code_paths))
         validate_job_name(self.name)
+        self._check_code_digests()
         # torchrun's words (what each means is the node's to say: elasticctl.launcher.local_world_size)
         if self.nproc_per_node not in ("auto", "cpu", "gpu") and not (whole_number(self.nproc_per_node) or 0) > 0:
             raise ConfigError(
@@ -137,6 +152,21 @@ class JobSpec:
             if not _ENV_NAME_RE.fullmatch(name):
                 raise ConfigError(f"The environment variable name {quote(name)} is not valid.")
 
+    def _check_code_digests(self) -> None:
+        for field in ("script_sha256", "code_sha256"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, str) and _SHA256_RE.fullmatch(value)):
+                raise ConfigError(f"The job's {field} {quote(value)} must be 64 lowercase hex digits.")
+        if len(self.code_paths) > MAX_CODE_PATHS:
+            raise ConfigError(f"The job names {len(self.code_paths)} code paths to hash; at most "
+                              f"{MAX_CODE_PATHS}.")
+        for path in self.code_paths:
+            if not isinstance(path, str) or not path or len(path) > MAX_CODE_PATH_CHARS or "\0" in path:
+                raise ConfigError(f"The code path {quote(path)} must be a path.")
+        if bool(self.code_paths) != (self.code_sha256 is not None):
+            raise ConfigError("The job's code paths and their sha256 (code_sha256) come together: "
+                              "give both or neither.")
+
     def _settle_fields_given_as_options(self) -> None:
         """One home per value: a setting that is a field of the spec (node_ttl, max_restarts) is not
         kept among the rendezvous options too; the same value there is dropped, another refused.
@@ -167,6 +197,7 @@ class JobSpec:
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["script_args"] = list(self.script_args)
+        data["code_paths"] = list(self.code_paths)
         data["rdzv_conf"] = dict(self.rdzv_conf)
         data["env"] = dict(self.env)
         return data
@@ -201,7 +232,9 @@ class JobSpec:
     def describe_difference(self, other: JobSpec) -> str:
         """'nnodes 1:3 != 1:4, script a.py != b.py': what makes two specs differ."""
         ours, theirs = self.to_dict(), other.to_dict()
-        diffs = [f"{key} {ours[key]!r} != {theirs[key]!r}" for key in ours if ours[key] != theirs[key]]
+        compared = {field.name for field in dataclasses.fields(self) if field.compare}
+        diffs = [f"{key} {ours[key]!r} != {theirs[key]!r}" for key in ours
+                 if key in compared and ours[key] != theirs[key]]
         return ", ".join(diffs) or "no difference"
 
     @property

@@ -323,7 +323,7 @@ def test_refusal_is_one_sentence_naming_the_first_failure():
         Check("interface", FAIL, "loopback", "Pass --local-addr."),
     ))
     assert doctor.refusal(report, "j") == (
-        "This host cannot join job 'j': the checkpoint directory '/x' is not writable: Permission denied "
+        "This host cannot join job 'j': check checkpoint-dir: the checkpoint directory '/x' is not writable: Permission denied "
         "(and 1 more failed check(s) above); create the directory with write permission for this user.")
     assert doctor.refusal(Report((Check("shm", WARN, "small", "Grow it."),)), "j") is None
 

@@ -118,13 +118,19 @@ def test_options_torch_has_carry_torchs_defaults_and_up_says_where_it_differs():
 # -- the flags of `up` and `join` are made from the table ----------------------------------------
 
 # The options of `up` and `join` that are no setting of a job: what to run, where, how to start
-# this node and its embedded etcd, and where this node's workers' output goes (torchrun's own).
+# this node and its embedded etcd, where this node's workers' output goes (torchrun's own), and
+# which admission checks this node runs (--skip-check, --check: each node's own). --code-hash names
+# the code whose digests `up` records beside the script's: spec fields like the script, which the
+# rendezvous handler never reads.
+ADMISSION = {"skip_checks", "checks"}
 WORKER_LOGS = {"log_dir", "tee", "redirects", "local_ranks_filter"}
 COMMAND_OPTIONS = {
     "up": {"etcd_endpoints", "job", "nnodes", "nproc_per_node", "checkpoint_dir", "env", "rdzv_conf",
            "legacy_local_rank", "node_id", "local_addr", "etcd_listen", "etcd_port", "etcd_peer_port",
-           "etcd_data_dir", "module", "dry_run", "script", "script_args", "config", "help", *WORKER_LOGS},
-    "join": {"etcd_endpoints", "job", "wait_seconds", "node_id", "local_addr", "dry_run", "help", *WORKER_LOGS},
+           "etcd_data_dir", "module", "dry_run", "script", "script_args", "config", "help", *WORKER_LOGS,
+           "code_hash", *ADMISSION},
+    "join": {"etcd_endpoints", "job", "wait_seconds", "node_id", "local_addr", "dry_run", "help", *WORKER_LOGS,
+             *ADMISSION},
 }
 
 
