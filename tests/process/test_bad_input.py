@@ -252,8 +252,9 @@ def test_node_ttl_out_of_range_is_one_sentence_and_publishes_nothing(default_etc
 def test_up_that_fails_after_publishing_withdraws_its_spec(default_etcd, run_id):
     # One GPU visible and two processes asked for: refused when the node prepares its
     # torchrun, after `up` has published the spec.
+    # (The GPU is pretended: its admission check, a matmul on it, is skipped.)
     result = run_bounded("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
-                         "--nproc-per-node", "2", MLP, "--steps", "1", timeout=120,
+                         "--nproc-per-node", "2", "--skip-check", "devices", MLP, "--steps", "1", timeout=120,
                          env={"CUDA_VISIBLE_DEVICES": "0"})
     one_error(result, "processes per node (2) exceed the 1 GPUs")
     assert f"published job {run_id}" in result.stderr
@@ -269,8 +270,8 @@ def test_up_that_fails_keeps_a_spec_it_did_not_publish(default_etcd, client, run
     try:
         registry.register_node({"host": "elsewhere"}, lease.id(), "other")
         result = run_bounded("up", "--etcd", default_etcd.endpoint, "--job", run_id,
-                             "--nnodes", "1", "--nproc-per-node", "2", MLP, "--steps", "1",
-                             timeout=120, env={"CUDA_VISIBLE_DEVICES": "0"})
+                             "--nnodes", "1", "--nproc-per-node", "2", "--skip-check", "devices", MLP,
+                             "--steps", "1", timeout=120, env={"CUDA_VISIBLE_DEVICES": "0"})
         one_error(result, "processes per node (2) exceed the 1 GPUs")
         assert "already runs with this spec" in result.stderr
         assert JobSpec.from_dict(json.loads(client.get(registry.keys.spec).value)) == spec

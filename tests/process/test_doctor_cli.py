@@ -214,9 +214,11 @@ def test_up_refuses_an_unwritable_checkpoint_dir_and_publishes_nothing(default_e
 
 def test_up_that_fails_after_claiming_the_marker_takes_it_back(default_etcd, client, run_id, tmp_path):
     # The checks pass (the marker is claimed), then the node is refused: one GPU, two processes.
+    # The GPU is pretended (CUDA_VISIBLE_DEVICES on a host without one): its admission check, which
+    # would run a matmul on it, is skipped.
     result = run_cli("up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
-                     "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), MLP,
-                     env={"CUDA_VISIBLE_DEVICES": "0"})
+                     "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--skip-check", "devices",
+                     MLP, env={"CUDA_VISIBLE_DEVICES": "0"})
     one_error(result, "processes per node (2) exceed the 1 GPUs")
     assert job_keys(client, run_id) == []
 
