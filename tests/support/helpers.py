@@ -110,3 +110,21 @@ def start_tls_etcd(directory: Path):
                           client_ca_file=str(directory / "ca.pem"))
     server.start(client_settings=server.client_settings(**tls))
     return server, tls
+
+
+def up_dry_run_in_process(*flags: str) -> tuple[int, str, str]:
+    """``elasticctl up --dry-run`` of a 2:3 job of trainers/mlp.py with ``flags``, in this process
+    (no subprocess: the unit tests of the flags run it many times): (status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from elasticctl.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        try:
+            main(["up", "--dry-run", "--etcd", "127.0.0.1:2379", "--nnodes", "2:3", *flags, MLP])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, stdout.getvalue(), stderr.getvalue()

@@ -6,18 +6,15 @@ test hands it."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.helpers import MLP
+from support.helpers import MLP, up_dry_run_in_process
 from torch import nn
 
-from elasticctl.cli import main
 from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
 from elasticctl.job.settings import ReplicaCheckSettings, WorkerSettings, parse_rdzv_options
@@ -206,15 +203,7 @@ def test_a_bad_setting_is_one_sentence_naming_it(conf, message):
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
-def _up(*flags: str) -> tuple[int, str, str]:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
-        try:
-            main(["up", "--dry-run", "--etcd", "127.0.0.1:2379", "--nnodes", "2:3", *flags, MLP])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, stdout.getvalue(), stderr.getvalue()
+_up = up_dry_run_in_process
 
 
 def test_up_hands_the_replica_flags_to_the_rendezvous_options():

@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from support.helpers import up_dry_run_in_process
+
 from elasticctl.dashboard.model import stragglers as marked_stragglers
 from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
@@ -265,22 +267,7 @@ def test_the_dashboard_marks_the_nodes_named_now(events, marked):
 
 # -- the flags of `up` ----------------------------------------------------------------------------
 
-def _up(*flags: str) -> tuple[int, str, str]:
-    import contextlib
-    import io
-
-    from support.helpers import MLP
-
-    from elasticctl.cli import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
-        try:
-            main(["up", "--dry-run", "--etcd", "127.0.0.1:2379", "--nnodes", "2:3", *flags, MLP])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, stdout.getvalue(), stderr.getvalue()
+_up = up_dry_run_in_process
 
 
 def test_up_hands_the_straggler_flags_to_the_rendezvous_options():
