@@ -228,7 +228,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         worker_finished = self._round is not None and bool(self._worker_marks()[1])
         with self._lock:
             waiting = when_asked_for_waiting(self._round is not None, self._left, worker_finished,
-                                             self._budget, self._recovery)
+                                             self._budget, self._recovery,
+                                             worker_gave_up=self._round is not None and self._unrecoverable() is not None)
         if waiting is Waiting.OWN_VERDICT:
             self._changed = True  # our own verdict, not a new failure
             return 1

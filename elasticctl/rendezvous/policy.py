@@ -116,8 +116,12 @@ class Waiting(enum.Enum):
 
 
 def when_asked_for_waiting(in_round: bool, left: bool, worker_finished: bool, budget: Budget,
-                           recovery: RecoveryMode) -> Waiting:
-    if not in_round or left or worker_finished:
+                           recovery: RecoveryMode, worker_gave_up: bool = False) -> Waiting:
+    """``worker_gave_up``: a worker of this round marked itself unrecoverable (a restart would fail
+    the same way): it is about to exit, and its node stops on that verdict. A peer lost at the same
+    moment (a full shared disk ends every node's workers together) must not restart the workers
+    first: the node would wait for a new round instead of stopping."""
+    if not in_round or left or worker_finished or worker_gave_up:
         return Waiting.NONE  # a finished worker: the group is ending, a restart would train again
     if budget.stop_reason or budget.quarantine:
         return Waiting.OWN_VERDICT

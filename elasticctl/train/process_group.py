@@ -17,6 +17,7 @@ import torch.distributed as dist
 from elasticctl.job.records import Round
 from elasticctl.train import entry as worker_entry
 from elasticctl.train.reconfigure import ReconfigurableGroup, handles_of
+from elasticctl.train.stragglers import decode_name, encode_name
 
 
 def build_generation_group(generation: Round, rank: int, backend: str, timeout: datetime.timedelta,
@@ -32,6 +33,15 @@ def build_generation_group(generation: Round, rank: int, backend: str, timeout: 
                             device_id=device if device.type == "cuda" else None)
     worker_entry.note_joined()
     return store
+
+
+def gather_node_names(node: str, world_size: int, group) -> list[str]:
+    """Every rank's node name, in rank order, all-gathered over ``group`` (the control channel: CPU
+    tensors). What a peer sent is untrusted: a name that is not one raises ConfigError."""
+    name = torch.tensor(encode_name(node), dtype=torch.uint8)
+    names = [torch.empty_like(name) for _ in range(world_size)]
+    dist.all_gather(names, name, group=group)
+    return [decode_name(n.tolist()) for n in names]
 
 
 def reconfigure_generation_group(group: ReconfigurableGroup | None, generation: Round, rank: int, backend: str,

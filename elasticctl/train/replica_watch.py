@@ -36,7 +36,7 @@ from elasticctl.train.replica_check import (
     judge_replicas,
     parameters_digest,
 )
-from elasticctl.train.stragglers import decode_name, encode_name
+from elasticctl.train.process_group import gather_node_names
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,8 @@ class ReplicaWatch:
         worker; the verdict on them (any two int64 are a report: the rule reads nothing else)."""
         control_group = self._control_group()
         if self._rank_nodes is None:
-            name = torch.tensor(encode_name(self.node), dtype=torch.uint8)
-            names = [torch.empty_like(name) for _ in range(group.world_size)]
-            dist.all_gather(names, name, group=control_group)
             try:
-                self._rank_nodes = [decode_name(n.tolist()) for n in names]
+                self._rank_nodes = gather_node_names(self.node, group.world_size, control_group)
             except ConfigError as exc:  # a peer's bytes are untrusted: no names, no eviction this generation
                 log.warning("[%s] the replica check names no node in generation %d: %s", self.worker,
                             group.number, exc)

@@ -25,11 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 from elasticctl.errors import ConfigError
 from elasticctl.job.settings import StragglerSettings
 from elasticctl.job.records import EventKind
+from elasticctl.train.process_group import gather_node_names
 from elasticctl.train.stragglers import (
     Interval,
     StepClock,
-    decode_name,
-    encode_name,
     find_stragglers,
     node_times,
     timed_allreduce_hook,
@@ -91,11 +90,8 @@ class StragglerWatch:
         fastest, median, steps = self.clock.take()
         control_group = self._control_group()
         if self._rank_nodes is None:
-            name = torch.tensor(encode_name(self.node), dtype=torch.uint8)
-            names = [torch.empty_like(name) for _ in range(group.world_size)]
-            dist.all_gather(names, name, group=control_group)
             try:
-                self._rank_nodes = [decode_name(n.tolist()) for n in names]
+                self._rank_nodes = gather_node_names(self.node, group.world_size, control_group)
             except ConfigError as exc:  # a peer's bytes are untrusted: no decisions this generation
                 log.warning("[%s] straggler detection is off in generation %d: %s", self.worker, group.number, exc)
                 self._rank_nodes = []

@@ -111,6 +111,14 @@ def test_when_asked_for_waiting(in_round, left, finished, budget, mode, waiting)
     assert when_asked_for_waiting(in_round, left, finished, budget, mode) is waiting
 
 
+@pytest.mark.parametrize("mode", [RESTART, HOT])
+def test_a_worker_that_gave_up_is_not_restarted_for_a_peer_lost_at_the_same_moment(mode):
+    # Every node's final checkpoint failed on a shared full disk: the peer that stopped first is
+    # "lost" to this node, whose own worker is about to exit with its unrecoverable mark.
+    assert when_asked_for_waiting(True, False, False, Budget(), mode, worker_gave_up=True) is Waiting.NONE
+    assert when_asked_for_waiting(True, False, False, Budget(), RESTART, worker_gave_up=False) is Waiting.MEMBERSHIP
+
+
 @pytest.mark.parametrize(("lost", "states", "kill"), [
     (("b",), {"b": "left"}, False),            # a graceful leave: the workers stop cleanly
     (("b",), {}, True),                        # no record: lost

@@ -19,6 +19,7 @@ from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
 from elasticctl.job.settings import ReplicaCheckSettings, WorkerSettings, parse_rdzv_options
 from elasticctl.train import replica_watch
+from elasticctl.train.stragglers import encode_name
 from elasticctl.train.replica_check import (
     NO_REPLICA,
     Diverged,
@@ -244,7 +245,7 @@ class _Exchange:
         self.sent.append(tensor.clone())
         if tensor.dtype == torch.uint8:
             for slot, node in zip(out, self.nodes):
-                slot.copy_(torch.tensor(replica_watch.encode_name(node), dtype=torch.uint8))
+                slot.copy_(torch.tensor(encode_name(node), dtype=torch.uint8))
         else:
             for slot, report in zip(out, self.reports):
                 slot.copy_(torch.tensor(report, dtype=torch.int64))
