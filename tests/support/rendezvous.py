@@ -64,5 +64,10 @@ class Run:
             m.view.stop()
             if m._lease is not None:
                 m._lease.stop(revoke=False)
-        for c in self.clients:
-            c.close()
+        # Together: a client's close() may wait on stream threads another client of this process
+        # opened at the same moment (EtcdClient._streaming), which end only when that one closes.
+        closers = [threading.Thread(target=c.close) for c in self.clients]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
