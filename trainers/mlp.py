@@ -23,6 +23,8 @@ FROM to TO-1 only, if given), a straggler: every node runs the same job spec, so
 named by its elasticctl node id rather than slowed by a flag of its own. ``--flip-bit STEP:RANK``
 (a test knob) flips one bit of one parameter on that rank of the generation right after step
 STEP's commit, once per process: silent corruption, for the replica check (``--replica-check``).
+``--nan-at STEP:RANK[:WHAT]`` (a test knob) makes a NaN on that rank in step STEP, in its loss or
+its gradients alone, before the all-reduce: for the non-finite check (``--skip-non-finite``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--flip-bit", default=None, metavar="STEP:RANK",
                         help="test knob: the worker of this rank (of its generation) flips one bit of one "
                              "parameter right after step STEP's commit, once: silent corruption of one replica")
+    parser.add_argument("--nan-at", default=None, metavar="STEP:RANK[:WHAT]",
+                        help="test knob: the worker of this rank (of its generation) makes a NaN in step STEP, "
+                             "once: in its loss (WHAT loss, the default; its gradients follow) or in its "
+                             "gradients alone (WHAT gradients), before the all-reduce")
     parser.add_argument("--log-every", type=int, default=50, help="rank 0 prints progress every N steps (0: never)")
     parser.add_argument("--record", default=None, help="append one JSON line per rank and step here")
     parser.add_argument("--record-params", action="store_true",
@@ -121,6 +127,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser.error(f"--step-sleep ({args.step_sleep:g}) must not be negative.")
     args.slow_node = [_slow_node(parser, text) for text in args.slow_node]
     args.flip_bit = None if args.flip_bit is None else _flip_bit(parser, args.flip_bit)
+    args.nan_at = None if args.nan_at is None else _nan_at(parser, args.nan_at)
     try:
         args.exit_ranks = {int(r) for r in args.exit_ranks.split(",") if r.strip()}
     except ValueError:
@@ -154,6 +161,40 @@ def _flip_bit(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
     if not colon or min(flip) < 0:
         parser.error(f"--flip-bit ({text}) must be STEP:RANK, two whole numbers of at least 0.")
     return flip
+
+
+NAN_PLACES = ("loss", "gradients")
+
+
+def _nan_at(parser: argparse.ArgumentParser, text: str) -> tuple[int, int, str]:
+    """``STEP:RANK[:WHAT]`` as (step, rank, what)."""
+    step, _, rest = text.partition(":")
+    rank, _, what = rest.partition(":")
+    try:
+        at = int(step), int(rank)
+    except ValueError:
+        at = (-1, -1)
+    what = what or "loss"
+    if min(at) < 0 or what not in NAN_PLACES:
+        parser.error(f"--nan-at ({text}) must be STEP:RANK[:WHAT], two whole numbers of at least 0 and WHAT "
+                     f"one of {', '.join(NAN_PLACES)}.")
+    return (*at, what)
+
+
+@contextlib.contextmanager
+def make_nan(model: nn.Module, loss: torch.Tensor, what: str | None):
+    """``loss``, made NaN (``what`` "loss": its gradients follow), or with a hook that makes the
+    first parameter's gradient NaN as the backward computes it (``what`` "gradients": before DDP
+    all-reduces it; the loss stays finite); ``loss`` as it is for None."""
+    if what == "loss":
+        yield loss * float("nan")
+        return
+    handle = next(model.parameters()).register_hook(lambda g: g * float("nan")) if what == "gradients" else None
+    try:
+        yield loss
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 # The bit --flip-bit flips in the first parameter's first element: bit 16 of a float32, a
@@ -252,9 +293,10 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
     started = False
     injected = False
     flipped = False
+    made_nan = False
 
     def generation(state: elastic.State, group: elastic.Group) -> None:
-        nonlocal started, injected, flipped
+        nonlocal started, injected, flipped, made_nan
         where.update(rank=group.rank, world_size=group.world_size)
         if not started:  # where a restarted worker's seconds go: process start -> first generation formed
             started = True
@@ -286,12 +328,17 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
                     extra["shard"] = group.shard
                 loss_sum, indices = 0.0, []
                 optimizer.zero_grad(set_to_none=True)  # a step a failure cut short left gradients behind
+                nan = None  # --nan-at: what this rank makes a NaN of in this step
+                if args.nan_at is not None and args.nan_at[:2] == (step, group.rank) and not made_nan:
+                    made_nan, nan = True, args.nan_at[2]  # hot mode re-enters this function: once per process
+                    write({"event": "nan_made", "step": step, "what": nan, "node": node, "pid": os.getpid()})
                 for i, (index, x, y) in enumerate(micro_batches):
                     # Gradients are all-reduced once, on the last micro-batch of the step.
                     last = i == len(micro_batches) - 1
                     with contextlib.nullcontext() if last else getattr(group.model, "no_sync", contextlib.nullcontext)():
                         loss = task.loss(group.model(x.to(device)), y.to(device)) / len(micro_batches)
-                        loss.backward()
+                        with make_nan(group.model, loss, nan if last else None) as loss:
+                            loss.backward()
                     loss_sum += loss.item()
                     indices += index.tolist()
                 # The line is written before commit, which may end the generation: the sampler

@@ -442,6 +442,11 @@ class JobMetrics:
         """Replicas found to differ from their set's majority (or sets with none) over the job's life."""
         return self.counters.count(EventKind.REPLICA_DIVERGED)
 
+    @property
+    def non_finite_events(self) -> int:
+        """Runs of steps whose gradients were not finite (each named at its first step) over the job's life."""
+        return self.counters.count(EventKind.NON_FINITE)
+
 
 def job_metrics(reading: Reading) -> JobMetrics:
     """The metric values of a reading: from the same parsed records as the page."""

@@ -197,6 +197,10 @@ def _job_families(out: _Families, job: str, m: JobMetrics) -> None:
     out.counter("elasticctl_replica_diverged_events",
                 "Replicas whose parameters differed from their replicas' majority, or replica sets with no "
                 "majority (which stop the job): replica_diverged events.", job, m.replica_diverged_events)
+    # NaN or infinite gradients (or a rank's loss), named at the first step of each run of them.
+    out.counter("elasticctl_non_finite_events",
+                "Runs of steps whose gradients (or a rank's loss) were not finite, each named with the ranks "
+                "that produced them: non_finite events.", job, m.non_finite_events)
     # Hot spares: the nodes waiting warm (also elasticctl_nodes{state="spare"}) against the
     # spec's --spares N, so an alert can fire while fewer wait than expected.
     out.gauge("elasticctl_spares", "Hot spares: live nodes waiting warm beside a full world.", job, m.spares)

@@ -308,6 +308,7 @@ class EventKind(str, enum.Enum):
     STRAGGLER = "straggler"                # a node's own step time stays above R x the others': ratio, step
     STRAGGLER_CLEARED = "straggler_cleared"  # a node named a straggler is no longer one: ratio, step
     REPLICA_DIVERGED = "replica_diverged"  # a worker's parameters differ from its replicas' majority: step, reason
+    NON_FINITE = "non_finite"  # a step's gradients (or a rank's loss) were not finite: step, the ranks, reason
     SCRIPT_WARNING = "script_warning"      # a worker's script cannot work across nodes (nn.DataParallel): reason
 
 

@@ -197,8 +197,24 @@ class ReplicaCheckSettings:
                    min_nodes=min_nodes)
 
 
-# 2: the replica check's section (a worker of version 1 would refuse it as unknown).
-WORKER_SETTINGS_VERSION = 2
+@dataclasses.dataclass(frozen=True)
+class NonFiniteSettings:
+    """What the workers of a job do with a step whose gradients are not finite (the non_finite
+    section of :class:`WorkerSettings`, read by :mod:`elasticctl.train.non_finite_watch`): name the
+    ranks that produced them always, and with ``skip`` (1) skip the step on every rank."""
+
+    skip: int = BY_NAME["skip_non_finite"].default
+
+    def __post_init__(self) -> None:
+        BY_NAME["skip_non_finite"].check_number(self.skip, "The non-finite setting skip")
+
+    @classmethod
+    def of(cls, options: RdzvOptions) -> NonFiniteSettings:
+        return cls(skip=options.skip_non_finite)
+
+
+# 2: the replica check's section (a worker of version 1 would refuse it as unknown); 3: non_finite's.
+WORKER_SETTINGS_VERSION = 3
 # An environment variable is no place for more: a longer one is refused before it is parsed.
 _MAX_DOCUMENT = 4096
 
@@ -217,6 +233,7 @@ class WorkerSettings:
     stragglers: StragglerSettings | None = None
     hot: HotSettings | None = None
     replicas: ReplicaCheckSettings | None = None
+    non_finite: NonFiniteSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.recovery, RecoveryMode):
@@ -226,6 +243,8 @@ class WorkerSettings:
             raise ConfigError(f"The straggler settings {quote(self.stragglers)} are no StragglerSettings.")
         if not isinstance(self.replicas, (ReplicaCheckSettings, type(None))):
             raise ConfigError(f"The replica-check settings {quote(self.replicas)} are no ReplicaCheckSettings.")
+        if not isinstance(self.non_finite, (NonFiniteSettings, type(None))):
+            raise ConfigError(f"The non-finite settings {quote(self.non_finite)} are no NonFiniteSettings.")
         if (self.hot is not None) != (self.recovery is RecoveryMode.HOT) or not isinstance(
                 self.hot, (HotSettings, type(None))):
             raise ConfigError(f"The worker settings of {self.recovery.value} mode "
@@ -240,7 +259,7 @@ class WorkerSettings:
                               last_call=float(options.last_call_timeout), reform_last_call=REFORM_LAST_CALL,
                               join_timeout=float(options.join_timeout), run_ttl=options.ttl)
         return cls(options.recovery, StragglerSettings.of(options, min_nodes=min_nodes), hot,
-                   ReplicaCheckSettings.of(options, min_nodes=min_nodes))
+                   ReplicaCheckSettings.of(options, min_nodes=min_nodes), NonFiniteSettings.of(options))
 
     def to_json(self) -> str:
         return json.dumps({
@@ -248,6 +267,7 @@ class WorkerSettings:
             "stragglers": None if self.stragglers is None else dataclasses.asdict(self.stragglers),
             "hot": None if self.hot is None else dataclasses.asdict(self.hot),
             "replicas": None if self.replicas is None else dataclasses.asdict(self.replicas),
+            "non_finite": None if self.non_finite is None else dataclasses.asdict(self.non_finite),
         }, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -266,8 +286,9 @@ class WorkerSettings:
         if type(version) is not int or version != WORKER_SETTINGS_VERSION:
             raise ConfigError(f"The worker settings in {where} have the version {quote(version)}; this "
                               f"elasticctl reads version {WORKER_SETTINGS_VERSION} (is every node on one version?).")
-        _known("worker setting", data, {"version", "recovery", "stragglers", "hot", "replicas"}, where)
-        missing = sorted({"recovery", "stragglers", "hot", "replicas"} - set(data))
+        sections = {"recovery", "stragglers", "hot", "replicas", "non_finite"}
+        _known("worker setting", data, {"version", *sections}, where)
+        missing = sorted(sections - set(data))
         if missing:
             raise ConfigError(f"The worker settings in {where} miss {missing[0]}.")
         try:
@@ -275,14 +296,16 @@ class WorkerSettings:
         except (ValueError, TypeError):
             raise ConfigError(f"The recovery mode {quote(data['recovery'])} in {where} must be one of: "
                               f"{', '.join(mode.value for mode in RecoveryMode)}.") from None
-        stragglers, hot, replicas = data["stragglers"], data["hot"], data["replicas"]
+        stragglers, hot, replicas, non_finite = data["stragglers"], data["hot"], data["replicas"], data["non_finite"]
         if stragglers is not None:
             stragglers = StragglerSettings(**_section(StragglerSettings, "straggler setting", stragglers, where))
         if hot is not None:
             hot = HotSettings(**_section(HotSettings, "hot-recovery setting", hot, where))
         if replicas is not None:
             replicas = ReplicaCheckSettings(**_section(ReplicaCheckSettings, "replica-check setting", replicas, where))
-        return cls(recovery, stragglers, hot, replicas)
+        if non_finite is not None:
+            non_finite = NonFiniteSettings(**_section(NonFiniteSettings, "non-finite setting", non_finite, where))
+        return cls(recovery, stragglers, hot, replicas, non_finite)
 
 
 def _no_constant(name: str) -> None:

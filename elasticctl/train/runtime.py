@@ -90,6 +90,8 @@ from elasticctl.train.process_group import (build_control_group, build_generatio
                                             reconfigure_generation_group, reset_group_counter)
 from elasticctl.train.replica_check import ReplicasDisagree
 from elasticctl.train.replica_watch import ReplicaWatch
+from elasticctl.train.non_finite_watch import NonFiniteWatch
+from elasticctl.train.ddp_hooks import observe_buckets
 from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, next_group,
                                           torch_can_reconfigure)
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
@@ -214,6 +216,10 @@ class Runtime:
         self._replicas = ReplicaWatch(None if settings is None else settings.replicas, self.worker, self.node,
                                       control_group=lambda: self.control_group, replica_set=self._replica_set,
                                       sharded=sharded, record=self._record, request_leave=self._request_leave)
+        # NaN and infinities: who produced them, and the step skipped if asked (train/non_finite_watch.py).
+        self._non_finite = NonFiniteWatch(None if settings is None else settings.non_finite, self.worker, self.node,
+                                          enabled=state.scaler is None, control_group=lambda: self.control_group,
+                                          record=self._record)
         self._registry: Any = None
         if state.peer_copies and not sharded:
             raise ConfigError("State(peer_copies=...) is for a sharded model (run(..., sharded=True)); a replicated "
@@ -479,6 +485,7 @@ class Runtime:
         self._flags_sent = None
         self._stragglers.new_generation()
         self._replicas.new_generation()
+        self._non_finite.new_generation()
         log.info("[%s] generation %d: rank %d of %d at step %d%s; boundary collectives on %s", self.worker,
                  generation.number, rank, world_size, self.state.step,
                  f" (state from rank {', '.join(map(str, sent_from))})" if sent_from else "",
@@ -553,15 +560,22 @@ class Runtime:
 
     # -- step boundaries -----------------------------------------------------------------
 
-    def before_step_applied(self) -> None:
-        """Called by :meth:`State.commit` before the optimizer step. Hot mode, sharded model: the
-        workers of each shard group agree that all of their gradients arrived, so that a peer lost
-        mid-backward leaves no node with its shards at two steps (the next generation's state sync
-        needs one step per row: :meth:`ShardedModel.agree_gradients_complete`). Restart mode
-        restores every worker from the checkpoint anyway."""
-        if (self._sharded is not None and self.phase is Phase.TRAINING
-                and self.membership.mode is RecoveryMode.HOT):
+    def before_step_applied(self, loss: float | None = None) -> bool:
+        """Called by :meth:`State.commit` before the optimizer step; whether to apply it.
+
+        Non-finite gradients are named, and the step skipped with ``--skip-non-finite 1``
+        (:mod:`elasticctl.train.non_finite_watch`: the same answer on every worker). Hot mode,
+        sharded model: the workers of each shard group agree that all of their gradients
+        arrived, so that a peer lost mid-backward leaves no node with its shards at two steps (the
+        next generation's state sync needs one step per row:
+        :meth:`ShardedModel.agree_gradients_complete`). Restart mode restores every worker from
+        the checkpoint anyway."""
+        if self.phase is not Phase.TRAINING:
+            return True
+        if self._sharded is not None and self.membership.mode is RecoveryMode.HOT:
             self._sharded.agree_gradients_complete()
+        return self._non_finite.before_step(self._group, self.state.step, loss, self.state.model.parameters(),
+                                            sharded=self._sharded is not None)
 
     def step_done(self, samples: int = 0, loss: float | None = None) -> None:
         """Called by :meth:`State.commit` after the step is applied; may raise _Boundary."""
@@ -658,7 +672,8 @@ class Runtime:
             return self._wrapped[1]
         # On a reconfigurable group no collective at the wrap: the state sync already made every
         # replica equal.
-        wrapped = self._stragglers.time_steps_of(_ddp(model, group, init_sync=self.reconfigurable is None))
+        wrapped = observe_buckets(_ddp(model, group, init_sync=self.reconfigurable is None),
+                                  (self._stragglers.bucket_observer(), self._non_finite.bucket_observer()))
         self._wrapped = (world, wrapped) if self.reconfigurable is not None else None
         return wrapped
 

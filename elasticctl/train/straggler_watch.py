@@ -4,7 +4,8 @@ whose pure rules decide; this module does the collectives and hands events and l
 to the runtime's callbacks, which write them on the event thread).
 
 The runtime owns one watch per run: ``new_generation`` when a generation forms, ``step_done``,
-``at_boundary`` and ``next_step`` at each step boundary, ``time_steps_of`` on the model it wraps.
+``at_boundary`` and ``next_step`` at each step boundary, and its ``bucket_observer`` in the DDP
+communication hook of the model it wraps (:mod:`elasticctl.train.ddp_hooks`).
 Without settings (not under elasticctl's handler) every call is a no-op.
 
 The exchange runs on the generation's control group with CPU tensors, as the boundary flags do
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from elasticctl.errors import ConfigError
 from elasticctl.job.settings import StragglerSettings
@@ -31,7 +31,6 @@ from elasticctl.train.stragglers import (
     StepClock,
     find_stragglers,
     node_times,
-    timed_allreduce_hook,
     to_evict,
     valid_seconds,
 )
@@ -69,12 +68,14 @@ class StragglerWatch:
     def next_step(self) -> None:
         self.clock.next_step()
 
-    def time_steps_of(self, model: Any) -> Any:
-        """``model``, with the DDP communication hook that marks when this worker's gradients are
-        ready (a model that is not DDP is timed up to ``commit``: see stragglers' docstring)."""
-        if self.settings is not None and isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(None, timed_allreduce_hook(self.clock))
-        return model
+    def bucket_observer(self) -> Callable[[torch.Tensor], None] | None:
+        """What the DDP communication hook calls on each bucket: this worker's gradients are ready
+        (None: no detection; a model that is not DDP is timed up to ``commit``: see stragglers'
+        docstring)."""
+        if self.settings is None:
+            return None
+        clock = self.clock
+        return lambda buffer: clock.gradients_ready()
 
     def at_boundary(self, group: Any, step: int) -> None:
         """The exchange, if this boundary is one: the same answer on every worker of the

@@ -6,9 +6,9 @@ synchronous data parallel the time from boundary to boundary is the same on ever
 (each waits in the all-reduce for the slowest), so it cannot tell who is slow; the time up
 to the collective can. The runtime's default wrapping (DDP) gets that moment from a DDP
 communication hook, which DDP calls on each bucket of gradients as soon as this worker has
-computed it, before any wait for a peer (:func:`timed_allreduce_hook`, registered with
-``DistributedDataParallel.register_comm_hook``; the all-reduce itself is torch's own
-``allreduce_hook``). The last such call of a step ends its own time. A step in which no hook
+computed it, before any wait for a peer (the runtime's one hook,
+:mod:`elasticctl.train.ddp_hooks`, calls :meth:`StepClock.gradients_ready`; the all-reduce itself is
+torch's own ``allreduce_hook``). The last such call of a step ends its own time. A step in which no hook
 ran (a world of one, a script's own ``wrap`` that is not DDP) is timed to ``State.commit``
 instead: honest for a script that averages its gradients inside ``commit``'s optimizer
 step, and no worse than boundary to boundary otherwise (every worker then looks alike and
@@ -217,18 +217,6 @@ class StepClock:
         """The interval's fastest and median step and its step count; a new interval starts."""
         own_steps, self._own_steps = self._own_steps, array.array("d")
         return (*summarize(own_steps), len(own_steps))
-
-
-def timed_allreduce_hook(clock: StepClock):
-    """A DDP communication hook: note that this worker's gradients are ready, then torch's
-    ``allreduce_hook`` (the average DDP computes without a hook)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    def hook(process_group, bucket):  # unannotated: DDP refuses any annotation but its own types
-        clock.gradients_ready()
-        return allreduce_hook(process_group, bucket)
-
-    return hook
 
 
 def valid_seconds(value: float) -> bool:

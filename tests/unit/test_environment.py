@@ -110,8 +110,8 @@ SETTINGS = environment.WORKER_SETTINGS
     (SETTINGS, document(replicas__interval=-1), "The replica-check setting interval \\(-1\\) must be a whole number of "
      "steps from 0 to 1000000"),
     (SETTINGS, document(replicas=None), "The worker settings in ELASTICCTL_WORKER_SETTINGS miss replicas"),
-    (SETTINGS, document(version=1), "have the version '1'; this elasticctl reads version 2"),
-    (SETTINGS, document(version="2"), "have the version '2'; this elasticctl reads version 2"),
+    (SETTINGS, document(version=1), "have the version '1'; this elasticctl reads version 3"),
+    (SETTINGS, document(version="2"), "have the version '2'; this elasticctl reads version 3"),
     (SETTINGS, document(version=None), "have the version 'None'"),
     (SETTINGS, document(recovery="warm"), "The recovery mode 'warm' in ELASTICCTL_WORKER_SETTINGS must be one of: "
      "restart, hot"),

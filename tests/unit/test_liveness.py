@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 from support.helpers import wait_for
 
@@ -56,6 +57,9 @@ def test_a_stopped_process_is_neither_gone_nor_alive(child_with_port):
     child, port = child_with_port
     os.kill(child.pid, signal.SIGSTOP)
     try:
+        # kill() returns before the child stops: on a loaded machine it may still answer a probe
+        stopped = psutil.Process(child.pid)
+        wait_for(lambda: stopped.status() == psutil.STATUS_STOPPED, 30, "the child to stop")
         assert probe("127.0.0.1", port) is Liveness.UNKNOWN
     finally:
         os.kill(child.pid, signal.SIGCONT)

@@ -315,8 +315,8 @@ def test_the_worker_settings_defaults_are_the_tables():
 def test_the_worker_settings_document_is_versioned_json():
     settings_ = WorkerSettings.of(parse_rdzv_options({"recovery": "hot"}), 1, 2)
     data = json.loads(settings_.to_json())
-    assert data["version"] == 2 and data["recovery"] == "hot" and set(data) == {"version", "recovery", "stragglers",
-                                                                                "hot", "replicas"}
+    assert data["version"] == 3 and data["recovery"] == "hot" and set(data) == {"version", "recovery", "stragglers",
+                                                                                "hot", "replicas", "non_finite"}
     assert WorkerSettings.from_json(settings_.to_json()) == settings_
     restart = WorkerSettings.of(parse_rdzv_options({}), 1, 2)
     assert restart.hot is None and json.loads(restart.to_json())["hot"] is None

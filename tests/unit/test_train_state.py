@@ -104,7 +104,8 @@ def test_hot_settings_codec(hot, error):
     for name in ("min_nodes", "max_nodes"):
         if name not in hot:
             del fields[name]
-    text = json.dumps({"version": 2, "recovery": "hot", "stragglers": None, "hot": fields, "replicas": None})
+    text = json.dumps({"version": 3, "recovery": "hot", "stragglers": None, "hot": fields, "replicas": None,
+                       "non_finite": None})
     if error is None:
         decoded = WorkerSettings.from_json(text)
         assert decoded.hot == HotSettings(**hot) and WorkerSettings.from_json(decoded.to_json()) == decoded
