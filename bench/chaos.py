@@ -52,6 +52,8 @@ from bench.harness import trained_together
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
+from elasticctl.job.events import EventLog
+from elasticctl.job.records import EventKind
 
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 MIN_NODES, MAX_NODES = 2, 4
@@ -97,6 +99,7 @@ class Options:
     ttl: int | None = None  # the run's key ttl (--rdzv-conf ttl): short, the soak crosses several
     trainer: str = "mlp"  # a key of TRAINERS
     kinds: tuple[str, ...] | None = None  # the event mix; None: default_kinds(trainer)
+    replica_check: int | None = None  # --replica-check K (None: the default, every 100 steps)
 
 
 def default_kinds(trainer: str) -> tuple[str, ...]:
@@ -119,7 +122,9 @@ class Soak:
                                up_args=("--recovery", "hot", "--node-ttl", str(options.node_ttl),
                                         "--checkpoint-dir", str(checkpoints),
                                         *(("--nproc-per-node", str(self.per_node)) if self.per_node > 1 else ()),
-                                        *(("--rdzv-conf", f"ttl={options.ttl}") if options.ttl else ())),
+                                        *(("--rdzv-conf", f"ttl={options.ttl}") if options.ttl else ()),
+                                        *(("--replica-check", str(options.replica_check))
+                                          if options.replica_check is not None else ())),
                                **({"script": script} if script else {}))
         self.live: list[str] = []
         self.started = 0
@@ -276,6 +281,9 @@ class Soak:
             raise ChaosFailure(f"{len(alive)} process(es) left running after `down`: "
                                f"{[(p.pid, ' '.join(p.cmdline()[:4])) for p in alive[:3]]}")
         self._check_etcd()
+        false_alarms = self._false_alarms()
+        if false_alarms:
+            raise ChaosFailure(f"{len(false_alarms)} false alarm(s) in a healthy job: {false_alarms[:3]}")
         steps = self.cluster.record.steps()
         try:
             accounting.check_replicas(steps, across_generations=True)
@@ -293,7 +301,16 @@ class Soak:
             # a node whose workers did not recover in process restarted them: more than one pid
             "worker_restarts": sum(max(0, len(p) - self.per_node) for p in pids.values()),
             "processes_seen": len(self.seen),
+            "replica_check": self.options.replica_check, "false_alarms": 0,
         }
+
+    def _false_alarms(self) -> list[str]:
+        """What the job's own checks named in a soak whose devices and data are healthy: every
+        ``replica_diverged`` (the replica check, through every kill, freeze and join) and
+        ``non_finite`` event is one."""
+        return [f"{e.kind.value} {e.node or 'job'} step {e.step}: {e.reason}"
+                for e in EventLog(self.etcd, JobKeys(self.cluster.job)).read()
+                if e.kind in (EventKind.REPLICA_DIVERGED, EventKind.NON_FINITE)]
 
     def _check_etcd(self) -> None:
         """Nothing of the job left but its event history (a killed node's keys go with its lease: wait for that)."""
@@ -396,7 +413,8 @@ def summarize(summary: dict) -> str:
                                                for k, v in sorted(by_kind.items())))
     lines.append(f"  {summary['steps']} steps, {summary['redone']} re-done, {summary['epochs_completed']} epochs "
                  f"complete, {summary['worker_restarts']} worker restarts; samples tile every epoch, replicas "
-                 f"identical, none of {summary['processes_seen']} processes left, etcd clean")
+                 f"identical, none of {summary['processes_seen']} processes left, etcd clean, no false alarm "
+                 f"(replica check every {summary.get('replica_check') or 100} steps)")
     return "\n".join(lines)
 
 
@@ -414,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=None,
                         help="the event mix (default: kill freeze leave join, and crash-worker with 2 workers "
                              "per node); without join, crash-worker and freeze, no event needs a join")
+    parser.add_argument("--replica-check", type=int, default=None, metavar="K",
+                        help="the job's --replica-check K (default: elasticctl's, every 100 steps); any "
+                             "replica_diverged or non_finite event fails the soak (a false alarm)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="an empty directory for the logs, record and checkpoints (default: a new temporary one)")
     parser.add_argument("--summary", type=Path, default=None,
@@ -428,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ttl ({args.ttl}) must be at least 2 seconds.")
     options = Options(events=args.events, seed=args.seed, node_ttl=args.node_ttl,
                       checkpoint_every=args.checkpoint_every, step_sleep=args.step_sleep, cap=args.cap,
-                      ttl=args.ttl, trainer=args.trainer, kinds=tuple(args.kinds) if args.kinds else None)
+                      ttl=args.ttl, trainer=args.trainer, kinds=tuple(args.kinds) if args.kinds else None,
+                      replica_check=args.replica_check)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))

@@ -230,9 +230,10 @@ def spare(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
         cluster.close()
 
 
-def steady(system: str, workdir: Path, etcd: EtcdClient, caps: Caps) -> dict:
-    """Steps/s of rank 0 over ``caps.steady_window`` seconds at world 3, with no events and no checkpoints."""
-    cluster = Cluster(system, workdir, STEADY_TRAINING, etcd)
+def steady(system: str, workdir: Path, etcd: EtcdClient, caps: Caps, up_args: tuple[str, ...] = ()) -> dict:
+    """Steps/s of rank 0 over ``caps.steady_window`` seconds at world 3, with no events and no checkpoints
+    (``up_args``: elasticctl's options, e.g. --replica-check)."""
+    cluster = Cluster(system, workdir, STEADY_TRAINING, etcd, up_args=up_args)
     try:
         cold_start = _start_world3(cluster, caps)
         if cold_start is None:

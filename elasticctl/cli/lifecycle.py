@@ -389,7 +389,8 @@ def _quick_doctor(client, registry: Registry, spec: JobSpec, local_addr: str, no
     report = doctor.run_checks(settings=client.settings, client=client, etcd_error=None, registry=registry,
                                checkpoint_dir=spec.checkpoint_dir, local_addr=local_addr, quick=True, spec=spec,
                                skip=skip, custom=custom)
-    log.debug("admission checks took %.2f s", time.monotonic() - began)
+    log.debug("admission checks took %.2f s (%s)", time.monotonic() - began,
+              ", ".join(f"{name} {seconds:.2f}" for name, seconds in report.seconds))
     for check in report.checks:
         if check.status is doctor.Status.WARN:
             click.echo(f"elasticctl: warning: doctor {check.name}: {check.detail}; fix: {check.fix}", err=True)

@@ -73,6 +73,7 @@ ADMISSION_BUDGET_S = 10.0
 class Report:
     checks: tuple[Check, ...]
     claimed_marker: str | None = None
+    seconds: tuple[tuple[str, float], ...] = ()  # (check, seconds it took), in the order they ran
 
     @property
     def failed(self) -> tuple[Check, ...]:
@@ -98,28 +99,39 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     def left(at_most: float) -> float:
         return max(0.0, min(at_most, deadline - time.monotonic()))
 
-    checks: list[Check] = [decide_versions(sys.version_info, installed_torch_version())]
+    checks: list[Check] = []
+    seconds: list[tuple[str, float]] = []
+    began = [time.monotonic()]
+
+    def add(check: Check) -> None:
+        """Keep ``check``, and the time since the previous one was kept: what computing it took."""
+        now = time.monotonic()
+        checks.append(check)
+        seconds.append((check.name, now - began[0]))
+        began[0] = now
+
+    add(decide_versions(sys.version_info, installed_torch_version()))
     nodes: dict[str, dict] = {}
     if registry is not None:
         nodes = {n: r for n, r in registry.live_nodes().items() if r.get("pid") != os.getpid()}
-        checks.append(decide_torch_agreement(installed_torch_version(),
+        add(decide_torch_agreement(installed_torch_version(),
                                              {n: r.get("torch") for n, r in nodes.items()}))
-        checks.append(decide_checkpoint_health(registry.progress()))
+        add(decide_checkpoint_health(registry.progress()))
     if deep:
-        checks.append(gather_torch_build(launcher.visible_gpu_count()))
+        add(gather_torch_build(launcher.visible_gpu_count()))
     if not quick:
-        checks.append(gather_gpus(sorted(n for n, r in nodes.items() if r.get("gpus"))))
-    checks.append(decide_interface(gather_interface(local_addr, nodes)))
+        add(gather_gpus(sorted(n for n, r in nodes.items() if r.get("gpus"))))
+    add(decide_interface(gather_interface(local_addr, nodes)))
     described = settings.describe() if settings else "(none)"
     if client is not None and settings is not None:
         read = registry.read_spec if registry else (lambda: read_probe(client, key_prefix))
-        checks.append(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
-        checks.append(gather_etcd_members(client))
-        checks.append(gather_clock(settings, 1 if quick else 6))
+        add(decide_etcd(described, gather_etcd_latency(read, 3 if quick else 7), None))
+        add(gather_etcd_members(client))
+        add(gather_clock(settings, 1 if quick else 6))
     else:
-        checks.append(decide_etcd(described, [], etcd_error))
-    checks.append(gather_port())
-    checks.append(gather_shm())
+        add(decide_etcd(described, [], etcd_error))
+    add(gather_port())
+    add(gather_shm())
     claimed = None
     if checkpoint_dir is not None:
         missing = not prepare and not os.path.isdir(checkpoint_dir)
@@ -130,30 +142,30 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
             error = probe_writable(checkpoint_dir, create=prepare)
         free = None if error else psutil.disk_usage(created_under or checkpoint_dir).free
         newest = None if error or created_under else newest_checkpoint_bytes(checkpoint_dir)
-        checks.append(decide_checkpoint_dir(checkpoint_dir, error, free, created_under, newest))
+        add(decide_checkpoint_dir(checkpoint_dir, error, free, created_under, newest))
         if error is None and registry is not None:
             try:
                 outcome = (gather_checkpoint_marker(registry, checkpoint_dir) if prepare
                            else read_checkpoint_marker(registry, checkpoint_dir))
             except OSError as exc:
                 outcome = MarkerOutcome(decide_checkpoint_dir(checkpoint_dir, exc.strerror or str(exc)), None)
-            checks.append(outcome.check)
+            add(outcome.check)
             claimed = outcome.claimed_token
     else:
-        checks.append(decide_checkpoint_dir(None, None))
+        add(decide_checkpoint_dir(None, None))
     if spec is not None:
-        checks.append(skipped("code", "--skip-check code") if "code" in skip else gather_code(spec))
+        add(skipped("code", "--skip-check code") if "code" in skip else gather_code(spec))
     if "devices" in skip:
-        checks.append(skipped("devices", "--skip-check devices"))
+        add(skipped("devices", "--skip-check devices"))
     else:
         gpus = launcher.visible_gpu_count()
-        checks.append(gather_devices(gpus, left(DEVICE_PROBE_TIMEOUT_S)) if gpus else gather_devices(0))
+        add(gather_devices(gpus, left(DEVICE_PROBE_TIMEOUT_S)) if gpus else gather_devices(0))
     for command in custom:
-        checks.append(skipped("custom", f"--skip-check custom ({command})") if "custom" in skip
+        add(skipped("custom", f"--skip-check custom ({command})") if "custom" in skip
                       else gather_custom(command, left(CUSTOM_CHECK_TIMEOUT_S)))
     checks = [skipped(c.name, f"--skip-check {c.name}") if c.name in skip and not c.detail.startswith("skipped")
               else c for c in checks]
-    return Report(tuple(checks), claimed)
+    return Report(tuple(checks), claimed, tuple(seconds))
 
 
 def refusal(report: Report, job: str) -> str | None:

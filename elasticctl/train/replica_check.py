@@ -24,12 +24,19 @@ The rule is pure and table-tested; the exchange and what follows from a verdict 
 eviction, the stop) are :mod:`elasticctl.train.replica_watch`'s.
 
 The checksum runs on the parameters' own device, with torch ops, so that no model is copied to
-the host: each parameter's bytes are read as 32-bit words (bytes where the size or alignment
-does not allow it), each word weighted by its position in the model, summed modulo two 31-bit
-primes; only the final 62-bit number moves to the CPU. Why primes: a single flipped bit changes
-a word by a power of two, which no odd prime divides, times a weight in [1, P-1], which P does
-not divide either, so the sum modulo P always changes; two elements swapped change it unless
-they are equal. Not a cryptographic hash: it detects faults, not an adversary.
+the host, and reads the parameters twice, with no temporary of their size: each parameter's
+bytes are read as 32-bit words (bytes where the size or alignment does not allow it) and laid out
+in rows of :data:`_WIDTH` (a parameter starts a new row; the last row is padded with zeros); the
+exact integer sum of each row and of each column is taken (one reduction each), and the
+checksum is the row sums weighted by their row's position summed modulo one 31-bit prime, beside
+the column sums weighted by their column's position modulo another: a 62-bit number, the only one
+that moves to the CPU. Why it catches a flipped bit: the bit changes one word by a power of two,
+and so its row's sum by exactly that (the sums are exact), which no odd prime divides, times a
+weight in [1, P-1], which P does not divide either: the row part modulo P always changes. Two
+different elements swapped change the row part (different rows) or the column part (one row,
+different columns), unless they differ by a multiple of the prime. Not a cryptographic hash: it
+detects faults, not an adversary. (An earlier form weighted every word by its position, ten
+passes of 64-bit arithmetic over the parameters: ten times slower on a CPU.)
 """
 
 from __future__ import annotations
@@ -44,10 +51,11 @@ from elasticctl.errors import ElasticctlError
 
 NO_REPLICA = -1  # the replica-set key of a worker whose state has no replica
 
-# Two primes below 2**31: a word below 2**32 times a weight below 2**31 stays below 2**63, so
-# no int64 product overflows; two of them give a 62-bit checksum.
+# Two primes below 2**31: a sum reduced modulo one of them times a weight below 2**31 stays below
+# 2**62, so no int64 product overflows; the row part takes one, the column part the other.
 _PRIMES = (2_147_483_647, 2_147_483_629)
-_CHUNK_WORDS = 1 << 22  # words weighed at once: bounds the temporary int64 tensors to 32 MiB each
+_WIDTH = 1024           # words per row: a row's exact sum of 32-bit words stays below 2**42
+_CHUNK_ROWS = 1 << 12   # rows summed at once: bounds the padded copy of a tail to 16 MiB
 
 
 class ReplicasDisagree(ElasticctlError):
@@ -132,29 +140,36 @@ def _local(parameter: torch.Tensor) -> torch.Tensor:
 def tensors_digest(tensors: Iterable[torch.Tensor]) -> int:
     """The checksum of ``tensors``' bytes, in their order (see the module docstring); 0 for none.
     Computed on each tensor's device; only the result moves to the CPU."""
-    sums: list[torch.Tensor] | None = None
-    position = 0  # of the next word, across the tensors: moving bytes between tensors changes it
+    row_prime, column_prime = _PRIMES
+    rows_part: torch.Tensor | None = None     # the weighted row sums so far, modulo row_prime
+    columns: torch.Tensor | None = None       # each column's exact sum so far
+    row = 0  # the next row's position, across the tensors: moving bytes between tensors changes it
     for tensor in tensors:
         words = _words(tensor)
         if words.numel() == 0:
             continue
-        if sums is None:
-            sums = [torch.zeros((), dtype=torch.int64, device=words.device) for _ in _PRIMES]
-        for start in range(0, words.numel(), _CHUNK_WORDS):
-            chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
-            if words.dtype == torch.int32:
-                chunk = chunk & 0xFFFFFFFF  # as unsigned: every word in [0, 2**32)
-            positions = torch.arange(position + start, position + start + chunk.numel(), dtype=torch.int64,
-                                     device=chunk.device)
-            for index, prime in enumerate(_PRIMES):
-                weights = positions % (prime - 1) + 1  # in [1, P-1]: never a multiple of P
-                total = sums[index].to(chunk.device) + ((chunk * weights) % prime).sum()
-                sums[index] = total % prime
-        position += words.numel()
-    if sums is None:
+        device = words.device
+        if rows_part is None:
+            rows_part = torch.zeros((), dtype=torch.int64, device=device)
+            columns = torch.zeros(_WIDTH, dtype=torch.int64, device=device)
+        chunk_words = _CHUNK_ROWS * _WIDTH
+        for start in range(0, words.numel(), chunk_words):
+            chunk = words[start:start + chunk_words]
+            if words.dtype == torch.uint8:
+                chunk = chunk.to(torch.int32)  # a byte tensor's sums would wrap at 255
+            if chunk.numel() % _WIDTH:
+                chunk = torch.cat([chunk, chunk.new_zeros(_WIDTH - chunk.numel() % _WIDTH)])
+            grid = chunk.view(-1, _WIDTH)
+            row_sums = grid.sum(dim=1, dtype=torch.int64)  # exact: at most 1024 words below 2**32 each
+            weights = torch.arange(row, row + grid.shape[0], dtype=torch.int64, device=device) % (row_prime - 1) + 1
+            rows_part = (rows_part.to(device) + ((row_sums % row_prime) * weights % row_prime).sum()) % row_prime
+            columns = columns.to(device) + grid.sum(dim=0, dtype=torch.int64)
+            row += grid.shape[0]
+    if rows_part is None:
         return 0
-    first, second = sums[0], sums[1].to(sums[0].device)
-    return int((first * (1 << 32) + second).item())
+    column_weights = torch.arange(1, _WIDTH + 1, dtype=torch.int64, device=columns.device)
+    columns_part = ((columns % column_prime) * column_weights % column_prime).sum() % column_prime
+    return int((rows_part.to(columns.device) * (1 << 31) + columns_part).item())
 
 
 def parameters_digest(module: torch.nn.Module) -> int:

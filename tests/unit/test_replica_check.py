@@ -176,9 +176,9 @@ def test_odd_sizes_and_views_are_read_as_bytes_without_error():
 def test_a_chunked_parameter_weighs_the_same_as_one_chunk(monkeypatch):
     from elasticctl.train import replica_check
 
-    tensor = torch.randn(1000)
+    tensor = torch.randn(5 * replica_check._WIDTH + 7)  # six rows, the last one padded
     whole = tensors_digest([tensor])
-    monkeypatch.setattr(replica_check, "_CHUNK_WORDS", 64)
+    monkeypatch.setattr(replica_check, "_CHUNK_ROWS", 2)  # three chunks
     assert tensors_digest([tensor]) == whole
 
 
