@@ -52,6 +52,7 @@ from bench import checkpoint as checkpoint_bench
 from bench import goodput, plot, report, scenarios
 from bench import reconfigure as reconfigure_bench
 from bench import stragglers as straggler_bench
+from bench import trust as trust_bench
 from bench.cluster import NODE_TTL, SYSTEMS
 from bench.scenarios import Caps
 from elasticctl.etcd.client import EtcdClient
@@ -108,7 +109,7 @@ JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash
 # The sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
 SHARDED_SCENARIOS = ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies")
 ALL = ("goodput", *JOB_SCENARIOS, "reconfigure", "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
-       "rendezvous_scale", "straggler")
+       "rendezvous_scale", "straggler", "trust")
 NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
 STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
@@ -382,6 +383,9 @@ def main() -> None:
             if "straggler" in args.only:  # hot mode only: two jobs, once (bench/stragglers.py)
                 results["scenarios"]["straggler"] = straggler_bench.run(root, client, plan.caps)
                 log(f"straggler: {summary(results['scenarios']['straggler'])}")
+            if "trust" in args.only:  # admission, replica and non-finite checks (bench/trust.py)
+                results["scenarios"]["trust"] = trust_bench.run(root, client, plan.caps, max(5, plan.repeats["steady"]))
+                log(f"trust: {summary(results['scenarios']['trust'])}")
             if "checkpoint" in args.only:
                 results["scenarios"]["checkpoint"] = run_checkpoint(plan, results["errors"])
             if "state_transfer" in args.only:
