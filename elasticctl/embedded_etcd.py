@@ -244,6 +244,10 @@ class EmbeddedEtcd:
             self.data_dir = tempfile.mkdtemp(prefix="elasticctl-etcd-")
             self._own_data_dir = True
         prepare_data_dir(str(self.data_dir))
+        if self.log_path is None and self._own_data_dir:
+            # Inside the temporary data directory, and so removed with it by stop(); beside it,
+            # every embedded etcd would leave a log behind in the temporary directory.
+            self.log_path = str(Path(self.data_dir) / "etcd.log")
         if self.log_path is None:
             data_dir = Path(os.path.abspath(self.data_dir))
             # Next to the data directory, or inside it when that is the root directory.

@@ -134,8 +134,13 @@ def nodes(request, tmp_path):
 
     started: list[Node] = request.node.stash.setdefault(STARTED_NODES, [])
 
+    # The nodes' temporary files (their agents' marks, torchrun's directories) under the test's
+    # own directory: a node a test SIGKILLs cannot remove them, and pytest rotates this one.
+    scratch = tmp_path / "tmp"
+
     def start(name: str, command: list[str], env: dict | None = None) -> Node:
-        node = Node(name, command, tmp_path, env)
+        scratch.mkdir(exist_ok=True)
+        node = Node(name, command, tmp_path, {"TMPDIR": str(scratch), **(env or {})})
         started.append(node)
         return node
 

@@ -35,6 +35,16 @@ def test_embedded_etcd_serves_v3_only(etcd_server):
     assert "--enable-v2" not in etcd_server.command()
 
 
+def test_an_embedded_etcd_on_a_temporary_directory_leaves_nothing_behind(tmp_path, monkeypatch):
+    # `up` without --etcd: its data and its log live in one temporary directory, removed at stop
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    with EmbeddedEtcd(client_port=0, peer_port=0) as server:
+        with EtcdClient(server.client_settings()) as client:
+            client.put("/probe", "1")
+        assert server.log_path.startswith(str(server.data_dir))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_client_rides_out_an_etcd_restart(tmp_path):
     server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0).start()
     try:
