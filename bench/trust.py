@@ -211,6 +211,15 @@ def section(results: dict) -> list[str]:
             lines.append(f"| {name} | {c['parameters']:,} | {c['replica_checksum_s'] * 1e3:.3f} | {share} | "
                          f"{c['non_finite_per_step_s'] * 1e3:.3f} |")
         lines.append("")
+    trainer = next((c for name, c in costs.items() if "trainer" in name), None)
+    rate = medians.get("elasticctl-hot check 0")
+    if trainer and rate:
+        share = trainer["replica_checksum_s"] * rate / 100
+        lines += [f"Target, the replica check every 100 steps ≤ {COST_TARGET:.0%} of steady steps/s: its checksum "
+                  f"takes {share:.2%} of the trainer's steps at {rate:.0f} steps/s, measured in process "
+                  f"({'met' if share <= COST_TARGET else 'missed'}; the all-gather of two integers per worker "
+                  "beside it is one of the boundary's small collectives). The end-to-end medians below cannot "
+                  "resolve 1 % when their spread is wider (see the run's load above).", ""]
     if medians:
         ratios = cost["ratio_on_to_off"]
         lines += [f"**Steady steps/s with the replica check every 100 steps and off** ({cost['repeats']} "
