@@ -284,6 +284,9 @@ OPTIONS: tuple[Option, ...] = (
     # the table has no on/off kind; 1 reads as evict_stragglers' "a ratio, 0: never" does.
     _whole("evict_diverged", 0, "1: ask a node whose parameters differ from its replicas' majority to leave, "
            "as `elasticctl leave` does (once per node and run); 0: only name it.", 0, 1, flag="--evict-diverged"),
+    _whole("check_non_finite", 1, "1: each worker checks its loss and its own gradients before the all-reduce "
+           "and names the ranks that produced a NaN or infinity (a min/max pass over the gradients twice a step, "
+           "on their device); 0: no check, no pass.", 0, 1, flag="--check-non-finite"),
     _whole("skip_non_finite", 0, "1: skip a step whose gradients are not finite on every rank (the same decision "
            "everywhere); 0: apply it. Either way the ranks that produced the NaN or infinity are named (an event, "
            "a metric). Off with a GradScaler, which skips such steps itself.", 0, 1, flag="--skip-non-finite"),

@@ -98,6 +98,9 @@ def parse_rdzv_options(conf: Mapping[str, object]) -> RdzvOptions:
     options = RdzvOptions(**values)
     if (options.cert is None) != (options.key is None):
         raise ConfigError("The rendezvous options cert and key must be given together.")
+    if options.skip_non_finite and not options.check_non_finite:
+        raise ConfigError("skip_non_finite 1 (--skip-non-finite) needs the check it acts on: not with "
+                          "check_non_finite 0 (--check-non-finite).")
     if options.straggler_interval > options.straggler_window:
         raise ConfigError(f"The straggler interval ({options.straggler_interval} steps) must not be above "
                           f"the straggler window ({options.straggler_window} steps).")
@@ -201,16 +204,22 @@ class ReplicaCheckSettings:
 class NonFiniteSettings:
     """What the workers of a job do with a step whose gradients are not finite (the non_finite
     section of :class:`WorkerSettings`, read by :mod:`elasticctl.train.non_finite_watch`): name the
-    ranks that produced them always, and with ``skip`` (1) skip the step on every rank."""
+    ranks that produced them with ``check`` (1, the default; 0: no check at all), and with ``skip`` (1)
+    skip the step on every rank."""
 
+    check: int = BY_NAME["check_non_finite"].default
     skip: int = BY_NAME["skip_non_finite"].default
 
     def __post_init__(self) -> None:
+        BY_NAME["check_non_finite"].check_number(self.check, "The non-finite setting check")
         BY_NAME["skip_non_finite"].check_number(self.skip, "The non-finite setting skip")
+        if self.skip and not self.check:
+            raise ConfigError("skip_non_finite 1 (--skip-non-finite) needs the check it acts on: not with "
+                              "check_non_finite 0 (--check-non-finite).")
 
     @classmethod
     def of(cls, options: RdzvOptions) -> NonFiniteSettings:
-        return cls(skip=options.skip_non_finite)
+        return cls(check=options.check_non_finite, skip=options.skip_non_finite)
 
 
 # 2: the replica check's section (a worker of version 1 would refuse it as unknown); 3: non_finite's.

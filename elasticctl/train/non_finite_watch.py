@@ -14,7 +14,7 @@ the gradients applied after it (on their device; one value brought to the host p
 sharded model adds one all-reduce of one integer on the control group. A non-finite step adds one
 all-gather of two integers per worker. Off (every call a no-op) outside elasticctl's handler and
 with a GradScaler in the state: mixed precision's scaler already skips such steps and lowers its
-scale, and its first steps are expected to overflow.
+scale, and its first steps are expected to overflow; and with ``--check-non-finite 0``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class NonFiniteWatch:
     def __init__(self, settings: NonFiniteSettings | None, worker: str, node: str, *, enabled: bool,
                  control_group: Callable[[], Any], record: Callable[..., None]) -> None:
         self.settings = settings
-        self.enabled = enabled and settings is not None
+        self.enabled = enabled and settings is not None and bool(settings.check)
         self.worker, self.node = worker, node
         self._control_group = control_group  # the current generation's (None: torch's default)
         self._record = record                # record(kind, node=..., **fields): an event, later

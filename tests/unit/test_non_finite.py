@@ -113,7 +113,8 @@ def test_gradients_finite_reads_every_gradient_and_skips_parameters_without_one(
 # -- the settings ---------------------------------------------------------------------------------
 
 def test_the_default_names_and_applies_and_the_flag_skips():
-    assert NonFiniteSettings.of(parse_rdzv_options({})) == NonFiniteSettings(skip=0)
+    assert NonFiniteSettings.of(parse_rdzv_options({})) == NonFiniteSettings(check=1, skip=0)
+    assert NonFiniteSettings.of(parse_rdzv_options({"check_non_finite": "0"})) == NonFiniteSettings(check=0, skip=0)
     settings_ = WorkerSettings.of(parse_rdzv_options({"skip_non_finite": "1"}), 1, 2)
     assert settings_.non_finite == NonFiniteSettings(skip=1)
     assert WorkerSettings.from_json(settings_.to_json()) == settings_
@@ -126,6 +127,24 @@ def test_a_bad_skip_value_is_one_sentence_naming_it(value):
     message = str(caught.value)
     assert f"skip_non_finite (--skip-non-finite) ('{value}') must be a whole number from 0 to 1." in message
     assert "\n" not in message
+
+
+def test_skipping_without_the_check_is_one_sentence():
+    message = "skip_non_finite 1 (--skip-non-finite) needs the check it acts on: not with check_non_finite 0"
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_rdzv_options({"skip_non_finite": "1", "check_non_finite": "0"})
+    with pytest.raises(ConfigError, match="needs the check it acts on"):
+        NonFiniteSettings(check=0, skip=1)
+
+
+def test_with_the_check_off_the_watch_does_nothing():
+    events: list = []
+    watch = NonFiniteWatch(NonFiniteSettings(check=0), "a.0", "a", enabled=True, control_group=lambda: None,
+                           record=lambda kind, **fields: events.append(kind))
+    group = _group()
+    _backward(group.model, poison=True)
+    assert watch.bucket_observer() is None
+    assert watch.before_step(group, 3, math.nan, group.model.parameters(), sharded=False) is True and events == []
 
 
 def test_up_hands_the_flag_to_the_rendezvous_options():
