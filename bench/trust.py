@@ -246,17 +246,23 @@ def section(results: dict) -> list[str]:
 
 
 def main() -> None:
-    """``python -m bench.trust [repeats]``: this benchmark alone, its JSON to stdout."""
+    """``python -m bench.trust [REPEATS [PART ...]]``: this benchmark alone (PART: check_costs,
+    admission, evict_with_spare, replica_cost; default all), its JSON to stdout."""
     import json
     import sys
 
     from elasticctl.embedded_etcd import EmbeddedEtcd
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    parts = sys.argv[2:] or ["check_costs", "admission", "evict_with_spare", "replica_cost"]
     root = Path(tempfile.mkdtemp(prefix="bench-trust-"))
+    caps = Caps(steady_window=8.0)
+    runs = {"check_costs": lambda etcd: check_costs(), "admission": lambda etcd: admission(root, etcd, repeats),
+            "evict_with_spare": lambda etcd: evict_with_spare(root, etcd, caps, repeats),
+            "replica_cost": lambda etcd: replica_cost(root, etcd, caps, repeats)}
     with EmbeddedEtcd(data_dir=str(root / "etcd"), client_port=0, peer_port=0) as server, \
             EtcdClient(server.client_settings()) as etcd:
-        result = run(root, etcd, Caps(steady_window=8.0), repeats)
+        result = {part: runs[part](etcd) for part in parts}
     print(json.dumps(result, indent=1))
 
 
