@@ -80,11 +80,11 @@ class State:
     def commit(self, samples: int = 0, loss: float | None = None) -> None:
         """End a training step: apply the gradients (``optimizer.step``, ``zero_grad``, the
         scheduler), advance the sampler by ``samples`` per worker, count the step (``loss``
-        goes to ``elasticctl status`` and is checked: a NaN or infinity here, or in the gradients,
-        names the rank that produced it, and with ``--skip-non-finite 1`` the gradients are not
-        applied, on every rank; the step still counts). The step is a boundary where the membership may
-        change: the runtime then leaves the script's function and re-enters it in the next
-        generation, with this state."""
+        goes to ``elasticctl status`` and is checked: a NaN or infinity here, or in the
+        gradients, names the rank that produced it, and with ``--skip-non-finite 1`` the
+        gradients are not applied, on every rank; the step still counts). The step is a boundary
+        where the membership may change: the runtime then leaves the script's function and
+        re-enters it in the next generation, with this state."""
         apply = self._runtime.before_step_applied(loss) if self._runtime is not None else True
         if self.optimizer is not None and apply:
             if self.scaler is not None:  # mixed precision: unscale, skip the step on inf/NaN gradients
