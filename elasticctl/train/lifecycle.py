@@ -10,6 +10,8 @@ values alone:
 * what a step boundary every worker agreed on means (:func:`elasticctl.train.boundary.at_boundary`),
   with the checkpoint taken before some workers leave
   (:func:`elasticctl.train.boundary.checkpoint_before_leave`) and what its outcome changes;
+* when a boundary's flags are agreed: at once, at the next boundary, or alone
+  (:func:`when_flags_agreed`);
 * which failures a new generation can fix (not the same step failing again and again);
 * how the run ends: the training function returned, the worker left or was let go, it was told to
   stop while it waited for a generation, or it gave up.
@@ -218,3 +220,20 @@ def on_stop_request(phase: Phase) -> tuple[Command, ...]:
     if phase in (Phase.FORMING, Phase.RE_FORMING):
         return (Command.CANCEL_JOIN, Command.START_STOP_TIMER)
     return (Command.START_STOP_TIMER,)
+
+
+class FlagsAgreed(enum.Enum):
+    """When a step boundary's flags (a change pending, workers leaving) are summed and read."""
+
+    ALONE = "alone"                          # a generation of one: its own flags are the sum, no collective
+    AT_THIS_BOUNDARY = "at this boundary"    # a blocking all-reduce, read before the next step
+    AT_THE_NEXT_BOUNDARY = "at the next boundary"  # an asynchronous one, read one step later
+
+
+def when_flags_agreed(mode: RecoveryMode, world_size: int) -> FlagsAgreed:
+    """Restart mode agrees at once: the agent waits for these workers to stop before its node can
+    re-form, so a step more would only delay it. Hot mode lets the all-reduce run behind the next
+    step and reads it there: a change costs one step's delay and no step waits for the flags."""
+    if world_size == 1:
+        return FlagsAgreed.ALONE
+    return FlagsAgreed.AT_THIS_BOUNDARY if mode is RecoveryMode.RESTART else FlagsAgreed.AT_THE_NEXT_BOUNDARY

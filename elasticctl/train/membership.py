@@ -51,11 +51,6 @@ class Membership(abc.ABC):
     node_ttl: float | None = None  # seconds a member may be silent (None: torch's agent decides)
 
     @property
-    def agreed_at_once(self) -> bool:
-        """Whether a boundary's flags are agreed at that boundary (blocking), not at the next."""
-        return self.mode is RecoveryMode.RESTART
-
-    @property
     def recovers_in_process(self) -> bool:
         """Whether a failure of the script's step is met with a new generation in this process."""
         return self.mode is RecoveryMode.HOT

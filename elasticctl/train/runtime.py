@@ -619,18 +619,18 @@ class Runtime:
         return Agreed(pending, leaving, self._group.world_size)
 
     def _send_flags(self, group: Group) -> Agreed | None:
-        """This boundary's flags to every worker; agreed now if the membership wants them at
-        once (restart mode: the agent waits for these workers to stop before its node can
-        re-form, so a blocking all-reduce) or the worker is alone, else at the next boundary.
-        CPU tensors on the control group: reading them never waits for a GPU."""
+        """This boundary's flags to every worker, agreed when the machine's rule says
+        (:func:`lifecycle.when_flags_agreed`). CPU tensors on the control group: reading them
+        never waits for a GPU."""
         pending = self.membership.change_pending()
         self._leaving_sent = self._leaving
-        if group.world_size == 1:
+        when = lifecycle.when_flags_agreed(self.membership.mode, group.world_size)
+        if when is lifecycle.FlagsAgreed.ALONE:
             return Agreed(int(pending), int(self._leaving), 1)
         flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64)
         self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.control_group,
                                                    async_op=True))
-        return self._flags_in_flight() if self.membership.agreed_at_once else None
+        return self._flags_in_flight() if when is lifecycle.FlagsAgreed.AT_THIS_BOUNDARY else None
 
     def _replica_set(self) -> int | None:
         """This worker's replica-set key for the replica check: every worker one set (DDP), the

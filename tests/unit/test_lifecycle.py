@@ -10,6 +10,8 @@ import pytest
 from elasticctl.job.options import RecoveryMode
 from elasticctl.train.boundary import Agreed, BoundaryAction
 from elasticctl.train.lifecycle import (
+    FlagsAgreed,
+    when_flags_agreed,
     FORM_ATTEMPTS,
     SAME_STEP_FAILURES,
     BoundaryAgreed,
@@ -168,3 +170,13 @@ def test_every_run_ends_in_a_command_that_ends_it_or_a_phase_it_leaves():
                         assert after.phase in (Phase.FORMING, Phase.RE_FORMING, Phase.TRAINING), (current, after)
                         following.append(after)
             frontier = list({dataclasses.astuple(s): s for s in following}.values())
+
+
+@pytest.mark.parametrize(("mode", "world_size", "when"), [
+    (RecoveryMode.RESTART, 1, FlagsAgreed.ALONE),
+    (RecoveryMode.HOT, 1, FlagsAgreed.ALONE),
+    (RecoveryMode.RESTART, 3, FlagsAgreed.AT_THIS_BOUNDARY),   # the agent waits for the workers to stop
+    (RecoveryMode.HOT, 3, FlagsAgreed.AT_THE_NEXT_BOUNDARY),   # the all-reduce runs behind the next step
+])
+def test_when_a_boundary_s_flags_are_agreed(mode, world_size, when):
+    assert when_flags_agreed(mode, world_size) is when
