@@ -48,7 +48,7 @@ import psutil
 
 from bench import accounting
 from bench.cluster import Cluster, Node, wait_for
-from bench.harness import trained_together
+from bench.harness import trained_together, wait_ended
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.job.keys import JobKeys
@@ -275,8 +275,7 @@ class Soak:
             raise ChaosFailure(f"`elasticctl down` failed: {result.stderr.strip().splitlines()[-1:]}")
         for name in self.live:
             _wait_clean_exit(self.cluster.nodes[name], f"node {name}", "`down`")
-        _, alive = psutil.wait_procs(list(self.seen.values()), timeout=10)
-        alive = [p for p in alive if _running(p)]
+        alive = wait_ended(self.seen.values(), timeout=10)
         if alive:
             raise ChaosFailure(f"{len(alive)} process(es) left running after `down`: "
                                f"{[(p.pid, ' '.join(p.cmdline()[:4])) for p in alive[:3]]}")
@@ -369,13 +368,6 @@ def _wait_clean_exit(node, who: str, after: str) -> None:
         raise ChaosFailure(f"{who} did not exit within 60 s of {after}") from None
     if code != 0:
         raise ChaosFailure(f"{who} exited with status {code} after {after} (see {node.log_path})")
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def soak(options: Options, workdir: Path) -> dict:

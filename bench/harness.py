@@ -138,6 +138,24 @@ class Node:
         stop_nodes([self])
 
 
+def ended(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has exited. A zombie has: its memory, files and ports are released, and
+    only its exit status waits for its parent to collect. An orphan's parent is init, and an init
+    may collect its zombies seconds later (this project's 2-core test VM: about every 2 s)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_ended(procs: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until every one of ``procs`` has exited (:func:`ended`); those still running after
+    ``timeout`` s. (``psutil.wait_procs`` waits until a zombie is collected.)"""
+    procs = list(procs)
+    wait_for(lambda: all(ended(p) for p in procs), timeout, interval=0.02)
+    return [p for p in procs if not ended(p)]
+
+
 def stop_nodes(nodes: Iterable[Node]) -> None:
     """End ``nodes`` at once: every tree frozen first (no process forks a new one or notices the
     others go), then every tree SIGKILLed. A graceful leave is what some tests assert; at the end
@@ -154,7 +172,7 @@ def stop_nodes(nodes: Iterable[Node]) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(trees, timeout=10)
+    wait_ended(trees, timeout=10)
     for node in nodes:
         try:
             node.process.wait(10)

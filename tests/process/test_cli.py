@@ -12,6 +12,7 @@ import psutil
 import pytest
 from support.helpers import ELASTICCTL, MLP, read_records, wait_for
 
+from bench.harness import wait_ended
 from elasticctl.embedded_etcd import free_port
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -117,7 +118,7 @@ def test_sigterm_leaves_gracefully_and_stops_every_worker(default_etcd, tmp_path
         up.send_signal(signal.SIGTERM)  # preemption: leave like `elasticctl leave`
         assert up.wait(60) == 0
         assert "left the job" in (tmp_path / "up.log").read_text()
-        _, alive = psutil.wait_procs(tree, timeout=30)
+        alive = wait_ended(tree, 30)  # a zombie has ended: its orphans' init collects it later
         assert not alive, f"orphans left behind: {alive}"
     finally:
         if up.poll() is None:
@@ -147,7 +148,7 @@ def test_sigkill_of_elasticctl_takes_torchrun_and_workers_down(default_etcd, tmp
         tree = psutil.Process(up.pid).children(recursive=True)
         up.kill()  # no chance to clean up: the parent-death signal must do it
         up.wait(10)
-        _, alive = psutil.wait_procs(tree, timeout=60)
+        alive = wait_ended(tree, 60)
         assert not alive, f"orphans left behind: {alive}"
     finally:
         if up.poll() is None:

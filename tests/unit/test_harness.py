@@ -46,3 +46,27 @@ def test_trained_together(records, world, nodes, options, reached):
 
 def test_step_lines_keep_steps_only():
     assert step_lines([A1, {"event": "done", "time": 11.0}, line("b", 3)], since=0.0, world=2) == [A1]
+
+
+def test_a_zombie_has_ended_and_a_running_process_has_not():
+    """stop_nodes waits until each process ended: a zombie has (an orphan's waits for init to
+    collect it, seconds later on some machines), a running one has not until it exits."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from bench.harness import ended, wait_ended
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = psutil.Process(child.pid)
+    try:
+        assert not ended(proc)
+        assert wait_ended([proc], timeout=0.1) == [proc]
+        child.kill()
+        assert wait_ended([proc], timeout=10) == []  # not collected yet: a zombie of this process
+        assert proc.status() == psutil.STATUS_ZOMBIE
+    finally:
+        child.kill()
+        child.wait()
+    assert ended(proc)
