@@ -288,11 +288,16 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
     started = {"a": job.up("a")}
     wait_for(job.registry.read_spec, 60, "the job spec in etcd")
     started.update({name: job.join(name) for name in ("b", "c")})
-    first = job.wait_world(6, {"a", "b", "c"})
-    pids = collections.defaultdict(set)
-    for r in first:
-        pids[r["node"]].add(r["pid"])
-    assert all(len(p) == 2 for p in pids.values()), pids
+    job.wait_world(6, {"a", "b", "c"})
+
+    def both_workers_of_each_node():  # each node's two workers at world 6 (one may log its step later)
+        found = collections.defaultdict(set)
+        for r in job.records():
+            if "event" not in r and r["world_size"] == 6:
+                found[r["node"]].add(r["pid"])
+        return found if len(found) == 3 and all(len(p) == 2 for p in found.values()) else None
+
+    pids = wait_for(both_workers_of_each_node, 60, "both workers of each node training at world 6")
 
     killed_at = max(r["time"] for r in job.records())
     started["c"].kill()

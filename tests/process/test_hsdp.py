@@ -74,7 +74,9 @@ def test_hsdp_survivors_keep_their_shards_through_a_node_lost(job):
     records = j.records()
     steps = steps_of(records)
     last_at_6 = max(r["step"] for r in steps if r["world_size"] == 6)
-    first_at_4 = min(r["step"] for r in steps if r["world_size"] == 4)
+    # after the kill: on a loaded machine c's workers may have missed the first generation, which
+    # then trained at world 4 too
+    first_at_4 = min(r["step"] for r in steps if r["world_size"] == 4 and r["time"] > killed_at)
     # nothing re-done: at most the step in flight when c died, which no worker had applied
     assert first_at_4 >= last_at_6, (last_at_6, first_at_4)
     restored = [r for r in records if r.get("event") == "state_restored" and r["time"] > killed_at]
