@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticctl.errors import ConfigError
 from elasticctl.job.records import EventKind
 from elasticctl.job.settings import NonFiniteSettings
 from elasticctl.train.non_finite import (
@@ -38,7 +37,7 @@ from elasticctl.train.non_finite import (
     judge_non_finite,
     starts_a_run,
 )
-from elasticctl.train.process_group import gather_node_names
+from elasticctl.train.process_group import rank_nodes_or_none
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +119,8 @@ class NonFiniteWatch:
             return judge_non_finite(step, [mine])
         control_group = self._control_group()
         if self._rank_nodes is None:
-            try:
-                self._rank_nodes = gather_node_names(self.node, group.world_size, control_group)
-            except ConfigError as exc:  # a peer's bytes are untrusted: no names this generation
-                log.warning("[%s] non-finite steps name no node in generation %d: %s", self.worker, group.number, exc)
-                self._rank_nodes = []
+            self._rank_nodes = rank_nodes_or_none(self.node, group, control_group, self.worker,
+                                                  "non-finite steps name no node")
         sent = torch.tensor(mine.encode(), dtype=torch.int64)
         gathered = [torch.empty_like(sent) for _ in range(group.world_size)]
         dist.all_gather(gathered, sent, group=control_group)

@@ -9,15 +9,19 @@ runtime calls these as it forms each one). Where the worker keeps one group for 
 from __future__ import annotations
 
 import datetime
+import logging
 import enum
 
 import torch
 import torch.distributed as dist
 
+from elasticctl.errors import ConfigError
 from elasticctl.job.records import Round
 from elasticctl.train import entry as worker_entry
 from elasticctl.train.reconfigure import ReconfigurableGroup, handles_of
 from elasticctl.train.stragglers import decode_name, encode_name
+
+log = logging.getLogger(__name__)
 
 
 def build_generation_group(generation: Round, rank: int, backend: str, timeout: datetime.timedelta,
@@ -42,6 +46,17 @@ def gather_node_names(node: str, world_size: int, group) -> list[str]:
     names = [torch.empty_like(name) for _ in range(world_size)]
     dist.all_gather(names, name, group=group)
     return [decode_name(n.tolist()) for n in names]
+
+
+def rank_nodes_or_none(node: str, group, control_group, worker: str, without: str) -> list[str]:
+    """Every rank's node name (:func:`gather_node_names`), or [] when a peer sent bytes that are no
+    name: they are untrusted, so the caller names no node in this generation (``without``: what
+    that costs it, for the one warning)."""
+    try:
+        return gather_node_names(node, group.world_size, control_group)
+    except ConfigError as exc:
+        log.warning("[%s] %s in generation %d: %s", worker, without, group.number, exc)
+        return []
 
 
 def reconfigure_generation_group(group: ReconfigurableGroup | None, generation: Round, rank: int, backend: str,

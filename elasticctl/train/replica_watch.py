@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticctl.errors import ConfigError
 from elasticctl.job.records import EventKind
 from elasticctl.job.settings import ReplicaCheckSettings
 from elasticctl.train.replica_check import (
@@ -36,7 +35,7 @@ from elasticctl.train.replica_check import (
     judge_replicas,
     parameters_digest,
 )
-from elasticctl.train.process_group import gather_node_names
+from elasticctl.train.process_group import rank_nodes_or_none
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +91,8 @@ class ReplicaWatch:
         worker; the verdict on them (any two int64 are a report: the rule reads nothing else)."""
         control_group = self._control_group()
         if self._rank_nodes is None:
-            try:
-                self._rank_nodes = gather_node_names(self.node, group.world_size, control_group)
-            except ConfigError as exc:  # a peer's bytes are untrusted: no names, no eviction this generation
-                log.warning("[%s] the replica check names no node in generation %d: %s", self.worker,
-                            group.number, exc)
-                self._rank_nodes = []
+            self._rank_nodes = rank_nodes_or_none(self.node, group, control_group, self.worker,
+                                                  "the replica check names no node and evicts none")
         mine = torch.tensor([digest, key if key >= 0 else NO_REPLICA], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
         dist.all_gather(gathered, mine, group=control_group)

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticctl.errors import ConfigError
 from elasticctl.job.settings import StragglerSettings
 from elasticctl.job.records import EventKind
-from elasticctl.train.process_group import gather_node_names
+from elasticctl.train.process_group import rank_nodes_or_none
 from elasticctl.train.stragglers import (
     Interval,
     StepClock,
@@ -91,11 +90,8 @@ class StragglerWatch:
         fastest, median, steps = self.clock.take()
         control_group = self._control_group()
         if self._rank_nodes is None:
-            try:
-                self._rank_nodes = gather_node_names(self.node, group.world_size, control_group)
-            except ConfigError as exc:  # a peer's bytes are untrusted: no decisions this generation
-                log.warning("[%s] straggler detection is off in generation %d: %s", self.worker, group.number, exc)
-                self._rank_nodes = []
+            self._rank_nodes = rank_nodes_or_none(self.node, group, control_group, self.worker,
+                                                  "straggler detection is off")
         mine = torch.tensor([fastest, median, float(steps)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
         dist.all_gather(gathered, mine, group=control_group)
