@@ -80,7 +80,7 @@ class NonFiniteWatch:
         own_gradients = self._own_gradients()
         if not self.enabled:
             return True
-        loss_finite = None if loss is None else math.isfinite(loss)
+        loss_finite = _finite(loss)
         finite = gradients_finite(parameters)
         if group.world_size == 1 and own_gradients is None:
             own_gradients = finite  # nothing is reduced: the gradients applied are this worker's own
@@ -149,3 +149,14 @@ class NonFiniteWatch:
                          reason="the gradients were not finite after the all-reduce and no rank's own values were "
                                 "before it (a sum that overflowed, or a sharded model's reduce-scatter, where no "
                                 f"rank looks); the step was {action}")
+
+
+def _finite(loss: object) -> bool | None:
+    """Whether the loss a script handed ``State.commit`` is finite (None: none given, or nothing
+    that reads as one number: it only goes to ``status`` then)."""
+    if loss is None:
+        return None
+    try:
+        return math.isfinite(float(loss))
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        return None

@@ -238,3 +238,13 @@ def test_with_a_grad_scaler_the_watch_is_off():
     assert watch.bucket_observer() is None
     assert watch.before_step(group, 3, math.nan, group.model.parameters(), sharded=False) is True
     assert events == []
+
+
+@pytest.mark.parametrize(("loss", "named"), [(torch.tensor(math.nan), True), (torch.tensor([1.0, 2.0]), False),
+                                             ("0.5", False), (object(), False), (math.inf, True)])
+def test_a_loss_of_any_type_is_read_as_one_number_or_not_at_all(loss, named):
+    events: list = []
+    watch, group = _watch(0, events), _group()
+    _backward(group.model, poison=False)
+    assert watch.before_step(group, 3, loss, group.model.parameters(), sharded=False) is True
+    assert bool(events) is named
