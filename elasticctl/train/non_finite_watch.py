@@ -55,6 +55,7 @@ class NonFiniteWatch:
         self._bucket_flags: list[torch.Tensor] = []  # this step's: each bucket finite before its all-reduce
         self._rank_nodes: list[str] | None = None    # the node of each rank ([]: a peer sent a bad id)
         self.last_non_finite: int | None = None      # the newest non-finite step of this run
+        self._last_loss_only: int | None = None      # the newest step whose loss alone was not finite
         self.non_finite_steps = 0                    # how many, in this process
 
     @property
@@ -90,12 +91,15 @@ class NonFiniteWatch:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control_group())
             finite = bool(flag.item())
         if finite:
-            if loss_finite is False:  # its gradients are finite, so no other worker can know: its own word
+            if loss_finite is False and starts_a_run(step, self._last_loss_only):
+                # its gradients are finite, so no other worker can know: its own word, once per run
                 log.warning("[%s] the loss of step %d is not finite on this worker (rank %d), its gradients are",
                             self.worker, step, group.rank)
                 self._record(EventKind.NON_FINITE, step=step, world_size=group.world_size,
                              reason=f"rank {group.rank}'s loss was not finite, its gradients were (the step was "
                                     "applied)")
+            if loss_finite is False:
+                self._last_loss_only = step
             return True
         found = self._exchange(group, step, RankFindings(loss_finite, own_gradients))
         self.non_finite_steps += 1
