@@ -244,15 +244,12 @@ class EmbeddedEtcd:
             self.data_dir = tempfile.mkdtemp(prefix="elasticctl-etcd-")
             self._own_data_dir = True
         prepare_data_dir(str(self.data_dir))
-        if self.log_path is None and self._own_data_dir:
-            # Inside the temporary data directory, and so removed with it by stop(); beside it,
-            # every embedded etcd would leave a log behind in the temporary directory.
-            self.log_path = str(Path(self.data_dir) / "etcd.log")
         if self.log_path is None:
             data_dir = Path(os.path.abspath(self.data_dir))
-            # Next to the data directory, or inside it when that is the root directory.
-            beside = data_dir.with_name(data_dir.name + ".log") if data_dir.name else None
-            self.log_path = str(beside or data_dir / "etcd.log")
+            # Inside a temporary data directory, so that stop() removes it with the data; else
+            # next to the data directory, or inside it when that is the root directory.
+            inside = self._own_data_dir or not data_dir.name
+            self.log_path = str(data_dir / "etcd.log" if inside else data_dir.with_name(data_dir.name + ".log"))
         command = self.command()
         log.info("starting etcd: %s", " ".join(command))
         try:

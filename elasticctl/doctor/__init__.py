@@ -101,21 +101,21 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
 
     checks: list[Check] = []
     seconds: list[tuple[str, float]] = []
-    began = [time.monotonic()]
+    began = time.monotonic()
 
     def add(check: Check) -> None:
         """Keep ``check``, and the time since the previous one was kept: what computing it took."""
+        nonlocal began
         now = time.monotonic()
         checks.append(check)
-        seconds.append((check.name, now - began[0]))
-        began[0] = now
+        seconds.append((check.name, now - began))
+        began = now
 
     add(decide_versions(sys.version_info, installed_torch_version()))
     nodes: dict[str, dict] = {}
     if registry is not None:
         nodes = {n: r for n, r in registry.live_nodes().items() if r.get("pid") != os.getpid()}
-        add(decide_torch_agreement(installed_torch_version(),
-                                             {n: r.get("torch") for n, r in nodes.items()}))
+        add(decide_torch_agreement(installed_torch_version(), {n: r.get("torch") for n, r in nodes.items()}))
         add(decide_checkpoint_health(registry.progress()))
     if deep:
         add(gather_torch_build(launcher.visible_gpu_count()))
@@ -162,7 +162,7 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
         add(gather_devices(gpus, left(DEVICE_PROBE_TIMEOUT_S)) if gpus else gather_devices(0))
     for command in custom:
         add(skipped("custom", f"--skip-check custom ({command})") if "custom" in skip
-                      else gather_custom(command, left(CUSTOM_CHECK_TIMEOUT_S)))
+            else gather_custom(command, left(CUSTOM_CHECK_TIMEOUT_S)))
     checks = [skipped(c.name, f"--skip-check {c.name}") if c.name in skip and not c.detail.startswith("skipped")
               else c for c in checks]
     return Report(tuple(checks), claimed, tuple(seconds))

@@ -37,7 +37,7 @@ from elasticctl.train.non_finite import (
     judge_non_finite,
     starts_a_run,
 )
-from elasticctl.train.process_group import rank_nodes_or_none
+from elasticctl.train.process_group import rank_nodes_or_empty
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class NonFiniteWatch:
             return judge_non_finite(step, [mine])
         control_group = self._control_group()
         if self._rank_nodes is None:
-            self._rank_nodes = rank_nodes_or_none(self.node, group, control_group, self.worker,
+            self._rank_nodes = rank_nodes_or_empty(self.node, group, control_group, self.worker,
                                                   "non-finite steps name no node")
         sent = torch.tensor(mine.encode(), dtype=torch.int64)
         gathered = [torch.empty_like(sent) for _ in range(group.world_size)]

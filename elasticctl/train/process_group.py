@@ -48,7 +48,7 @@ def gather_node_names(node: str, world_size: int, group) -> list[str]:
     return [decode_name(n.tolist()) for n in names]
 
 
-def rank_nodes_or_none(node: str, group, control_group, worker: str, without: str) -> list[str]:
+def rank_nodes_or_empty(node: str, group, control_group, worker: str, without: str) -> list[str]:
     """Every rank's node name (:func:`gather_node_names`), or [] when a peer sent bytes that are no
     name: they are untrusted, so the caller names no node in this generation (``without``: what
     that costs it, for the one warning)."""

@@ -35,7 +35,7 @@ from elasticctl.train.replica_check import (
     judge_replicas,
     parameters_digest,
 )
-from elasticctl.train.process_group import rank_nodes_or_none
+from elasticctl.train.process_group import rank_nodes_or_empty
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class ReplicaWatch:
         worker; the verdict on them (any two int64 are a report: the rule reads nothing else)."""
         control_group = self._control_group()
         if self._rank_nodes is None:
-            self._rank_nodes = rank_nodes_or_none(self.node, group, control_group, self.worker,
+            self._rank_nodes = rank_nodes_or_empty(self.node, group, control_group, self.worker,
                                                   "the replica check names no node and evicts none")
         mine = torch.tensor([digest, key if key >= 0 else NO_REPLICA], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]

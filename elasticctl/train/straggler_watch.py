@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elasticctl.job.settings import StragglerSettings
 from elasticctl.job.records import EventKind
-from elasticctl.train.process_group import rank_nodes_or_none
+from elasticctl.train.process_group import rank_nodes_or_empty
 from elasticctl.train.stragglers import (
     Interval,
     StepClock,
@@ -90,7 +90,7 @@ class StragglerWatch:
         fastest, median, steps = self.clock.take()
         control_group = self._control_group()
         if self._rank_nodes is None:
-            self._rank_nodes = rank_nodes_or_none(self.node, group, control_group, self.worker,
+            self._rank_nodes = rank_nodes_or_empty(self.node, group, control_group, self.worker,
                                                   "straggler detection is off")
         mine = torch.tensor([fastest, median, float(steps)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]

@@ -288,21 +288,25 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
     started = {"a": job.up("a")}
     wait_for(job.registry.read_spec, 60, "the job spec in etcd")
     started.update({name: job.join(name) for name in ("b", "c")})
-    job.wait_world(6, {"a", "b", "c"})
+    def both_workers_of(names: set[str], world: int, since: float = 0.0) -> dict[str, set[int]]:
+        """Each node's two workers trained at ``world`` after ``since`` (a node's two workers log a
+        step at slightly different moments: waiting for the node is not waiting for both)."""
+        def found():
+            pids = collections.defaultdict(set)
+            for r in job.records():
+                if "event" not in r and r["world_size"] == world and r["time"] > since and r["node"] in names:
+                    pids[r["node"]].add(r["pid"])
+            return pids if set(pids) == names and all(len(p) >= 2 for p in pids.values()) else None
 
-    def both_workers_of_each_node():  # each node's two workers at world 6 (one may log its step later)
-        found = collections.defaultdict(set)
-        for r in job.records():
-            if "event" not in r and r["world_size"] == 6:
-                found[r["node"]].add(r["pid"])
-        return found if len(found) == 3 and all(len(p) == 2 for p in found.values()) else None
+        return wait_for(found, 180, f"both workers of each of {sorted(names)} training at world {world}")
 
-    pids = wait_for(both_workers_of_each_node, 60, "both workers of each node training at world 6")
+    pids = both_workers_of({"a", "b", "c"}, 6)
+    assert all(len(p) == 2 for p in pids.values()), pids
 
     killed_at = max(r["time"] for r in job.records())
     started["c"].kill()
-    shrunk = job.wait_world(4, {"a", "b"}, since=killed_at)
-    assert {r["pid"] for r in shrunk} == pids["a"] | pids["b"], "a survivor's worker restarted"
+    shrunk = both_workers_of({"a", "b"}, 4, since=killed_at)
+    assert shrunk["a"] | shrunk["b"] == pids["a"] | pids["b"], "a survivor's worker restarted"
 
     crashed_at = max(r["time"] for r in job.records())
     victim = min(pids["b"])
