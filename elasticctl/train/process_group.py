@@ -9,8 +9,10 @@ runtime calls these as it forms each one). Where the worker keeps one group for 
 from __future__ import annotations
 
 import datetime
-import logging
 import enum
+import logging
+import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,9 +75,36 @@ def reconfigure_generation_group(group: ReconfigurableGroup | None, generation: 
 
 
 def generation_store(generation: Round, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
-    """``generation``'s own store: a TCPStore on its rank 0's port from the sealed record."""
-    return dist.TCPStore(generation.addrs[0], generation.master_port, world_size=generation.world_size,
-                         is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    """``generation``'s own store: a TCPStore on its rank 0's port from the sealed record.
+
+    Every member learns the generation at the same moment, so a member often reaches the store
+    before rank 0 listens. A TCPStore client refused then sleeps a backoff of its own (0.3 s, then
+    0.4 s more, measured with torch 2.14), which every re-formation paid once in two: a member
+    other than rank 0 first waits, polling, until the port listens (:func:`wait_until_listening`)."""
+    host, port = generation.addrs[0], generation.master_port
+    if rank != 0 and not wait_until_listening(host, port, timeout.total_seconds()):
+        raise TimeoutError(f"The store of generation {generation.number} at {host}:{port} (its rank 0) did not "
+                           f"listen within {timeout.total_seconds():g} s.")
+    return dist.TCPStore(host, port, world_size=generation.world_size, is_master=rank == 0, timeout=timeout,
+                         wait_for_workers=False)
+
+
+LISTEN_POLL_S = 0.002  # a refused connect on a live host costs microseconds: poll briskly
+
+
+def wait_until_listening(host: str, port: int, timeout: float) -> bool:
+    """Whether something accepts connections at ``host:port`` within ``timeout`` seconds (polled;
+    each attempt bounded by what is left, so an unreachable host costs at most ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+                return True
+        except OSError:
+            if left <= 0:
+                return False
+            time.sleep(LISTEN_POLL_S)
 
 
 def reset_group_counter() -> None:
