@@ -45,6 +45,8 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,8 +54,8 @@ from pathlib import Path
 
 from bench import accounting
 from bench.cluster import Cluster, wait_for
-from elasticctl.embedded_etcd import EmbeddedEtcd
 from bench.scenarios import EVENT_TRAINING, FIRST_NODES, Caps, _spare_waiting, _start_world3
+from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.etcd.client import EtcdClient
 
 KILL, START = "kill", "start"
@@ -163,6 +165,36 @@ def goodput(samples_in_window: int, healthy_samples_per_s: float | None, window_
     if not healthy_samples_per_s or window_s <= 0:
         return None
     return samples_in_window / (healthy_samples_per_s * window_s)
+
+
+def goodput_bound_without_spare(back_after_s: float, cold_start_s: float, kill_every_s: float,
+                                full_world: int = FULL_WORLD) -> float | None:
+    """The most goodput a job without a spare can keep when one worker of ``full_world`` is away
+    for the ``back_after_s`` s before its node returns, then for the ``cold_start_s`` s its new
+    worker needs before it can train, once every ``kill_every_s`` s (supposing a world one
+    smaller trains its share: (W-1)/W of the samples). None if the numbers make no bound."""
+    if full_world < 2 or kill_every_s <= 0 or back_after_s < 0 or cold_start_s < 0:
+        return None
+    return max(0.0, 1 - (back_after_s + cold_start_s) / (full_world * kill_every_s))
+
+
+# torch's own start in a new worker: the import, then the first optimizer, which imports
+# torch._dynamo (torch.optim's add_param_group is wrapped in torch._compile._disable_dynamo).
+TORCH_COLD_START = ("import torch; "
+                    "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)")
+COLD_START_REPEATS = 3
+
+
+def torch_cold_start_s(repeats: int = COLD_START_REPEATS) -> float:
+    """Median seconds of a fresh Python that imports torch and makes its first optimizer: what any
+    new worker process pays before elasticctl or the script does anything (the floor of a
+    returning node's cold start, whatever launches it)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", TORCH_COLD_START], check=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def back_to_full_world(lines: list[dict], killed_at: float, until: float, since: float,
@@ -281,9 +313,12 @@ def _outcome(lines: list[dict], schedule: Schedule, healthy_start: float, window
         since = kills[number - 1]["at"] if number else healthy_start
         until = kills[number + 1]["at"] if number + 1 < len(kills) else window_end
         back = back_to_full_world(lines, kill["at"], until, since)
+        # from the node's new start to the job's first step at full world again (no spare: its cold start)
+        returned = back - (kill["back_at"] - kill["at"]) if back is not None and "back_at" in kill else None
         described.append({"node": kill["node"], "at_s": round(kill["at"] - window_start, 3),
                           "back_at_s": round(kill["back_at"] - window_start, 3) if "back_at" in kill else None,
-                          "training": kill["training"], "full_world_after_s": back})
+                          "training": kill["training"], "full_world_after_s": back,
+                          "start_to_full_world_s": returned})
     lost = sample_check(lines)
     return {"healthy_s": schedule.healthy_s, "healthy_samples": healthy_samples,
             "healthy_samples_per_s": healthy_rate,
@@ -293,6 +328,7 @@ def _outcome(lines: list[dict], schedule: Schedule, healthy_start: float, window
             "goodput": goodput(in_window, healthy_rate, schedule.window_s),
             "kills": described, "kill_count": len(kills),
             "full_world_after_s_median": median([k["full_world_after_s"] for k in described]),
+            "start_to_full_world_s_median": median([k["start_to_full_world_s"] for k in described]),
             "not_full_again": sum(k["full_world_after_s"] is None for k in described),
             "samples_lost": lost is not None, "sample_check": lost or "no sample lost or trained twice"}
 
@@ -302,6 +338,8 @@ def run(schedule: Schedule, repeats: int, root: Path, etcd: EtcdClient, caps: Ca
     """Every system ``repeats`` times, one job after another, the order rotated per repeat
     (bench/run.py's `goodput` scenario); ``root``: the run's directory (job names hold its name)."""
     samples: dict[str, list[dict]] = {system: [] for system in systems}
+    cold_start = torch_cold_start_s()
+    report(f"goodput: torch's own cold start here {cold_start:.2f} s (median of {COLD_START_REPEATS})")
     for repeat in range(repeats):
         for system in rotated(list(systems), repeat):
             try:
@@ -314,7 +352,7 @@ def run(schedule: Schedule, repeats: int, root: Path, etcd: EtcdClient, caps: Ca
                                                        "kill_count", "full_world_after_s_median", "samples_lost",
                                                        "error") if key in sample))
     return {"schedule": dataclasses.asdict(schedule), "repeats": repeats,
-            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS, "systems": samples}
+            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS, "torch_cold_start_s": cold_start, "systems": samples}
 
 
 def main(argv: list[str] | None = None) -> None:

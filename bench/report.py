@@ -19,9 +19,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench import reconfigure as reconfigure_bench
 from bench import stragglers as straggler_bench
 from bench import trust as trust_bench
-from bench import reconfigure as reconfigure_bench
 from elasticctl.train.timeline import PHASE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,6 +228,37 @@ def goodput_section(results: dict) -> list[str]:
          "| samples lost | load before → after |"),
         "|---|---|---|---|---|---|---|---|",
         *("| " + " | ".join(row) + " |" for row in goodput_rows(results)),
+        "",
+        *goodput_floor(entry),
+    ]
+
+
+def goodput_floor(entry: dict) -> list[str]:
+    """What bounds goodput without a spare: the returning node's cold start, and how much of it is
+    torch's own start in a new process (bench/goodput.py measures both); empty when not measured."""
+    floor = entry.get("torch_cold_start_s")
+    schedule = entry.get("schedule", {})
+    if floor is None or not schedule:
+        return []
+    from bench.goodput import FULL_WORLD, goodput_bound_without_spare  # imports no report: no cycle
+
+    every, back = schedule.get("kill_every_s", 0), schedule.get("back_after_s", 0)
+    runs = [run for run in (entry.get("systems") or {}).get("elasticctl-hot", []) if "error" not in run]
+    starts = [kill.get("start_to_full_world_s") for run in runs for kill in run.get("kills", [])]
+    measured = _median([value for value in starts if value is not None])
+    bound = goodput_bound_without_spare(back, floor, every)
+    hot = (f"In hot mode without a spare a returning node took {measured:.1f} s (median) from its start to its "
+           "first step at world 3. " if measured is not None else "")
+    return [
+        (f"What bounds goodput without a spare: each kill leaves one worker of {FULL_WORLD} away for the {back:g} s "
+         f"before its node returns, then for the returning node's cold start. {hot}A new worker process "
+         f"starts torch before anything else runs: `import torch` and its first optimizer (which imports "
+         f"`torch._dynamo`) took {floor:.1f} s here (median of 3, `bench.goodput.torch_cold_start_s`), under "
+         "any launcher. With that floor alone, a kill every "
+         f"{every:g} s allows at most 1 − ({back:g} + {floor:.1f}) / ({FULL_WORLD} × {every:g}) = "
+         + ("—" if bound is None else f"{bound:.2f}")
+         + " goodput (if a world of 2 trains its 2/3 of the samples); a spare, whose worker is already "
+         "started, is what removes it."),
         "",
     ]
 

@@ -193,3 +193,40 @@ def test_goodput_section_comes_first_in_benchmarks_md():
     assert text.index("| goodput |") < text.index("| measurement | elasticctl restart")
     assert "Goodput" in report.text_table(results).splitlines()[0]
     assert report.goodput_section({"scenarios": {}}) == []
+
+
+@pytest.mark.parametrize(("back", "cold", "every", "world", "expected"), [
+    (10.0, 5.0, 30.0, 3, 1 - 15 / 90),   # the full schedule with a 5 s torch start
+    (10.0, 0.0, 30.0, 3, 1 - 10 / 90),   # an instant start: only the time away is lost
+    (10.0, 80.0, 30.0, 3, 0.0),          # never back in time: nothing below zero
+    (10.0, 5.0, 30.0, 1, None),          # a world of one has no survivor to keep training
+    (10.0, 5.0, 0.0, 3, None),
+    (-1.0, 5.0, 30.0, 3, None),
+])
+def test_goodput_bound_without_spare(back, cold, every, world, expected):
+    bound = goodput.goodput_bound_without_spare(back, cold, every, world)
+    assert bound == (None if expected is None else pytest.approx(expected))
+
+
+def test_the_floor_paragraph_names_the_cold_start_and_the_bound():
+    results = _results({"elasticctl-hot": [{**_sample("elasticctl-hot", 0.78, [18.5, 18.9]),
+                                             "kills": [{"full_world_after_s": 18.5, "start_to_full_world_s": 8.5},
+                                                       {"full_world_after_s": 18.9, "start_to_full_world_s": None},
+                                                       {"full_world_after_s": 19.1, "start_to_full_world_s": 9.1}]}]})
+    results["scenarios"]["goodput"]["torch_cold_start_s"] = 5.0
+    paragraph = " ".join(report.goodput_section(results))
+    assert "took 8.8 s (median) from its start" in paragraph
+    assert "took 5.0 s here" in paragraph
+    assert "1 − (10 + 5.0) / (3 × 20) = 0.75" in paragraph
+    del results["scenarios"]["goodput"]["torch_cold_start_s"]  # a run from before the floor was measured
+    assert "What bounds goodput" not in " ".join(report.goodput_section(results))
+
+
+def test_a_kills_start_to_full_world_is_counted_from_the_nodes_new_start():
+    schedule = goodput.Schedule(window_s=30.0, kill_every_s=30.0, back_after_s=10.0, healthy_s=1.0)
+    line = {"node": "b", "pid": 2, "world_size": 3, "step": 40, "epoch": 0, "indices": [0], "position": 0,
+            "batch": 1, "time": 118.5}
+    kills = [{"node": "b", "at": 100.0, "back_at": 110.0, "training": ["b", "c"]}]
+    outcome = goodput._outcome([line], schedule, 99.0, 100.0, kills)
+    assert outcome["kills"][0]["full_world_after_s"] == pytest.approx(18.5)
+    assert outcome["kills"][0]["start_to_full_world_s"] == pytest.approx(8.5)
