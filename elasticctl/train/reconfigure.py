@@ -69,8 +69,10 @@ def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap
     alone (``nccl2`` has it too, but nothing here can pin it: no machine with several GPUs); the
     model is replicated and wrapped by the runtime's own DDP (built once, without the
     collectives of its start, which a joiner would run alone: the state sync does their work).
-    A sharded model's mesh groups come from ``new_group``, which cannot be made reconfigurable,
-    and a script's own wrap may run collectives of its own whenever it is called."""
+    A sharded model is re-wrapped on a new mesh each generation: torch could keep its mesh (a
+    ``new_group`` on a reconfigurable group is reconfigurable, FSDP2 divides by the live sizes:
+    pinned in tests/process/test_torch_reconfigure.py), the runtime does not yet. A script's
+    own wrap may run collectives of its own whenever it is called."""
     if forced_rebuild:
         return StrategyChoice(GroupStrategy.REBUILD, "asked for")
     if not torch_can:
@@ -79,7 +81,7 @@ def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap
     if backends != {dist.Backend.GLOO}:
         return StrategyChoice(GroupStrategy.REBUILD, f"the {backend} backend is not pinned here")
     if sharded:
-        return StrategyChoice(GroupStrategy.REBUILD, "a sharded model's mesh groups cannot be reconfigured")
+        return StrategyChoice(GroupStrategy.REBUILD, "a sharded model is re-wrapped on a new mesh each generation")
     if not default_wrap:
         return StrategyChoice(GroupStrategy.REBUILD, "the script wraps the model itself")
     return StrategyChoice(GroupStrategy.RECONFIGURE, "gloo, the runtime's DDP")
