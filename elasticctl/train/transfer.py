@@ -1,7 +1,7 @@
 """Moving a training state between the members of a generation: tensor by tensor, in bounded buckets.
 
 When a generation forms and its members' steps differ, the members that hold the newest state
-(:func:`elasticctl.train.sync.plan_state_sync`: its ``sources``, the lead first) send it to the
+(:mod:`elasticctl.train.recovery.replicas`: its ``sources``, the lead first) send it to the
 others, never as one whole-state blob:
 
 1. The lead describes its state (:func:`describe`): its ``state_dict`` walked over dicts, lists
@@ -17,7 +17,7 @@ others, never as one whole-state blob:
    :data:`ALLOCATION_FACTOR` times its model's bytes. What does not fit is a :class:`StateError`
    naming it, raised on that member only (its peers are told, and carry on without it).
 3. The members tell each other whether they are ready (an all-gather of one flag). The tensors
-   then go in buckets of at most ``bucket_bytes`` (:func:`elasticctl.train.sync.plan_buckets`:
+   then go in buckets of at most ``bucket_bytes`` (:func:`elasticctl.train.buckets.plan_buckets`:
    a tensor of 1 MiB or more alone, smaller ones packed),
    dealt round-robin over the senders that are ready, point to point from a bucket's owner to
    each receiver, so that a holder never receives what it already holds and the senders send at
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticctl.train.buckets import Bucket, bucket_owners, plan_buckets
 from elasticctl.train.state import State, StateError
-from elasticctl.train.sync import Bucket, bucket_owners, plan_buckets
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 MIN_BUCKET_BYTES = 256            # tests use small buckets; below this the messages are all overhead
