@@ -58,9 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticctl.train.description import flatten
 from elasticctl.train.shards import ShardedModel
 from elasticctl.train.state import State, StateError
-from elasticctl.train.transfer import flatten
 
 log = logging.getLogger(__name__)
 

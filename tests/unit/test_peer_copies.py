@@ -5,6 +5,8 @@ over the registered sources). The copies moving between real processes: tests/pr
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from elasticctl.errors import ConfigError
 from elasticctl.train.peer_copies import (
@@ -275,3 +277,132 @@ def test_a_snapshot_stays_as_it_was_and_restores_the_step_it_took():
     _train(state, 2)  # and trains on exactly as the reference from step 3 (the snapshot was not touched)
     _train(reference, 2)
     assert all(torch.equal(a, b) for a, b in zip(_full(state), _full(reference), strict=True))
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+_ONCE: dict = {}
+
+
+def _newcomer():
+    """One newcomer's state (a one-worker FSDP state), made once."""
+    if "newcomer" not in _ONCE:
+        _ONCE["newcomer"] = _one_worker_fsdp_state()[0]
+    return _ONCE["newcomer"]
+
+
+def _newcomer_blob(**changes) -> bytes:
+    """The lead's description of a one-worker FSDP state's snapshot, its sections changed by ``changes``."""
+    import copy
+    import io
+
+    import torch
+
+    from elasticctl.train.peer_copies import take_snapshot
+    from elasticctl.train.recovery.peer_copies import describe_snapshot
+
+    if "description" not in _ONCE:
+        state, _ = _one_worker_fsdp_state()
+        _train(state, 1)
+        _ONCE["description"] = torch.load(io.BytesIO(describe_snapshot(take_snapshot(state, 1, 0, 1))),
+                                          weights_only=True)
+    loaded = copy.deepcopy(_ONCE["description"])
+    for key, change in changes.items():
+        loaded[key] = change(loaded[key])
+    buffer = io.BytesIO()
+    torch.save(loaded, buffer)
+    return buffer.getvalue()
+
+
+PLAN = FromPeerCopies(1, 1, 1, 99, (0,), (), (0,), 0)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_newcomer_reads_the_leads_description_in_the_one_format():
+    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+
+    snapshot = newcomer_snapshot(_newcomer_blob(), PLAN, _newcomer())
+    assert {path[0] for path in snapshot.global_shapes} == {"model", "optimizer"} and snapshot.sharded == {}
+    assert {path[-1] for path in snapshot.replicated} == {"step"} and snapshot.skeleton["step"] == 1
+
+
+def _edit(index: int, position: int, value):
+    def change(entries):
+        if entries:
+            entry = entries[index % len(entries)]
+            entry[position % len(entry)] = value
+        return entries
+    return change
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("changes, error", [
+    ({"sharded": _edit(0, 2, [5, 5])}, "does not fit this worker's model"),
+    ({"sharded": _edit(0, 2, [])}, "does not fit this worker's model"),
+    ({"sharded": lambda entries: entries[1:]}, "lacks the model's tensor"),
+    ({"sharded": _edit(0, 1, "Tensor")}, "unknown dtype"),
+    ({"values": _edit(0, 1, "not a tensor")}, "malformed"),
+    ({"tensors": lambda entries: [["x"], "float32", [1], True]}, "no valid list|malformed|no valid path"),
+    ({"format": lambda _: 7}, "not one this worker reads"),
+])
+@pytest.mark.usefixtures("process_group")
+def test_a_newcomer_refuses_a_description_that_does_not_fit(changes, error):
+    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+
+    with pytest.raises(StateError, match=error):
+        newcomer_snapshot(_newcomer_blob(**changes), PLAN, _newcomer())
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_random_bytes_as_a_newcomers_description_only_ever_raise_state_error(blob):
+    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+
+    try:
+        newcomer_snapshot(blob, PLAN, State(__import__("torch").nn.Linear(2, 2)))
+    except StateError:
+        pass
+
+
+SECTION_ENTRY = st.lists(st.one_of(
+    st.lists(st.one_of(st.text(max_size=5), st.integers(-2, 6), st.sampled_from(["model", "optimizer", "state"])),
+             max_size=4),
+    st.sampled_from(["float32", "int64", "bogus"]), st.lists(st.integers(-2, 2**40), max_size=3),
+    st.booleans(), st.none(), st.integers()), min_size=0, max_size=4)
+newcomer_reached: set[str] = set()
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.usefixtures("process_group")
+@FUZZ
+@given(sharded=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 3), SECTION_ENTRY), max_size=3),
+       values=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 2), SECTION_ENTRY), max_size=2),
+       drop=st.lists(st.integers(0, 20), max_size=2))
+def test_mutated_newcomer_descriptions_only_ever_raise_state_error(sharded, values, drop):
+    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+
+    def mutate(edits):
+        def change(entries):
+            for index in drop:
+                if entries and index % 3 == 0:
+                    entries.pop(index % len(entries))
+            for index, position, value in edits:
+                if entries:
+                    entry = entries[index % len(entries)]
+                    entry[position % len(entry)] = value if value else entry[position % len(entry)]
+            return entries
+        return change
+    try:
+        newcomer_snapshot(_newcomer_blob(sharded=mutate(sharded), values=mutate(values)), PLAN, _newcomer())
+    except StateError:
+        return
+    newcomer_reached.add("accepted")
+
+
+@pytest.mark.usefixtures("process_group")
+def test_the_newcomer_fuzzing_reaches_accepted_descriptions():
+    """The property above is not vacuous: some mutated descriptions pass every check."""
+    test_mutated_newcomer_descriptions_only_ever_raise_state_error()
+    assert "accepted" in newcomer_reached

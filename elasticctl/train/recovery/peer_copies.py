@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import logging
 import time
 from collections.abc import Sequence
@@ -25,6 +24,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from elasticctl.train.description import (
+    DESCRIPTION_MAX_BYTES,
+    DTYPE_NAMES,
+    DTYPES,
+    TensorSpec,
+    describe_state,
+    flatten,
+    read_description,
+    rebuild,
+)
 from elasticctl.train.peer_copies import (
     HeldShard,
     PeerCopies,
@@ -36,14 +45,7 @@ from elasticctl.train.peer_copies import (
 from elasticctl.train.recovery.source import Reports, Restoring
 from elasticctl.train.shards import LocalShards, ShardedModel
 from elasticctl.train.state import State, StateError
-from elasticctl.train.transfer import (
-    DTYPE_NAMES,
-    DTYPES,
-    WINDOW,
-    flatten,
-    read_description,
-    rebuild,
-)
+from elasticctl.train.transfer import WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -242,26 +244,13 @@ def restore_from_copies(held: PeerCopies, state: State, sharded: ShardedModel, p
 
 
 
-DESCRIPTION_FORMAT = 1
-DESCRIPTION_MAX_BYTES = 64 * 2**20
-REPLICATED_MAX_BYTES = 64 * 2**20  # the non-sharded tensors a newcomer takes (the optimizer's counters...)
-
-
 def _describe_to_newcomers(own: Snapshot | None, plan: FromPeerCopies, rank: int, state: State,
                            transport: torch.device) -> Snapshot | None:
-    """The lead's snapshot minus its shards, broadcast to every member (a collective: all call it);
-    a newcomer gets a Snapshot of its own from it (no shards: it receives its rows), checked
-    against its own model and optimizer, read with ``weights_only=True`` (numbers, never code)."""
-    if rank == plan.lead:
-        buffer = io.BytesIO()
-        torch.save({"format": DESCRIPTION_FORMAT, "skeleton": own.skeleton,
-                    "sharded": [[list(path), DTYPE_NAMES[own.dtypes[path]], list(shape)]
-                                for path, shape in own.global_shapes.items()],
-                    "replicated": [[list(path), value, where.type == "cpu"]
-                                   for path, (value, where) in own.replicated.items()]}, buffer)
-        blob = buffer.getvalue()
-    else:
-        blob = b""
+    """The lead's snapshot minus its shards, broadcast to every member (a collective: all call it) in
+    the one description format (:mod:`elasticctl.train.description`: its ``sharded`` section, the
+    global shapes, and its ``values``, the unsharded tensors); a newcomer gets a Snapshot of its own
+    from it (no shards: it receives its rows)."""
+    blob = describe_snapshot(own) if rank == plan.lead else b""
     size = torch.tensor([len(blob)], dtype=torch.int64, device=transport)
     dist.broadcast(size, src=plan.lead)
     if not 0 < int(size.item()) <= DESCRIPTION_MAX_BYTES:
@@ -274,47 +263,45 @@ def _describe_to_newcomers(own: Snapshot | None, plan: FromPeerCopies, rank: int
     return newcomer_snapshot(data.cpu().numpy().tobytes(), plan, state)
 
 
+def describe_snapshot(own: Snapshot) -> bytes:
+    """``own`` minus its shards, as the one description format: the skeleton, the sharded tensors'
+    global shapes, and the unsharded tensors' values."""
+    return describe_state(own.skeleton,
+                          sharded=[TensorSpec(path, DTYPE_NAMES[own.dtypes[path]], tuple(shape), False)
+                                   for path, shape in own.global_shapes.items()],
+                          values=[(path, value, where.type == "cpu") for path, (value, where) in own.replicated.items()])
+
+
 def newcomer_snapshot(blob: bytes, plan: FromPeerCopies, state: State) -> Snapshot:
-    """A newcomer's Snapshot from the lead's description: the rest of the state as the lead holds it,
-    and the sharded tensors' global shapes checked against this worker's own parameters (an
-    optimizer's per-parameter tensor against its parameter's). StateError if anything does not fit."""
+    """A newcomer's Snapshot from the lead's description: the rest of the state as the lead holds it
+    (read with ``weights_only=True``: numbers, never code), and the sharded tensors' global shapes
+    checked against this worker's own parameters (an optimizer's per-parameter tensor against its
+    parameter's). StateError if anything does not fit."""
     from torch.distributed.tensor import DTensor
 
-    description = read_description(blob, "The peer copies' description", DESCRIPTION_FORMAT)
-    skeleton, sharded, replicated = (description.get(k) for k in ("skeleton", "sharded", "replicated"))
-    if not isinstance(skeleton, dict) or not isinstance(sharded, list) or not isinstance(replicated, list):
-        raise StateError("The peer copies' description holds no training state.")
+    description = read_description(blob, "the peer copies' description")
+    if description.tensors or description.bucket_bytes is not None:
+        raise StateError("The peer copies' description carries sections a restore from peer copies does not take.")
     own_tensors = dict(flatten(state.state_dict())[1])
     parameters = [p for group in (state.optimizer.param_groups if state.optimizer else ()) for p in group["params"]]
     shapes, dtypes = {}, {}
-    for entry in sharded:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list) and entry[0]
-                and all(type(k) in (str, int) for k in entry[0]) and entry[1] in DTYPES
-                and isinstance(entry[2], list) and all(type(n) is int and n >= 0 for n in entry[2])):
-            raise StateError("A sharded tensor of the peer copies' description is malformed.")
-        path, shape = tuple(entry[0]), tuple(entry[2])
-        mine = own_tensors.get(path)
+    for spec in description.sharded:
+        mine = own_tensors.get(spec.path)
+        path = spec.path
         if path[0] == "optimizer" and len(path) == 4 and path[1] == "state" and type(path[2]) is int \
                 and 0 <= path[2] < len(parameters):
             mine = parameters[path[2]]
-        if not isinstance(mine, DTensor) or tuple(mine.shape) != shape or not shape:
-            raise StateError(f"The peer copies' tensor '{'.'.join(map(str, path))}' {list(shape)} does not fit "
+        if not isinstance(mine, DTensor) or tuple(mine.shape) != spec.shape or not spec.shape:
+            raise StateError(f"The peer copies' tensor '{spec.name}' {list(spec.shape)} does not fit "
                              "this worker's model.")
-        shapes[path], dtypes[path] = shape, DTYPES[entry[1]]
-    taken, total = {}, 0
-    for entry in replicated:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list) and entry[0]
-                and isinstance(entry[1], torch.Tensor) and entry[1].dtype in DTYPE_NAMES and type(entry[2]) is bool):
-            raise StateError("A tensor of the peer copies' description is malformed.")
-        total += entry[1].numel() * entry[1].element_size()
-        if total > REPLICATED_MAX_BYTES:
-            raise StateError("The peer copies' description carries more unsharded tensors than allowed: refused.")
-        taken[tuple(entry[0])] = (entry[1], torch.device("cpu"))
+        shapes[path], dtypes[path] = spec.shape, DTYPES[spec.dtype]
+    # the unsharded tensors (the optimizer's counters) go to the CPU, where torch keeps them unless capturable
+    taken = {path: (value, torch.device("cpu")) for path, (value, _) in description.values.items()}
     for path in own_tensors:
         if path[0] == "model" and path not in shapes and path not in taken:
             raise StateError(f"The peer copies' description lacks the model's tensor '{'.'.join(map(str, path))}'.")
-    return Snapshot(plan.generation, plan.count, -1, plan.step, plan.layout, skeleton, {}, shapes, taken, dtypes)
-
+    return Snapshot(plan.generation, plan.count, -1, plan.step, plan.layout, description.state, {}, shapes, taken,
+                    dtypes)
 
 
 def _complete(entry: tuple) -> None:
