@@ -24,16 +24,12 @@ With one node there is no buddy on another node: no copy is taken, and the log s
 When a generation forms, every shard of a mesh without replicas changes with the world, so the
 re-wrap drops the live shards: each survivor first takes one more snapshot of them, at the step
 it trained to (:meth:`PeerCopies.before_rewrap`). The members then report the shards they hold
-(:class:`elasticctl.train.sync.HeldShard`), and :func:`elasticctl.train.sync.plan_shard_sync`
-picks the newest step at which every shard of the old mesh is held (its owner's snapshot, else a
-buddy's copy): after a join, or any change without a loss, the step trained to (nothing
+(:class:`HeldShard`), and restoring from them is a recovery source of its own
+(:mod:`elasticctl.train.recovery.peer_copies`): it picks the newest step at which every shard of
+the old mesh is held (its owner's snapshot, else a buddy's copy), when the live replicas cannot
+make one state: after a join, or any change without a loss, the step trained to (nothing
 re-done); after a lost node, the last round agreed whole (at most K steps re-done, plus the step
-in flight), every member going back to it. :meth:`PeerCopies.restore` reshards the old mesh's
-shards to the new mesh in memory, each worker receiving the rows of its new shard from the
-holders of the old shards that overlap them, point to point on the training group, in pieces of
-at most the bucket size; a newcomer takes the rest of the state (step, fields, sampler,
-optimizer hyperparameters and counters) from a description the lead broadcasts, read with
-``weights_only=True`` and checked against its own parameters.
+in flight), every member going back to it, resharded to the new mesh in memory.
 
 Memory, honestly: a worker holds, besides its live state, one snapshot of its own shards and
 one copy of its buddy's shards (each the size of that worker's model and optimizer shards, in
@@ -53,7 +49,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -63,16 +58,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticctl.train.shards import LocalShards, ShardedModel
+from elasticctl.train.description import flatten
+from elasticctl.train.shards import ShardedModel
 from elasticctl.train.state import State, StateError
-from elasticctl.train.sync import HeldShard, PeerCopyRestore
-from elasticctl.train.transfer import DTYPE_NAMES, DTYPES, WINDOW, flatten, read_description, rebuild
 
 log = logging.getLogger(__name__)
 
-MAX_HELD_REPORTED = 8   # shards a member reports holding (own snapshots and copies)
-HELD_FIELDS = 6         # per reported shard: generation, count, shard, step, layout, own
 HEADER_FIELDS = 5       # a copy's header: generation, count, shard, step, layout
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldShard:
+    """A whole shard a member holds in memory besides its live state, as it reports it: its own
+    snapshot, or the copy its buddy sent it."""
+
+    generation: int  # the generation whose mesh the shard belongs to
+    count: int       # the shard count of that mesh
+    shard: int       # the shard's index in it
+    step: int        # the step it is of
+    layout: int      # the fingerprint of the state's tensors (paths, dtypes, global shapes)
+    own: bool        # the member's own shard (a snapshot), not a buddy's copy
 
 
 # -- the decisions (pure) --------------------------------------------------------------------
@@ -135,25 +140,6 @@ def row_splits(start: int, stop: int, row_bytes: int, bucket_bytes: int) -> list
 def flat_splits(numel: int, itemsize: int, bucket_bytes: int) -> list[tuple[int, int]]:
     """A tensor of ``numel`` elements as messages of at most ``bucket_bytes``."""
     return row_splits(0, numel, itemsize, bucket_bytes)
-
-
-def encode_held(held: Sequence[HeldShard]) -> list[int]:
-    """``held`` as the fixed-size row of integers a member reports (the first MAX_HELD_REPORTED)."""
-    row = []
-    for entry in list(held)[:MAX_HELD_REPORTED]:
-        row += [entry.generation, entry.count, entry.shard, entry.step, entry.layout, int(entry.own)]
-    return row + [-1] * (HELD_FIELDS * MAX_HELD_REPORTED - len(row))
-
-
-def decode_held(row: Sequence[int]) -> list[HeldShard]:
-    """A peer's report back (entries with a negative field are empty or not believed)."""
-    held = []
-    for first in range(0, min(len(row), HELD_FIELDS * MAX_HELD_REPORTED), HELD_FIELDS):
-        generation, count, shard, step, layout, own = row[first:first + HELD_FIELDS]
-        if min(generation, count, shard, step, layout) < 0 or own not in (0, 1):
-            continue
-        held.append(HeldShard(generation, count, shard, step, layout, bool(own)))
-    return held
 
 
 # -- snapshots and copies --------------------------------------------------------------------
@@ -255,7 +241,7 @@ def check_header(header: Sequence[int], own: Snapshot) -> None:
 class PeerCopies:
     """One worker's snapshots and copies across generations (see the module docstring). The
     runtime calls :meth:`at_boundary` at each step boundary, :meth:`freeze` when a generation
-    ends, :meth:`held` and :meth:`restore` while the next one forms."""
+    ends, :meth:`held` and :meth:`holding` while the next one forms."""
 
     def __init__(self, every: int, *, worker: str, timeout: Any, bucket_bytes: int,
                  emit: Any = None) -> None:
@@ -409,76 +395,14 @@ class PeerCopies:
 
     # -- restoring (training thread, while the next generation forms) ----------------
 
-    def restore(self, state: State, sharded: ShardedModel, plan: PeerCopyRestore, rank: int,
-                shards: Sequence[int], *, device: torch.device, transport: torch.device) -> dict:
-        """Every member's part in going back to ``plan.step``: the old mesh's shards, resharded to
-        this generation's (``shards[rank]``: each member's new shard index), point to point on the
-        training group; then this worker's state loaded from them. Returns what moved (for the event)."""
-        began = time.perf_counter()
-        key = (plan.generation, plan.count, plan.layout, plan.step)
+    def holding(self, generation: int, count: int, layout: int, step: int) -> tuple[Snapshot | None, dict[int, Copy]]:
+        """This worker's own snapshot of that mesh and step (None: none), and its buddies' copies of it
+        by shard index: what :mod:`elasticctl.train.recovery.peer_copies` restores from."""
+        key = (generation, count, layout, step)
         with self._lock:
             own = next((s for s in self._own if (s.generation, s.count, s.layout, s.step) == key), None)
             copies = {c.shard: c for c in self._copies if (c.generation, c.count, c.layout, c.step) == key}
-        if plan.newcomers:  # they hold nothing of that mesh: the lead describes the rest of the state
-            own = _describe_to_newcomers(own, plan, rank, state, transport)
-        if own is None:
-            raise StateError(f"This worker holds no snapshot of step {plan.step} (generation {plan.generation}).")
-
-        def rows_of(old: int) -> dict[tuple, torch.Tensor]:
-            held = own if own.shard == old else copies.get(old)
-            if held is None:
-                raise StateError(f"This worker was to send shard {old} of step {plan.step}, which it does not hold.")
-            return held.sharded
-
-        world = len(shards)
-        new_count, new_index = sharded.position.count, sharded.position.index
-        _, live = flatten(LocalShards(state).state_dict())
-        live = dict(live)
-        targets = {}
-        for path, shape in own.global_shapes.items():
-            start, stop = chunk_rows(shape[0], new_count, new_index)
-            wanted = (stop - start, *shape[1:])
-            mine = live.get(path)
-            targets[path] = (mine if mine is not None and tuple(mine.shape) == wanted and mine.is_contiguous()
-                             and mine.dtype == own.dtypes[path]
-                             else torch.empty(wanted, dtype=own.dtypes[path], device=device))
-        rank_of_new = {index: member for member, index in enumerate(shards)}
-        moved, in_flight, tag = 0, [], 0
-        for path, shape in own.global_shapes.items():
-            row_bytes = own.dtypes[path].itemsize * _numel(shape[1:])
-            for old, new, start, stop in reshard_pieces(shape[0], plan.count, new_count):
-                source, target = plan.sources[old], rank_of_new.get(new)
-                if target is None or not 0 <= source < world:
-                    raise StateError(f"The peer copy plan names no member for shard {new} (or {old}).")
-                old_start = chunk_rows(shape[0], plan.count, old)[0]
-                new_start = chunk_rows(shape[0], new_count, new)[0]
-                for first, last in row_splits(start, stop, row_bytes, self.bucket_bytes):
-                    tag += 1
-                    if rank not in (source, target):
-                        continue
-                    if source == target:
-                        targets[path][first - new_start:last - new_start].copy_(
-                            rows_of(old)[path][first - old_start:last - old_start])
-                        continue
-                    while len(in_flight) >= WINDOW:
-                        _complete(in_flight.pop(0))
-                    if rank == source:
-                        payload = rows_of(old)[path][first - old_start:last - old_start].to(transport)
-                        in_flight.append((dist.isend(payload, dst=target, tag=tag), None, None))
-                        moved += payload.numel() * payload.element_size()
-                    else:
-                        into = targets[path][first - new_start:last - new_start]
-                        buffer = into if into.device == transport else torch.empty_like(into, device=transport)
-                        in_flight.append((dist.irecv(buffer, src=source, tag=tag), buffer, into))
-        while in_flight:
-            _complete(in_flight.pop(0))
-        tensors = {path: tensor for path, tensor in targets.items()}
-        # clones: the optimizer may step its counters in place, and the snapshot must stay as it was
-        tensors.update({path: value.to(where, copy=True) for path, (value, where) in own.replicated.items()})
-        LocalShards(state).load_state_dict(rebuild(copy.deepcopy(own.skeleton), tensors))
-        return {"nbytes": moved, "seconds": round(time.perf_counter() - began, 4),
-                "copies_of": list(plan.from_copies),
-                "copy_holders": sorted({plan.sources[old] for old in plan.from_copies})}
+        return own, copies
 
     def _report_agreed(self) -> None:
         with self._lock:
@@ -493,80 +417,6 @@ class PeerCopies:
             log.warning("[%s] %s", self.worker, message)
 
 
-DESCRIPTION_FORMAT = 1
-DESCRIPTION_MAX_BYTES = 64 * 2**20
-REPLICATED_MAX_BYTES = 64 * 2**20  # the non-sharded tensors a newcomer takes (the optimizer's counters...)
-
-
-def _describe_to_newcomers(own: Snapshot | None, plan: PeerCopyRestore, rank: int, state: State,
-                           transport: torch.device) -> Snapshot | None:
-    """The lead's snapshot minus its shards, broadcast to every member (a collective: all call it);
-    a newcomer gets a Snapshot of its own from it (no shards: it receives its rows), checked
-    against its own model and optimizer, read with ``weights_only=True`` (numbers, never code)."""
-    if rank == plan.lead:
-        buffer = io.BytesIO()
-        torch.save({"format": DESCRIPTION_FORMAT, "skeleton": own.skeleton,
-                    "sharded": [[list(path), DTYPE_NAMES[own.dtypes[path]], list(shape)]
-                                for path, shape in own.global_shapes.items()],
-                    "replicated": [[list(path), value, where.type == "cpu"]
-                                   for path, (value, where) in own.replicated.items()]}, buffer)
-        blob = buffer.getvalue()
-    else:
-        blob = b""
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=transport)
-    dist.broadcast(size, src=plan.lead)
-    if not 0 < int(size.item()) <= DESCRIPTION_MAX_BYTES:
-        raise StateError(f"The peer copies' description claims {int(size.item())} bytes: refused.")
-    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(transport) if rank == plan.lead
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=transport))
-    dist.broadcast(data, src=plan.lead)
-    if rank not in plan.newcomers:
-        return own
-    return newcomer_snapshot(data.cpu().numpy().tobytes(), plan, state)
-
-
-def newcomer_snapshot(blob: bytes, plan: PeerCopyRestore, state: State) -> Snapshot:
-    """A newcomer's Snapshot from the lead's description: the rest of the state as the lead holds it,
-    and the sharded tensors' global shapes checked against this worker's own parameters (an
-    optimizer's per-parameter tensor against its parameter's). StateError if anything does not fit."""
-    from torch.distributed.tensor import DTensor
-
-    description = read_description(blob, "The peer copies' description", DESCRIPTION_FORMAT)
-    skeleton, sharded, replicated = (description.get(k) for k in ("skeleton", "sharded", "replicated"))
-    if not isinstance(skeleton, dict) or not isinstance(sharded, list) or not isinstance(replicated, list):
-        raise StateError("The peer copies' description holds no training state.")
-    own_tensors = dict(flatten(state.state_dict())[1])
-    parameters = [p for group in (state.optimizer.param_groups if state.optimizer else ()) for p in group["params"]]
-    shapes, dtypes = {}, {}
-    for entry in sharded:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list) and entry[0]
-                and all(type(k) in (str, int) for k in entry[0]) and entry[1] in DTYPES
-                and isinstance(entry[2], list) and all(type(n) is int and n >= 0 for n in entry[2])):
-            raise StateError("A sharded tensor of the peer copies' description is malformed.")
-        path, shape = tuple(entry[0]), tuple(entry[2])
-        mine = own_tensors.get(path)
-        if path[0] == "optimizer" and len(path) == 4 and path[1] == "state" and type(path[2]) is int \
-                and 0 <= path[2] < len(parameters):
-            mine = parameters[path[2]]
-        if not isinstance(mine, DTensor) or tuple(mine.shape) != shape or not shape:
-            raise StateError(f"The peer copies' tensor '{'.'.join(map(str, path))}' {list(shape)} does not fit "
-                             "this worker's model.")
-        shapes[path], dtypes[path] = shape, DTYPES[entry[1]]
-    taken, total = {}, 0
-    for entry in replicated:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list) and entry[0]
-                and isinstance(entry[1], torch.Tensor) and entry[1].dtype in DTYPE_NAMES and type(entry[2]) is bool):
-            raise StateError("A tensor of the peer copies' description is malformed.")
-        total += entry[1].numel() * entry[1].element_size()
-        if total > REPLICATED_MAX_BYTES:
-            raise StateError("The peer copies' description carries more unsharded tensors than allowed: refused.")
-        taken[tuple(entry[0])] = (entry[1], torch.device("cpu"))
-    for path in own_tensors:
-        if path[0] == "model" and path not in shapes and path not in taken:
-            raise StateError(f"The peer copies' description lacks the model's tensor '{'.'.join(map(str, path))}'.")
-    return Snapshot(plan.generation, plan.count, -1, plan.step, plan.layout, skeleton, {}, shapes, taken, dtypes)
-
-
 def _message_views(tensors: Any, bucket_bytes: int) -> list[torch.Tensor]:
     """Every tensor as flat views of at most ``bucket_bytes`` (contiguous: snapshots and copies are)."""
     views = []
@@ -574,17 +424,3 @@ def _message_views(tensors: Any, bucket_bytes: int) -> list[torch.Tensor]:
         flat = tensor.view(-1)
         views += [flat[first:last] for first, last in flat_splits(flat.numel(), tensor.element_size(), bucket_bytes)]
     return views
-
-
-def _complete(entry: tuple) -> None:
-    work, buffer, into = entry
-    work.wait()
-    if buffer is not None and buffer is not into:
-        into.copy_(buffer)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

@@ -46,10 +46,10 @@ Why one module of over 500 lines: the executor's commands share its fields (the 
 and its store, the checkpointer, the flags in flight, the last boundary), written on the
 training thread; the SIGTERM handler, the watchdog and the loss watcher read the machine's
 state (replaced whole) and the last boundary. What can stand alone already does: the decisions
-(``lifecycle.py``, ``boundary.py``, ``sync.py``), the two modes (``membership.py``), the state
-(``state.py``), a new generation's state sync (``state_sync.py``) and the peers' copies of
-shards (``peer_copies.py``), checkpoints (``checkpoint.py``) and the process-group set-up
-(``process_group.py``).
+(``lifecycle.py``, ``boundary.py``, the recovery sources' plans in ``recovery/``), the two modes
+(``membership.py``), the state (``state.py``), a new generation's state sync (``state_sync.py``)
+and the peers' copies of shards (``peer_copies.py``), checkpoints (``checkpoint.py``) and the
+process-group set-up (``process_group.py``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ a new module (:class:`ShardedModel`):
 2. the new module's local shards are filled from the previous module's: the same tensors when
    this worker holds the same shard (same shard index, same shard count; :func:`hsdp_mesh`
    keeps both for a survivor), else nothing (the worker reports no state and
-   receives its shards, :mod:`elasticctl.train.sync`); the first generation fills them from the
+   receives its shards, :mod:`elasticctl.train.recovery.replicas`); the first generation fills them from the
    script's full tensors (``distribute_tensor`` of each rank's own data, no communication);
 3. the optimizer is pointed at the new parameters, its state moved onto them.
 

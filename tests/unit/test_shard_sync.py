@@ -1,55 +1,63 @@
-"""Who sends which shard when a sharded (HSDP) generation forms (elasticctl.train.sync.plan_shard_sync),
+"""Who sends which shard when a sharded (HSDP) generation forms (elasticctl.train.recovery.replicas.plan_shards),
 and how a generation's workers are laid out as a mesh (elasticctl.train.shards.hsdp_layout), table-tested."""
 
 from __future__ import annotations
 
 import pytest
 
+from elasticctl.train.recovery.replicas import (
+    FromReplicas,
+    ReplicaTransfer,
+    plan_shards,
+    unheld_shards,
+)
+from elasticctl.train.recovery.source import NothingToMove, Reports, trust
 from elasticctl.train.shards import LayoutError, hsdp_layout
-from elasticctl.train.sync import ShardSyncPlan, ShardTransfer, plan_shard_sync
 
 T, F = True, False
 
 
-@pytest.mark.parametrize("steps, shards, survivors, plan", [
-    # nobody holds state: every member restores the newest checkpoint
-    ([-1, -1, -1, -1], [0, 1, 0, 1], [F, F, F, F], ShardSyncPlan(from_checkpoint=True)),
+@pytest.mark.parametrize("steps, shards, survivors, plan, missing, refused", [
+    # nobody holds state: no plan from the replicas (every member restores the newest checkpoint)
+    ([-1, -1, -1, -1], [0, 1, 0, 1], [F, F, F, F], None, (), ()),
     # every replica of every shard at one step: nothing to send
-    ([7, 7, 7, 7], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan()),
+    ([7, 7, 7, 7], [0, 1, 0, 1], [T, T, T, T], NothingToMove(), (), ()),
     # a node lost, the survivors at one step (3 nodes x 2 -> 2 nodes x 2): nothing to send
-    ([9, 9, 9, 9], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan()),
+    ([9, 9, 9, 9], [0, 1, 0, 1], [T, T, T, T], NothingToMove(), (), ()),
     # a node joins: each of its workers gets its shard from the replicas of that shard index
     ([9, 9, 9, 9, -1, -1], [0, 1, 0, 1, 0, 1], [T, T, T, T, F, F],
-     ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2, 4), (0, 2)), ShardTransfer(1, (1, 3, 5), (1, 3))), step=9)),
+     FromReplicas((ReplicaTransfer(0, (0, 2, 4), (0, 2)), ReplicaTransfer(1, (1, 3, 5), (1, 3))), 9), (), ()),
     # the step in flight applied on one node only: it sends both shards to the other node
     ([9, 9, 8, 8], [0, 1, 0, 1], [T, T, T, T],
-     ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2), (0,)), ShardTransfer(1, (1, 3), (1,))), step=9)),
+     FromReplicas((ReplicaTransfer(0, (0, 2), (0,)), ReplicaTransfer(1, (1, 3), (1,))), 9), (), ()),
     # only shard 1 needs sending
-    ([9, 9, 9, 8], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(transfers=(ShardTransfer(1, (1, 3), (1,)),), step=9)),
+    ([9, 9, 9, 8], [0, 1, 0, 1], [T, T, T, T], FromReplicas((ReplicaTransfer(1, (1, 3), (1,)),), 9), (), ()),
     # a survivor whose shard no longer fits (it reports -1) receives like a newcomer
-    ([9, -1, 9, 9], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(transfers=(ShardTransfer(1, (1, 3), (3,)),), step=9)),
+    ([9, -1, 9, 9], [0, 1, 0, 1], [T, T, T, T], FromReplicas((ReplicaTransfer(1, (1, 3), (3,)),), 9), (), ()),
     # shard 1 has no holder at the newest step: no mixing of steps, the checkpoint instead
-    ([9, 8, 9, 8], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(from_checkpoint=True, missing=(1,))),
+    ([9, 8, 9, 8], [0, 1, 0, 1], [T, T, T, T], None, (1,), ()),
     # a peer lost mid-step: shard 0's replicas applied step 9 on one node, shard 1's on none; the newest
     # step every shard has is 8, so the node a shard ahead receives it back at 8 (step 9 is trained again)
-    ([9, 8, 8, 8], [0, 1, 0, 1], [T, T, T, T], ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2), (2,)),), step=8)),
+    ([9, 8, 8, 8], [0, 1, 0, 1], [T, T, T, T], FromReplicas((ReplicaTransfer(0, (0, 2), (2,)),), 8), (), ()),
     # ... and a newcomer gets every shard of that step
     ([9, 8, 8, 8, -1, -1], [0, 1, 0, 1, 0, 1], [T, T, T, T, F, F],
-     ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2, 4), (2,)), ShardTransfer(1, (1, 3, 5), (1, 3))), step=8)),
+     FromReplicas((ReplicaTransfer(0, (0, 2, 4), (2,)), ReplicaTransfer(1, (1, 3, 5), (1, 3))), 8), (), ()),
     # every replica of shard 1 lost (FSDP without replicas after a resize): the checkpoint
-    ([9, -1, -1], [0, 1, 2], [T, T, F], ShardSyncPlan(from_checkpoint=True, missing=(1, 2))),
+    ([9, -1, -1], [0, 1, 2], [T, T, F], None, (1, 2), ()),
     # a newcomer claiming a far step is not a holder: the survivors' shards win
     ([9, 9, 50_000, 50_000], [0, 1, 0, 1], [T, T, F, F],
-     ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2), (0,)), ShardTransfer(1, (1, 3), (1,))), step=9)),
+     FromReplicas((ReplicaTransfer(0, (0, 2), (0,)), ReplicaTransfer(1, (1, 3), (1,))), 9), (), ()),
     # a survivor far ahead of its peers is refused and receives its shard
     ([9, 9, 9, 50_000], [0, 1, 0, 1], [T, T, T, T],
-     ShardSyncPlan(transfers=(ShardTransfer(1, (1, 3), (1,)),), refused=(3,), step=9)),
+     FromReplicas((ReplicaTransfer(1, (1, 3), (1,)),), 9), (), (3,)),
     # no survivor holds state: one holder per shard index sends
     ([-1, -1, 4, 4, 4, 4], [0, 1, 0, 1, 0, 1], [T, T, F, F, F, F],
-     ShardSyncPlan(transfers=(ShardTransfer(0, (0, 2, 4), (2,)), ShardTransfer(1, (1, 3, 5), (3,))), step=4)),
+     FromReplicas((ReplicaTransfer(0, (0, 2, 4), (2,)), ReplicaTransfer(1, (1, 3, 5), (3,))), 4), (), ()),
 ])
-def test_plan_shard_sync(steps, shards, survivors, plan):
-    assert plan_shard_sync(steps, shards, survivors) == plan
+def test_plan_shards(steps, shards, survivors, plan, missing, refused):
+    assert plan_shards(steps, shards, survivors) == plan
+    assert unheld_shards(Reports(tuple(steps), tuple(survivors), tuple(shards))) == missing
+    assert trust(steps, survivors).refused == refused
 
 
 @pytest.mark.parametrize("members, world, local, layout", [

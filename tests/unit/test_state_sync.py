@@ -1,48 +1,49 @@
-"""Who sends the state when a generation forms, and in which buckets (elasticctl.train.sync), table-tested."""
+"""Who sends the state when a generation forms (elasticctl.train.recovery: whom the members believe,
+the replicas' plan for a replicated state), and in which buckets (elasticctl.train.buckets), table-tested."""
 
 from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.sync import (
-    Bucket,
-    Piece,
-    SyncPlan,
-    bucket_owners,
-    plan_buckets,
-    plan_state_sync,
-    previous_members,
-)
+from elasticctl.train.buckets import Bucket, Piece, bucket_owners, plan_buckets
+from elasticctl.train.recovery.replicas import FromReplicas, ReplicaTransfer, plan_whole_state
+from elasticctl.train.recovery.source import NothingToMove, previous_members, trust
 
 T, F = True, False
 
 
-@pytest.mark.parametrize("steps, survivors, plan", [
-    # nobody holds state: every member restores the newest checkpoint
-    ([-1, -1], [F, F], SyncPlan(from_checkpoint=True)),
+def whole(step: int, world: int, *sources: int) -> FromReplicas:
+    """The whole state of ``step`` from ``sources`` (the lead first) to every other member of ``world``."""
+    return FromReplicas((ReplicaTransfer(None, tuple(range(world)), sources),), step)
+
+
+@pytest.mark.parametrize("steps, survivors, plan, refused", [
+    # nobody holds state: no plan from the replicas (every member restores the newest checkpoint)
+    ([-1, -1], [F, F], None, ()),
     # everyone at one step: nothing to send
-    ([7, 7, 7], [T, T, T], SyncPlan()),
+    ([7, 7, 7], [T, T, T], NothingToMove(), ()),
     # a newcomer (-1) gets the survivors' state, from every survivor at the best step, the lowest rank leading
-    ([7, 7, -1], [T, T, F], SyncPlan(sources=(0, 1))),
-    ([-1, 7, 7, 7], [F, T, T, T], SyncPlan(sources=(1, 2, 3))),
+    ([7, 7, -1], [T, T, F], whole(7, 3, 0, 1), ()),
+    ([-1, 7, 7, 7], [F, T, T, T], whole(7, 4, 1, 2, 3), ()),
     # the step in flight: only the survivor that applied it sends it
-    ([7, 8, -1], [T, T, F], SyncPlan(sources=(1,))),
-    ([8, 7, 8, -1], [T, T, T, F], SyncPlan(sources=(0, 2))),
+    ([7, 8, -1], [T, T, F], whole(8, 3, 1), ()),
+    ([8, 7, 8, -1], [T, T, T, F], whole(8, 4, 0, 2), ()),
     # an admitted newcomer claims step 50,000: the survivors' state wins
-    ([100, 100, 50_000], [T, T, F], SyncPlan(sources=(0, 1))),
-    ([100, 50_000], [T, F], SyncPlan(sources=(0,))),
+    ([100, 100, 50_000], [T, T, F], whole(100, 3, 0, 1), ()),
+    ([100, 50_000], [T, F], whole(100, 2, 0), ()),
     # a newcomer at the survivors' step is not a sender: its word is not checked
-    ([100, 100, 100, -1], [T, T, F, F], SyncPlan(sources=(0, 1))),
+    ([100, 100, 100, -1], [T, T, F, F], whole(100, 4, 0, 1), ()),
     # a member of the previous generation far ahead of its peers is not believed
-    ([100, 100, 50_000], [T, T, T], SyncPlan(sources=(0, 1), refused=(2,))),
-    ([50_000, 100], [T, T], SyncPlan(sources=(1,), refused=(0,))),
+    ([100, 100, 50_000], [T, T, T], whole(100, 3, 0, 1), (2,)),
+    ([50_000, 100], [T, T], whole(100, 2, 1), (0,)),
     # no survivor holds state (every worker of the last generation was lost): one holder sends,
     # since holders that did not train together need not be identical
-    ([-1, 40, 40], [T, F, F], SyncPlan(sources=(1,))),
-    ([-1, 40], [F, F], SyncPlan(sources=(1,))),
+    ([-1, 40, 40], [T, F, F], whole(40, 3, 1), ()),
+    ([-1, 40], [F, F], whole(40, 2, 1), ()),
 ])
-def test_plan_state_sync(steps, survivors, plan):
-    assert plan_state_sync(steps, survivors) == plan
+def test_plan_whole_state(steps, survivors, plan, refused):
+    assert plan_whole_state(steps, survivors) == plan
+    assert trust(steps, survivors).refused == refused
 
 
 @pytest.mark.parametrize("in_sync, generation, previous", [
@@ -71,11 +72,12 @@ def test_a_frozen_node_that_returns_does_not_roll_the_job_back():
     """Nodes a and c train together to step 1387 in generation 4; c is frozen, a trains alone in 5 to
     step 1560; in 6 they are together again: a's steps are kept, c receives them."""
     steps, in_sync = [1560, 1387], [5, 4]
-    assert plan_state_sync(steps, previous_members(in_sync, 6)) == SyncPlan(sources=(0,))
+    assert plan_whole_state(steps, previous_members(in_sync, 6)) == whole(1560, 2, 0)
 
 
 def test_the_lead_sender_is_the_first_source():
-    assert SyncPlan(sources=(2, 3)).source == 2 and SyncPlan().source is None
+    (transfer,) = plan_whole_state([-1, 7, 7, 7], [F, T, T, T]).transfers
+    assert transfer.sources[0] == 1 and transfer.members == (0, 1, 2, 3)
 
 
 

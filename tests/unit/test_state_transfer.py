@@ -1,5 +1,5 @@
-"""The state transfer's description (elasticctl.train.transfer): what a receiver reads from a peer
-and checks against its own state before anything is copied. The transfer itself runs between
+"""The state transfer's description (elasticctl.train.transfer, in elasticctl.train.description's one
+format): what a receiver reads from a peer and checks against its own state before anything is copied. The transfer itself runs between
 processes: tests/process/test_hot.py."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from elasticctl.train import transfer
+from elasticctl.train import description, transfer
+from elasticctl.train.description import Own, TensorSpec, check_description, rebuild
 from elasticctl.train.sampler import ResumableSampler
 from elasticctl.train.state import State, StateError
-from elasticctl.train.transfer import Own, TensorSpec, check_description, describe, parse_description, rebuild
+from elasticctl.train.transfer import describe, parse_description
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -70,7 +71,7 @@ def test_a_joiner_with_a_fresh_optimizer_ends_identical_to_the_sender():
 
 def test_flatten_and_rebuild_are_inverse_and_keep_module_metadata():
     tree = _state(trained=True).state_dict()
-    skeleton, tensors = transfer.flatten(tree)
+    skeleton, tensors = description.flatten(tree)
     again = rebuild(skeleton, dict(tensors))
     assert again["model"]._metadata == tree["model"]._metadata
     assert list(again["model"]) == list(tree["model"]) and again["sampler"] == tree["sampler"]
@@ -177,7 +178,7 @@ def test_random_bytes_only_ever_raise_state_error(blob):
 KEYS = st.one_of(st.text(max_size=6), st.integers(-3, 10), st.sampled_from(["model", "optimizer", "state", "0.weight"]))
 ENTRY = st.tuples(
     st.one_of(st.lists(KEYS, max_size=4), st.none(), st.integers()),
-    st.one_of(st.sampled_from(sorted(transfer.DTYPES)), st.text(max_size=8), st.none()),
+    st.one_of(st.sampled_from(sorted(description.DTYPES)), st.text(max_size=8), st.none()),
     st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), st.text(max_size=3)),
     st.one_of(st.booleans(), st.integers(0, 1)),
 ).map(list)
@@ -204,9 +205,9 @@ def test_mutated_descriptions_only_ever_raise_state_error_and_never_allocate_bey
         skeleton, specs, _ = parse_description(blob)
     except StateError:
         return
-    _, found = transfer.flatten(receiver.state_dict())
-    own = {path: Own(transfer.DTYPE_NAMES[t.dtype], tuple(t.shape)) for path, t in found}
-    limit = transfer.allocation_limit(own)
+    _, found = description.flatten(receiver.state_dict())
+    own = {path: Own(description.DTYPE_NAMES[t.dtype], tuple(t.shape)) for path, t in found}
+    limit = description.allocation_limit(own)
     try:
         reuse = check_description(skeleton, specs, own, objects=receiver.objects().keys(),
                                   own_param_groups=[len(list(receiver.model.parameters()))],
@@ -225,3 +226,47 @@ def test_the_fuzzing_reaches_accepted_descriptions():
     """The property above is not vacuous: some mutated descriptions pass every check."""
     test_mutated_descriptions_only_ever_raise_state_error_and_never_allocate_beyond_the_bound()
     assert "accepted" in reached
+
+
+@pytest.mark.parametrize("sections, error", [
+    ({"bucket_bytes": None}, r"bucket size out of bounds \(None\)"),
+    ({"tensors": _entries(lambda e: e.remove(_model(e))), "values": [[["model", "0.weight"], torch.zeros(3, 4), True]]},
+     "sections a state transfer does not take"),
+])
+def test_the_transfer_takes_only_its_own_sections_of_the_one_format(sections, error):
+    blob = _description(**{key: value for key, value in sections.items() if value is not None})
+    if sections.get("bucket_bytes", 0) is None:
+        loaded = torch.load(io.BytesIO(blob), weights_only=True)
+        del loaded["bucket_bytes"]
+        buffer = io.BytesIO()
+        torch.save(loaded, buffer)
+        blob = buffer.getvalue()
+    with pytest.raises(StateError, match=error):
+        parse_description(blob)
+
+
+def test_one_format_carries_every_section_and_reads_back_what_was_written():
+    state = _state(trained=True)
+    skeleton, found = description.flatten(state.state_dict())
+    specs = [TensorSpec(path, description.DTYPE_NAMES[t.dtype], tuple(t.shape), True) for path, t in found]
+    blob = description.describe_state(skeleton, specs[:2], bucket_bytes=4096, sharded=[specs[2]],
+                                      values=[(specs[3].path, found[3][1], True)])
+    read = description.read_description(blob)
+    assert read.state == skeleton and read.tensors == specs[:2] and read.bucket_bytes == 4096
+    assert read.sharded == [specs[2]] and list(read.values) == [specs[3].path]
+    assert torch.equal(read.values[specs[3].path][0], found[3][1])
+
+
+@pytest.mark.parametrize("values, error", [
+    ([[["model", "0.weight"], "not a tensor", True]], "Value 0 of .* is malformed"),
+    ([[["model", "0.weight"], torch.zeros(2), 1]], "Value 0 of .* is malformed"),
+    ([[[], torch.zeros(2), True]], "no valid path"),
+    ([[["model", "nowhere"], torch.zeros(2), True]], "has no place for"),
+    ([[["model", "0.weight"], torch.zeros(2), True], [["model", "0.weight"], torch.zeros(2), True]], "twice"),
+    # a view of one element claiming 2**25 (stride 0): counted as what it would take once copied
+    ([[["model", "0.weight"], torch.zeros(1).expand(2**25), True]], "more than .* bytes of tensors in itself"),
+])
+def test_values_carried_in_a_description_are_checked(values, error):
+    skeleton, _ = description.flatten(_state().state_dict())
+    with pytest.raises(StateError, match=error):
+        description.read_description(description.describe_state(skeleton, values=[tuple(v) for v in values]))
