@@ -30,6 +30,7 @@ from elasticctl.errors import (
     EtcdRequestError,
     EtcdUnavailableError,
     LeaseNotFoundError,
+    quote,
 )
 from elasticctl.etcd.retry import Backoff, Deadline, retry
 
@@ -82,15 +83,15 @@ def parse_endpoints(text: str) -> tuple[tuple[Endpoint, ...], str | None]:
     for item in (part.strip() for part in text.split(",")):
         match = _ENDPOINT_RE.match(item)
         if not item or match is None:
-            raise ConfigError(f"The etcd endpoint '{item}' in '{text}' is not of the form HOST[:PORT].")
+            raise ConfigError(f"The etcd endpoint {quote(item)} in {quote(text)} is not of the form HOST[:PORT].")
         port = int(match["port"]) if match["port"] else DEFAULT_PORT
         if not 0 < port < 65536:
-            raise ConfigError(f"The port of the etcd endpoint '{item}' must be between 1 and 65535.")
+            raise ConfigError(f"The port of the etcd endpoint {quote(item)} must be between 1 and 65535.")
         if match["scheme"]:
             schemes.add(match["scheme"])
         endpoints.append(Endpoint(match["host"].strip("[]"), port))
     if len(schemes) > 1:
-        raise ConfigError(f"The etcd endpoints '{text}' mix http and https.")
+        raise ConfigError(f"The etcd endpoints {quote(text)} mix http and https.")
     return tuple(endpoints), (schemes.pop() if schemes else None)
 
 
@@ -128,7 +129,7 @@ class EtcdSettings:
         if scheme and options.get("protocol") in (None, scheme):
             options["protocol"] = scheme
         elif scheme:
-            raise ConfigError(f"The etcd endpoints '{text}' say {scheme} but the protocol is {options['protocol']}.")
+            raise ConfigError(f"The etcd endpoints {quote(text)} say {scheme} but the protocol is {options['protocol']}.")
         options = {k: v for k, v in options.items() if v is not None}
         return cls(endpoints=endpoints, **options)
 

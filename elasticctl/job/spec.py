@@ -24,12 +24,12 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     """Parse ``"N"`` or ``"MIN:MAX"`` into (min, max)."""
     parts = [whole_number(p.strip()) for p in str(text).split(":")]
     if len(parts) not in (1, 2) or None in parts:
-        raise ConfigError(f"The node count '{text}' must be N or MIN:MAX with whole numbers, e.g. 1:4.")
+        raise ConfigError(f"The node count {quote(text)} must be N or MIN:MAX with whole numbers, e.g. 1:4.")
     low, high = parts[0], parts[-1]
     if low < 1:
-        raise ConfigError(f"The minimum number of nodes ({low}) in '{text}' must be at least 1.")
+        raise ConfigError(f"The minimum number of nodes ({low}) in {quote(text)} must be at least 1.")
     if high < low:
-        raise ConfigError(f"The maximum number of nodes ({high}) in '{text}' must not be below the minimum ({low}).")
+        raise ConfigError(f"The maximum number of nodes ({high}) in {quote(text)} must not be below the minimum ({low}).")
     return low, high
 
 
@@ -39,7 +39,7 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"The rendezvous option '{item}' must be of the form key=value.")
+            raise ConfigError(f"The rendezvous option {quote(item)} must be of the form key=value.")
         conf[key.strip()] = value.strip()
     return conf
 

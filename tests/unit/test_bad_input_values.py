@@ -75,6 +75,8 @@ def _run_in_process(argv: list[str]) -> tuple[int, str]:
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(job_file=st.dictionaries(st.sampled_from(_job_keys), _values, max_size=4))
+@example(job_file={"rdzv_conf": "0\r0"})  # a carriage return in a value named by the error: one line all the same
+@example(job_file={"nnodes": "1\n:2"})
 def test_any_job_file_gives_a_command_or_one_sentence(tmp_path, job_file):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_file))
