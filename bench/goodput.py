@@ -352,7 +352,8 @@ def run(schedule: Schedule, repeats: int, root: Path, etcd: EtcdClient, caps: Ca
                                                        "kill_count", "full_world_after_s_median", "samples_lost",
                                                        "error") if key in sample))
     return {"schedule": dataclasses.asdict(schedule), "repeats": repeats,
-            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS, "torch_cold_start_s": cold_start, "systems": samples}
+            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS, "torch_cold_start_s": cold_start,
+            "torch_cold_start_repeats": COLD_START_REPEATS, "systems": samples}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -166,8 +166,8 @@ def section(results: dict, cell, ratio) -> list[str]:
         ("Median seconds from the change seen to the group ready (the survivor's timeline): "
          + "; ".join(f"{event}: {group_seconds['reconfigured'][event]} reconfigured vs "
                      f"{group_seconds['rebuilt'][event]} rebuilt" for event in EVENTS)
-         + f". Pauses over {SLOW_PAUSE_S:g} s (they form a group of their own here, in both variants, spent "
-           "before the group is ready): "
+         + f". Pauses over {SLOW_PAUSE_S:g} s (before the members waited for rank 0's store to listen, a "
+           "member that reached it first slept TCPStore's own 0.3-0.7 s backoff, in about half of the changes): "
          + "; ".join(f"{event} {_slow(variants['reconfigured'], event)} reconfigured, "
                      f"{_slow(variants['rebuilt'], event)} rebuilt" for event in EVENTS)
          + f". Replicas identical at every step: {'yes' if identical else 'NO'}."),

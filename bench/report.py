@@ -253,7 +253,8 @@ def goodput_floor(entry: dict) -> list[str]:
         (f"What bounds goodput without a spare: each kill leaves one worker of {FULL_WORLD} away for the {back:g} s "
          f"before its node returns, then for the returning node's cold start. {hot}A new worker process "
          f"starts torch before anything else runs: `import torch` and its first optimizer (which imports "
-         f"`torch._dynamo`) took {floor:.1f} s here (median of 3, `bench.goodput.torch_cold_start_s`), under "
+         f"`torch._dynamo`) took {floor:.1f} s here (median of {entry.get('torch_cold_start_repeats', 3)}, "
+         "`bench.goodput.torch_cold_start_s`), under "
          "any launcher. With that floor alone, a kill every "
          f"{every:g} s allows at most 1 − ({back:g} + {floor:.1f}) / ({FULL_WORLD} × {every:g}) = "
          + ("—" if bound is None else f"{bound:.2f}")
