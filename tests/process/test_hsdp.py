@@ -24,7 +24,7 @@ from support.helpers import REPO, trained_together, wait_for
 from bench.accounting import check_replicas, check_samples
 
 LM = str(REPO / "trainers" / "lm.py")
-HSDP = [LM, "--shard", "hsdp", "--steps", "100000", "--step-sleep", "0.05", "--log-every", "0", "--record-params"]
+HSDP = [LM, "--shard", "hsdp", "--steps", "100000", "--step-sleep", "0.25", "--log-every", "0", "--record-params"]
 
 
 def steps_of(records: list[dict]) -> list[dict]:
