@@ -227,3 +227,87 @@ def handles_of(store: dist.Store, rank: int, world_size: int, handle: str) -> li
     store.set(f"reconfigure-handle/{rank}", handle)
     return [checked_handle(store.get(f"reconfigure-handle/{peer}").decode("ascii", errors="replace"))
             for peer in range(world_size)]
+
+
+# -- a sharded model's mesh, kept across generations (not used by the runtime yet) ---------------
+
+
+class MeshDim(enum.IntEnum):
+    """The dimensions of an HSDP mesh (elasticctl.train.shards.hsdp_layout: rows are nodes)."""
+
+    REPLICATE = 0  # a column: the same shard index on every node
+    SHARD = 1      # a row: one node's workers
+
+
+# A mesh group's uuid: above every generation's own number (the world group's uuid) and below the
+# solo range; one per (generation, dimension, group index), so that no two groups a generation
+# reconfigures share one, nor does a group ever get the uuid it holds.
+_MESH_UUID_BASE = 1 << 32
+MAX_MESH_GROUPS = 1 << 12  # groups per dimension (nodes, or workers per node)
+
+
+def mesh_group_uuid(generation: int, dim: MeshDim, index: int) -> int:
+    """The uuid of mesh group ``index`` of dimension ``dim`` (a replicate group: its shard index; a
+    shard group: its node's row) in generation ``generation``; ValueError out of range."""
+    if generation < 0 or not 0 <= index < MAX_MESH_GROUPS:
+        raise ValueError(f"No mesh group uuid for generation {generation}, group {index}.")
+    uuid = _MESH_UUID_BASE + (generation * len(MeshDim) + int(dim)) * MAX_MESH_GROUPS + index
+    if uuid >= _SOLO_UUIDS[0]:
+        raise ValueError(f"Generation {generation} is past the mesh groups' uuids.")
+    return uuid
+
+
+def mesh_group_members(rows: list[list[int]], rank: int) -> dict[MeshDim, tuple[int, list[int]]]:
+    """For each dimension, the index of ``rank``'s group and its members in group-rank order: its
+    column across the rows (node order) and its row. ValueError if ``rank`` is not in ``rows`` once
+    or the rows are ragged."""
+    where = [(row_index, row.index(rank)) for row_index, row in enumerate(rows) if rank in row]
+    if len(where) != 1 or len({len(row) for row in rows}) != 1:
+        raise ValueError(f"Rank {rank} is not once in the mesh rows {rows}.")
+    row_index, column = where[0]
+    return {MeshDim.REPLICATE: (column, [row[column] for row in rows]),
+            MeshDim.SHARD: (row_index, list(rows[row_index]))}
+
+
+class MeshGroups:
+    """A worker's two HSDP mesh groups, kept for its whole life beside its :class:`ReconfigurableGroup`
+    and reconfigured with it for each generation: made alone at start (``new_group`` on a
+    reconfigurable default group is reconfigurable itself), each re-formed over its generation's
+    members. A mesh made from them (``DeviceMesh.from_group``) keeps serving the FSDP2 module wrapped
+    on it (pinned in tests/process/test_torch_reconfigure.py).
+
+    Make it right after the ReconfigurableGroup, while the worker is a world of its own."""
+
+    def __init__(self, world: ReconfigurableGroup) -> None:
+        self.world = world
+        self.groups = {dim: dist.new_group([0], use_local_synchronization=True, timeout=world.timeout)
+                       for dim in MeshDim}
+        for group in self.groups.values():  # a handle of (rank 0, no uuid) would be every fresh group's
+            solo = secrets.SystemRandom().randrange(*_SOLO_UUIDS)
+            dist._reconfigure(solo, [dist._get_reconfigure_handle(group)], group=group,
+                              timeout=world.timeout).wait()
+
+    def handles(self) -> dict[MeshDim, str]:
+        """What this worker's peers pass to the next reconfigure of each group."""
+        return {dim: dist._get_reconfigure_handle(group) for dim, group in self.groups.items()}
+
+    def reconfigure(self, generation: int, rows: list[list[int]], rank: int,
+                    handles: dict[MeshDim, list[str]], store: dist.Store) -> None:
+        """Re-form both groups over ``rank``'s column and row of ``rows`` (global ranks of
+        ``generation``), from every rank's handles (``handles[dim][rank]``); each group's exchange
+        under a prefix of its own in ``store`` (the generation's)."""
+        for dim, (index, members) in mesh_group_members(rows, rank).items():
+            self.world.store.point_at(dist.PrefixStore(f"mesh-{dim.name.lower()}-{index}", store))
+            dist._reconfigure(mesh_group_uuid(generation, dim, index),
+                              [checked_handle(handles[dim][member]) for member in members],
+                              group=self.groups[dim], timeout=self.world.timeout).wait()
+
+
+def mesh_handles_of(store: dist.Store, rank: int, world_size: int,
+                    handles: dict[MeshDim, str]) -> dict[MeshDim, list[str]]:
+    """Every member's handle of each mesh group, by rank, exchanged through the generation's store
+    (as :func:`handles_of`); each checked before torch parses it."""
+    for dim, handle in handles.items():
+        store.set(f"mesh-handle/{dim.name.lower()}/{rank}", handle)
+    return {dim: [checked_handle(store.get(f"mesh-handle/{dim.name.lower()}/{peer}").decode("ascii", errors="replace"))
+                  for peer in range(world_size)] for dim in handles}

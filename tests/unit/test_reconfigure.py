@@ -10,8 +10,15 @@ from hypothesis import strategies as st
 
 from elasticctl.errors import ConfigError
 from elasticctl.job.environment import REBUILD_GROUPS, rebuild_groups
-from elasticctl.train.reconfigure import (MAX_HANDLE_BYTES, GroupStrategy, checked_handle, group_strategy,
-                                          next_group, torch_can_reconfigure)
+from elasticctl.train import reconfigure
+from elasticctl.train.reconfigure import (
+    MAX_HANDLE_BYTES,
+    GroupStrategy,
+    checked_handle,
+    group_strategy,
+    next_group,
+    torch_can_reconfigure,
+)
 
 R, B = GroupStrategy.RECONFIGURE, GroupStrategy.REBUILD
 
@@ -77,3 +84,43 @@ def test_rebuild_groups_reads_0_or_1(value, expected):
 def test_rebuild_groups_refuses_anything_else_naming_it(value):
     with pytest.raises(ConfigError, match=REBUILD_GROUPS):
         rebuild_groups({REBUILD_GROUPS: value})
+
+
+# -- a sharded model's mesh groups ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "rank", "replicate", "shard"), [
+    ([[0, 1], [2, 3], [4, 5]], 0, (0, [0, 2, 4]), (0, [0, 1])),
+    ([[0, 1], [2, 3], [4, 5]], 3, (1, [1, 3, 5]), (1, [2, 3])),
+    ([[0, 1], [2, 3], [4, 5]], 5, (1, [1, 3, 5]), (2, [4, 5])),
+    ([[2, 3], [0, 1]], 0, (0, [2, 0]), (1, [0, 1])),  # rows in node order, whatever their ranks
+    ([[0], [1], [2]], 1, (0, [0, 1, 2]), (1, [1])),    # one worker per node: shard groups of one
+    ([[0, 1, 2, 3]], 2, (2, [2]), (0, [0, 1, 2, 3])),  # one node: replicate groups of one
+])
+def test_mesh_group_members(rows, rank, replicate, shard):
+    members = reconfigure.mesh_group_members(rows, rank)
+    assert members == {reconfigure.MeshDim.REPLICATE: replicate, reconfigure.MeshDim.SHARD: shard}
+
+
+@pytest.mark.parametrize(("rows", "rank"), [
+    ([[0, 1], [2, 3]], 4),          # not in the mesh
+    ([[0, 1], [1, 2]], 1),          # twice
+    ([[0, 1], [2]], 0),             # ragged rows
+])
+def test_mesh_group_members_refuses_a_rank_not_once_in_even_rows(rows, rank):
+    with pytest.raises(ValueError, match="not once in the mesh rows"):
+        reconfigure.mesh_group_members(rows, rank)
+
+
+def test_mesh_group_uuids_are_fresh_per_generation_and_group_and_never_a_generations_own():
+    uuids = [reconfigure.mesh_group_uuid(generation, dim, index)
+             for generation in range(50) for dim in reconfigure.MeshDim for index in range(8)]
+    assert len(set(uuids)) == len(uuids)
+    assert min(uuids) > 2**31  # a generation's number (the world group's uuid) stays far below
+    assert max(uuids) < reconfigure._SOLO_UUIDS[0]  # and a worker's group of one far above
+
+
+@pytest.mark.parametrize(("generation", "index"), [(-1, 0), (0, -1), (0, reconfigure.MAX_MESH_GROUPS), (1 << 40, 0)])
+def test_mesh_group_uuid_refuses_what_it_cannot_number(generation, index):
+    with pytest.raises(ValueError):
+        reconfigure.mesh_group_uuid(generation, reconfigure.MeshDim.SHARD, index)

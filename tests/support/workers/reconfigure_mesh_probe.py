@@ -5,18 +5,21 @@ it once.
     reconfigure_mesh_probe.py COORD_PORT NAME        (NAME: a0 a1 b0 b1: node, then local rank)
 
 Every worker starts alone, as a hot-mode worker does: its default group
-(elasticctl.train.reconfigure.ReconfigurableGroup) and two groups for the mesh's dimensions, each
-made alone (``new_group([0], use_local_synchronization=True)`` on that group: it inherits
-``enable_reconfigure``) and reconfigured alone once. Generations then reconfigure all three in
-place, each over its members' handles, on a store the generation's host keeps:
+(elasticctl.train.reconfigure.ReconfigurableGroup) and its two mesh groups
+(elasticctl.train.reconfigure.MeshGroups: made alone with ``new_group`` on that group, whose
+``enable_reconfigure`` they inherit). Each generation reconfigures all three in place, the mesh
+groups over the generation's HSDP layout (elasticctl.train.shards.hsdp_layout), on a store the
+generation's host keeps:
 
-1. node a (a0 a1): the world and the shard group over a0 a1, the mesh made from the two groups
-   (``DeviceMesh.from_group``), ``fully_shard`` on it, one step;
+1. node a (a0 a1): the world and the shard group over a0 a1, each replicate group over one of
+   them; the mesh made from the two groups (``DeviceMesh.from_group``), ``fully_shard`` on it,
+   one step;
 2. node b joins: the world over all four, replicate group i over a_i b_i, b's shard group over
    b0 b1; b wraps on a mesh from its own groups; the replicas' shards go to b over the replicate
    group (``group_src``: group ranks, as the mapping torch keeps from global ranks is the one the
    group was made with); one step;
-3. node b leaves: a's world and replicate groups reconfigured over a alone; one step.
+3. node b leaves: a's groups reconfigured over a alone (each replicate group over one worker
+   again); one step on the mesh and module of generation 1.
 
 Each step's gradient is the mean of rank + 1 over the data-parallel workers, so its value says over
 how many FSDP2 averaged (torch takes both divide factors from the live groups' sizes). Results go
@@ -27,17 +30,24 @@ from __future__ import annotations
 
 import datetime
 import json
-import secrets
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from elasticctl.train.reconfigure import ReconfigurableGroup
+from elasticctl.train.reconfigure import (
+    MeshDim,
+    MeshGroups,
+    ReconfigurableGroup,
+    handles_of,
+    mesh_handles_of,
+)
+from elasticctl.train.shards import hsdp_layout
 
 TIMEOUT = datetime.timedelta(seconds=30)
 RANKS = {"a0": 0, "a1": 1, "b0": 2, "b1": 3}
+WORKERS_PER_NODE = 2
 
 
 def main() -> None:
@@ -45,40 +55,33 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
     port, name = int(sys.argv[1]), sys.argv[2]
-    node, local = name[0], int(name[1])
+    node = name[0]
     coord = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
 
     def result(what: str, value) -> None:
         coord.set(f"result/{name}/{what}", json.dumps(value))
 
     world = ReconfigurableGroup("gloo", TIMEOUT)
-    replicate = dist.new_group([0], use_local_synchronization=True, timeout=TIMEOUT)
-    shard = dist.new_group([0], use_local_synchronization=True, timeout=TIMEOUT)
+    mesh_groups = MeshGroups(world)
+    replicate, shard = mesh_groups.groups[MeshDim.REPLICATE], mesh_groups.groups[MeshDim.SHARD]
     result("inherit", [dist._supports_reconfigure(replicate), dist._supports_reconfigure(shard)])
-    for group in (replicate, shard):  # a group that never reconfigured hands over (rank 0, no uuid), as every other
-        dist._reconfigure(secrets.randbits(40) + (1 << 41), [dist._get_reconfigure_handle(group)], group=group,
-                          timeout=TIMEOUT).wait()
     stores = []
 
-    def store_of(number: int) -> dist.Store:
-        """Generation ``number``'s store, hosted by a0 (which never leaves here)."""
+    def form(number: int, members: list[str]) -> None:
+        """Generation ``number`` of ``members`` (rank = position) on a store a0 hosts (it never
+        leaves here): the world, then both mesh groups, over the generation's HSDP layout."""
         if name == "a0":
             stores.append(dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT, wait_for_workers=False))
             coord.set(f"store/{number}", str(stores[-1].port))
-            return stores[-1]
-        return dist.TCPStore("127.0.0.1", int(coord.get(f"store/{number}")), is_master=False, timeout=TIMEOUT)
-
-    def reconfigure(group, what: str, members: list[str], uuid: int, store: dist.Store) -> None:
-        """``group`` re-formed over ``members`` (rank = position); each group's exchange under a prefix of its own."""
-        coord.set(f"handle/{what}/{name}", dist._get_reconfigure_handle(group))
-        handles = [coord.get(f"handle/{what}/{member}").decode() for member in members]
-        world.store.point_at(dist.PrefixStore(what, store))
-        dist._reconfigure(uuid, handles, group=group, timeout=TIMEOUT).wait()
-
-    def reconfigure_world(number: int, members: list[str], store: dist.Store) -> None:
-        coord.set(f"handle/{number}/{name}", world.handle)
-        world.reconfigure(number, [coord.get(f"handle/{number}/{member}").decode() for member in members],
-                          dist.PrefixStore(f"g{number}", store))
+            store = stores[-1]
+        else:
+            store = dist.TCPStore("127.0.0.1", int(coord.get(f"store/{number}")), is_master=False, timeout=TIMEOUT)
+        prefixed = dist.PrefixStore(f"generation-{number}", store)
+        rank = members.index(name)
+        world.reconfigure(number, handles_of(prefixed, rank, len(members), world.handle), prefixed)
+        rows = hsdp_layout([f"{member[0]}.{member[1]}" for member in members], len(members), WORKERS_PER_NODE)
+        mesh_groups.reconfigure(number, rows, rank,
+                                mesh_handles_of(prefixed, rank, len(members), mesh_groups.handles()), prefixed)
 
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, number: int) -> None:
         model.zero_grad()
@@ -87,7 +90,8 @@ def main() -> None:
         optimizer.step()
         result(f"weights{number}", round(model.weight.full_tensor().sum().item(), 5))
 
-    def wrap(layout: torch.Tensor):
+    def wrap(rows: int):
+        layout = torch.arange(rows * WORKERS_PER_NODE).reshape(rows, WORKERS_PER_NODE)
         mesh = DeviceMesh.from_group([replicate, shard], "cpu", mesh=layout, mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         model = nn.Linear(8, 4, bias=False)
@@ -95,22 +99,17 @@ def main() -> None:
         return mesh, model, torch.optim.SGD(model.parameters(), lr=0.1)
 
     if node == "a":  # generation 1: node a alone
-        store = store_of(1)
-        reconfigure_world(1, ["a0", "a1"], store)
-        reconfigure(shard, "g1-shard", ["a0", "a1"], 11, store)
-        mesh, model, optimizer = wrap(torch.arange(2).reshape(1, 2))
+        form(1, ["a0", "a1"])
+        mesh, model, optimizer = wrap(1)
         kept = (id(mesh), id(model))
         step(model, optimizer, 1)
         coord.set(f"g1-done/{name}", "1")
     else:
         coord.wait(["g1-done/a0", "g1-done/a1"])
 
-    store = store_of(2)  # generation 2: node b joins
-    reconfigure_world(2, list(RANKS), store)
-    reconfigure(replicate, f"g2-replicate-{local}", [f"a{local}", f"b{local}"], 20 + local, store)
+    form(2, list(RANKS))  # generation 2: node b joins
     if node == "b":
-        reconfigure(shard, "g2-shard-b", ["b0", "b1"], 22, store)
-        mesh, model, optimizer = wrap(torch.arange(4).reshape(2, 2))
+        mesh, model, optimizer = wrap(2)
     dist.broadcast(model.weight.to_local(), group=replicate, group_src=0)  # a's shard to b's same shard index
     step(model, optimizer, 2)
     if node == "b":
@@ -118,9 +117,7 @@ def main() -> None:
         return
     coord.wait(["g2-done/b0", "g2-done/b1"])
 
-    store = store_of(3)  # generation 3: node b has left
-    reconfigure_world(3, ["a0", "a1"], store)
-    reconfigure(replicate, f"g3-replicate-{local}", [name], 30 + local, store)
+    form(3, ["a0", "a1"])  # generation 3: node b has left
     step(model, optimizer, 3)
     result("kept", (id(mesh), id(model)) == kept)
     result("sizes", [dist.get_world_size(), replicate.size(), shard.size()])
