@@ -29,6 +29,7 @@ The rule and the report's decoding are pure and table-tested; what a worker does
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -116,11 +117,31 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def gradients_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The largest magnitude among the gradients this worker holds (a sharded model's: its local
+    shards): a 0-d tensor on their device, NaN or infinite when any element is (None: no gradient).
+
+    torch's foreach norm reads every gradient in a few kernels whatever the number of parameters;
+    a check per parameter was four kernel launches each, the largest cost of a small model's step
+    on a GPU. The infinity norm is a maximum: it never overflows where a sum of squares would."""
+    gradients = [_local(p.grad).detach() for p in parameters if p.grad is not None]
+    if not gradients:
+        return None
+    return torch.nn.utils.get_total_norm(gradients, math.inf)
+
+
+def read_flags(applied: torch.Tensor | None, own: Sequence[torch.Tensor]) -> tuple[bool, bool | None]:
+    """(whether the gradients to apply are finite, given their :func:`gradients_norm`; whether every
+    one of this worker's own bucket flags is (None: none was taken)), brought to the host in one
+    read: each read waits for the device to finish the step's work so far."""
+    if applied is None and not own:
+        return True, None
+    device = applied.device if applied is not None else own[0].device
+    first = torch.isfinite(applied) if applied is not None else torch.ones((), dtype=torch.bool, device=device)
+    values = torch.stack([first, *(flag.to(device) for flag in own)]).tolist()
+    return bool(values[0]), (all(values[1:]) if own else None)
+
+
 def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
-    """Whether every gradient this worker holds (a sharded model's: its local shards) is finite;
-    one value brought to the host."""
-    flags = [finite_flag(_local(p.grad)) for p in parameters if p.grad is not None]
-    if not flags:
-        return True
-    device = flags[0].device
-    return bool(torch.stack([flag.to(device) for flag in flags]).all().item())
+    """Whether every gradient this worker holds is finite (one read to the host)."""
+    return read_flags(gradients_norm(parameters), ())[0]

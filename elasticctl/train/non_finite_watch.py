@@ -9,8 +9,9 @@ gradients, before the all-reduce),
 :meth:`new_generation` when a generation forms, and :meth:`before_step` in ``State.commit``,
 after the backward and before the optimizer step, whose answer says whether to apply it.
 
-Cost on a healthy step: a min/max pass over each gradient bucket before its all-reduce and over
-the gradients applied after it (on their device; one value brought to the host per step); a
+Cost on a healthy step: a min/max pass over each gradient bucket before its all-reduce and a
+maximum over the gradients applied after it (on their device, in a few foreach kernels whatever
+the number of parameters; one read brought to the host per step); a
 sharded model adds one all-reduce of one integer on the control group. A non-finite step adds one
 all-gather of two integers per worker. Off (every call a no-op) outside elasticctl's handler and
 with a GradScaler in the state: mixed precision's scaler already skips such steps and lowers its
@@ -33,8 +34,9 @@ from elasticctl.train.non_finite import (
     NonFinite,
     RankFindings,
     finite_flag,
-    gradients_finite,
+    gradients_norm,
     judge_non_finite,
+    read_flags,
     starts_a_run,
 )
 from elasticctl.train.process_group import rank_nodes_or_empty
@@ -78,11 +80,11 @@ class NonFiniteWatch:
     def before_step(self, group: Any, step: int, loss: float | None, parameters: Any, *, sharded: bool) -> bool:
         """Whether to apply ``step``'s gradients (False only with ``--skip-non-finite 1`` on a
         non-finite step: the same answer on every worker of the generation)."""
-        own_gradients = self._own_gradients()
+        own_flags, self._bucket_flags = self._bucket_flags, []
         if not self.enabled:
             return True
         loss_finite = _finite(loss)
-        finite = gradients_finite(parameters)
+        finite, own_gradients = read_flags(gradients_norm(parameters), own_flags)
         if group.world_size == 1 and own_gradients is None:
             own_gradients = finite  # nothing is reduced: the gradients applied are this worker's own
         if sharded and group.world_size > 1:
@@ -108,14 +110,6 @@ class NonFiniteWatch:
         if first:
             self._report(group, found)
         return not self.skip
-
-    def _own_gradients(self) -> bool | None:
-        """This step's buckets, all finite before their all-reduce (None: no bucket was checked)."""
-        flags, self._bucket_flags = self._bucket_flags, []
-        if not flags:
-            return None
-        device = flags[0].device
-        return bool(torch.stack([flag.to(device) for flag in flags]).all().item())
 
     def _exchange(self, group: Any, step: int, mine: RankFindings) -> NonFinite:
         """Every worker's own findings, and once per generation its node, to every worker."""

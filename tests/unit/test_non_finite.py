@@ -25,7 +25,9 @@ from elasticctl.train.non_finite import (
     RankFindings,
     finite_flag,
     gradients_finite,
+    gradients_norm,
     judge_non_finite,
+    read_flags,
     starts_a_run,
 )
 from elasticctl.train.non_finite_watch import NonFiniteWatch
@@ -108,6 +110,49 @@ def test_gradients_finite_reads_every_gradient_and_skips_parameters_without_one(
     assert gradients_finite(model.parameters())
     model[1].bias.grad[0] = math.nan
     assert not gradients_finite(model.parameters())
+
+
+@pytest.mark.parametrize(("bad", "finite"), [
+    (None, True),
+    (math.nan, False),
+    (math.inf, False),
+    (-math.inf, False),
+    (3.0e38, True),  # huge but finite: the largest magnitude, no sum of squares to overflow
+])
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.bfloat16,), (torch.float64,),
+                                    (torch.float32, torch.bfloat16)])  # mixed: torch groups them by dtype
+def test_gradients_norm_reads_every_gradient_of_every_dtype_in_one_pass(bad, finite, dtypes):
+    parameters = []
+    for index in range(6):
+        dtype = dtypes[index % len(dtypes)]
+        parameter = nn.Parameter(torch.zeros(3, 5, dtype=dtype))
+        parameter.grad = torch.randn(3, 5).to(dtype)
+        parameters.append(parameter)
+    parameters.append(nn.Parameter(torch.zeros(2)))  # no gradient: not read
+    if bad is not None:
+        parameters[4].grad[2, 3] = bad  # 3.0e38 is within bfloat16's range too (float32's exponent)
+    norm = gradients_norm(parameters)
+    assert norm is not None and norm.dim() == 0
+    assert read_flags(norm, ())[0] is finite
+
+
+def test_gradients_norm_of_no_gradient_is_none_and_reads_as_finite():
+    assert gradients_norm([nn.Parameter(torch.zeros(2))]) is None
+    assert read_flags(None, ()) == (True, None)
+
+
+@pytest.mark.parametrize(("applied", "own", "expected"), [
+    (1.0, (), (True, None)),
+    (math.nan, (), (False, None)),
+    (1.0, (True, True), (True, True)),
+    (math.inf, (True, False), (False, False)),
+    (math.inf, (True, True), (False, True)),  # a sum that overflowed: no rank's own values were bad
+    (None, (False,), (True, False)),
+])
+def test_read_flags_brings_both_answers_in_one_read(applied, own, expected):
+    norm = None if applied is None else torch.tensor(applied)
+    flags = [torch.tensor(flag) for flag in own]
+    assert read_flags(norm, flags) == expected
 
 
 # -- the settings ---------------------------------------------------------------------------------
