@@ -150,7 +150,9 @@ def lm_task(args: argparse.Namespace, device: torch.device) -> Task:
     model = LanguageModel(args.vocab, args.seq_len, args.hidden, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dataset = bigram_dataset(args.dataset_size, args.seq_len, args.vocab, args.seed)
-    options = ({"wrap": functools.partial(shard_model, sharding=args.shard), "sharded": True}
+    # "hsdp": the wrap shards on elastic.hsdp_mesh, which the runtime keeps across generations.
+    options = ({"wrap": functools.partial(shard_model, sharding=args.shard),
+                "sharded": "hsdp" if args.shard == "hsdp" else True}
                if args.shard != "none" else {})
     return Task(model, optimizer, dataset, next_token_loss, options,
                 {"peer_copies": args.peer_copies} if args.peer_copies else {})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Any
 
 import torch
 
@@ -28,3 +29,6 @@ class Group:
     # The collectives' timeout (the node TTL unless pg_timeout says otherwise): the groups of a mesh
     # built for this generation take it too, else a frozen peer stalls them for torch's 30 minutes.
     timeout: datetime.timedelta | None = None
+    # run(..., sharded="hsdp") where groups are reconfigured in place: the worker's two mesh groups
+    # (elasticctl.train.reconfigure.MeshGroups), kept for its whole life; hsdp_mesh makes its mesh of them.
+    mesh_groups: Any = None

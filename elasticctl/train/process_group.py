@@ -20,7 +20,7 @@ import torch.distributed as dist
 from elasticctl.errors import ConfigError
 from elasticctl.job.records import Round
 from elasticctl.train import entry as worker_entry
-from elasticctl.train.reconfigure import ReconfigurableGroup, handles_of
+from elasticctl.train.reconfigure import ReconfigurableGroup, handles_of, mesh_handles_of
 from elasticctl.train.stragglers import decode_name, encode_name
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,21 @@ def rank_nodes_or_empty(node: str, group, control_group, worker: str, without: s
 
 
 def reconfigure_generation_group(group: ReconfigurableGroup | None, generation: Round, rank: int, backend: str,
-                                 timeout: datetime.timedelta) -> tuple[ReconfigurableGroup, dist.TCPStore]:
+                                 timeout: datetime.timedelta, *, mesh_rows: list[list[int]] | None = None
+                                 ) -> tuple[ReconfigurableGroup, dist.TCPStore]:
     """This worker's one group (made now if it has none) re-formed in place over ``generation``;
-    returns it and the generation's store, kept alive with it."""
+    returns it and the generation's store, kept alive with it. ``mesh_rows``: the generation's HSDP
+    layout (elasticctl.train.shards.hsdp_layout), over which the group's two mesh groups are
+    re-formed too (made with it, if it is made now)."""
     store = generation_store(generation, rank, timeout)
     if group is None:
-        group = ReconfigurableGroup(backend, timeout)
+        group = ReconfigurableGroup(backend, timeout, with_mesh=mesh_rows is not None)
     prefixed = dist.PrefixStore(f"generation-{generation.number}", store)
     group.reconfigure(generation.number, handles_of(prefixed, rank, generation.world_size, group.handle), prefixed)
+    if mesh_rows is not None and group.mesh_groups is not None:
+        mesh = group.mesh_groups
+        mesh.reconfigure(generation.number, mesh_rows, rank,
+                         mesh_handles_of(prefixed, rank, generation.world_size, mesh.handles()), prefixed)
     worker_entry.note_joined()
     return group, store
 

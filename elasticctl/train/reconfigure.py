@@ -34,6 +34,7 @@ import inspect
 import re
 import secrets
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,17 +63,20 @@ def torch_can_reconfigure() -> bool:
 
 
 def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap: bool,
-                   forced_rebuild: bool = False) -> StrategyChoice:
+                   forced_rebuild: bool = False, kept_mesh: bool = False) -> StrategyChoice:
     """How a hot-mode worker's generations get their process group, for its whole life.
 
     Reconfigure only where every piece is known to hold: torch has the API; the backend is gloo
     alone (``nccl2`` has it too, but nothing here can pin it: no machine with several GPUs); the
     model is replicated and wrapped by the runtime's own DDP (built once, without the
-    collectives of its start, which a joiner would run alone: the state sync does their work).
-    A sharded model is re-wrapped on a new mesh each generation: torch could keep its mesh (a
-    ``new_group`` on a reconfigurable group is reconfigurable, FSDP2 divides by the live sizes:
-    pinned in tests/process/test_torch_reconfigure.py), the runtime does not yet. A script's
-    own wrap may run collectives of its own whenever it is called."""
+    collectives of its start, which a joiner would run alone: the state sync does their work), or
+    sharded on the runtime's HSDP mesh (``kept_mesh``: ``run(..., sharded="hsdp")``), whose two
+    groups are reconfigured with the world, so that the mesh and the module sharded on it outlive
+    generations (``new_group`` on a reconfigurable group is reconfigurable, FSDP2 divides by the
+    live sizes: pinned in tests/process/test_torch_reconfigure.py). A script's own mesh is built
+    anew each generation: torch's bookkeeping of a reconfigured group's ranks is not updated
+    (``get_process_group_ranks`` keeps its first members), which a mesh of the whole world reads.
+    A script's own wrap may run collectives of its own whenever it is called."""
     if forced_rebuild:
         return StrategyChoice(GroupStrategy.REBUILD, "asked for")
     if not torch_can:
@@ -81,7 +85,9 @@ def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap
     if backends != {dist.Backend.GLOO}:
         return StrategyChoice(GroupStrategy.REBUILD, f"the {backend} backend is not pinned here")
     if sharded:
-        return StrategyChoice(GroupStrategy.REBUILD, "a sharded model is re-wrapped on a new mesh each generation")
+        if kept_mesh:
+            return StrategyChoice(GroupStrategy.RECONFIGURE, "gloo, the runtime's HSDP mesh, kept")
+        return StrategyChoice(GroupStrategy.REBUILD, "the script's wrap builds its own mesh each generation")
     if not default_wrap:
         return StrategyChoice(GroupStrategy.REBUILD, "the script wraps the model itself")
     return StrategyChoice(GroupStrategy.RECONFIGURE, "gloo, the runtime's DDP")
@@ -182,7 +188,7 @@ class ReconfigurableGroup:
     never reconfigured would hand over the same handle (rank 0, none), which torch refuses.
     """
 
-    def __init__(self, backend: str, timeout: datetime.timedelta) -> None:
+    def __init__(self, backend: str, timeout: datetime.timedelta, *, with_mesh: bool = False) -> None:
         self.store = GenerationStore(timeout)
         self.timeout = timeout
         dist.init_process_group(backend, store=self.store, rank=0, world_size=1, timeout=timeout,
@@ -194,6 +200,8 @@ class ReconfigurableGroup:
         solo = secrets.SystemRandom().randrange(*_SOLO_UUIDS)
         dist._reconfigure(solo, [dist._get_reconfigure_handle(self.group)], group=self.group,
                           timeout=timeout).wait()
+        # An HSDP mesh's groups, kept with this one (made now, while this worker is a world of its own)
+        self.mesh_groups = MeshGroups(self) if with_mesh else None
 
     @property
     def handle(self) -> str:
@@ -229,7 +237,7 @@ def handles_of(store: dist.Store, rank: int, world_size: int, handle: str) -> li
             for peer in range(world_size)]
 
 
-# -- a sharded model's mesh, kept across generations (not used by the runtime yet) ---------------
+# -- a sharded model's mesh, kept across generations ----------------------------------------------
 
 
 class MeshDim(enum.IntEnum):
@@ -282,6 +290,9 @@ class MeshGroups:
         self.world = world
         self.groups = {dim: dist.new_group([0], use_local_synchronization=True, timeout=world.timeout)
                        for dim in MeshDim}
+        self.rows: list[list[int]] = [[0]]  # the layout the groups were last reconfigured over
+        self.rank = 0
+        self._mesh: Any = None
         for group in self.groups.values():  # a handle of (rank 0, no uuid) would be every fresh group's
             solo = secrets.SystemRandom().randrange(*_SOLO_UUIDS)
             dist._reconfigure(solo, [dist._get_reconfigure_handle(group)], group=group,
@@ -301,6 +312,29 @@ class MeshGroups:
             dist._reconfigure(mesh_group_uuid(generation, dim, index),
                               [checked_handle(handles[dim][member]) for member in members],
                               group=self.groups[dim], timeout=self.world.timeout).wait()
+        self.rows, self.rank = [list(row) for row in rows], rank
+
+    def mesh(self, device_type: str, dim_names: tuple[str, str]) -> Any:
+        """The 2-D mesh of the two groups (``DeviceMesh.from_group``), made once, on the layout of the
+        generation that first asks: the same object for the worker's whole life. Its rank tensor and
+        coordinate stay those of that generation; what reads them after a reconfigure is the shard
+        coordinate (a worker's place in its node, which it keeps) and the groups, which are live."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group([self.groups[MeshDim.REPLICATE], self.groups[MeshDim.SHARD]],
+                                               device_type, mesh=torch.tensor(self.rows, dtype=torch.int64),
+                                               mesh_dim_names=dim_names)
+        return self._mesh
+
+    def replica_group_rank(self, global_rank: int) -> int:
+        """``global_rank``'s rank in its replicate group as reconfigured (its node's row): torch's own
+        bookkeeping (``get_group_rank``) keeps a reconfigured group's first members."""
+        return mesh_group_members(self.rows, global_rank)[MeshDim.REPLICATE][1].index(global_rank)
+
+    def replica_global_rank(self, group_rank: int) -> int:
+        """The global rank of member ``group_rank`` of this worker's replicate group."""
+        return mesh_group_members(self.rows, self.rank)[MeshDim.REPLICATE][1][group_rank]
 
 
 def mesh_handles_of(store: dist.Store, rank: int, world_size: int,

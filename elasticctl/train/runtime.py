@@ -95,7 +95,7 @@ from elasticctl.train.ddp_hooks import observe_buckets
 from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, next_group,
                                           torch_can_reconfigure)
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
-from elasticctl.train.shards import ShardedModel, is_sharded
+from elasticctl.train.shards import ShardedModel, hsdp_layout, is_sharded
 from elasticctl.train.state import State, StateError
 from elasticctl.train.state_sync import GenerationStateSync
 from elasticctl.train.straggler_watch import StragglerWatch
@@ -143,10 +143,11 @@ class Runtime:
                  backend: str | None = None, wrap: Callable[[torch.nn.Module, Group], torch.nn.Module] | None = None,
                  pg_timeout: float | None = None, keep: int = 3, async_checkpoint: bool = True,
                  on_event: Callable[..., object] | None = None, no_step_warning: float | None = None,
-                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES, sharded: bool = False) -> None:
+                 transfer_bucket_bytes: int = DEFAULT_BUCKET_BYTES, sharded: bool | str = False) -> None:
         self.state = state
         state.bind(self)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
             self.device, default_backend = torch.device("cuda", self.local_rank), "nccl"
@@ -169,7 +170,11 @@ class Runtime:
         self._on_event = on_event
         self._wrap = wrap or self._ddp
         self._wrap_given = wrap is not None
-        # A sharded model is wrapped anew for each generation's mesh (train/shards.py).
+        if sharded not in (False, True, "hsdp"):
+            raise ConfigError(f"run(..., sharded={sharded!r}) is not one of False, True or 'hsdp'.")
+        # sharded="hsdp": the wrap shards on hsdp_mesh(group), a mesh kept across generations where
+        # the groups are reconfigured in place; else each generation's mesh is new (train/shards.py).
+        self._keeps_mesh = sharded == "hsdp"
         self._sharded = ShardedModel(wrap) if sharded else None
         if sharded and (wrap is None or state.optimizer is None):
             raise ConfigError("run(..., sharded=True) needs the wrap that shards the model (wrap=...) and an "
@@ -230,8 +235,8 @@ class Runtime:
                              if state.peer_copies else None)
         # Whether this worker's generations reconfigure one process group or build one each
         # (train/reconfigure.py); restart mode has one generation per process either way.
-        self.group_choice = group_strategy(self.backend, torch_can_reconfigure(), sharded=sharded,
-                                           default_wrap=wrap is None,
+        self.group_choice = group_strategy(self.backend, torch_can_reconfigure(), sharded=bool(sharded),
+                                           default_wrap=wrap is None, kept_mesh=self._keeps_mesh,
                                            forced_rebuild=environment_names.rebuild_groups())
         self.reconfigurable: ReconfigurableGroup | None = None  # the group kept across generations
         self._wrapped: tuple[Any, torch.nn.Module] | None = None  # (the group it was wrapped on, the DDP)
@@ -352,8 +357,11 @@ class Runtime:
         try:
             if not sealed.groups_ready:
                 if self.group_choice.strategy is GroupStrategy.RECONFIGURE:
+                    rows = (hsdp_layout(sealed.generation.members, sealed.world_size, self.local_world_size)
+                            if self._keeps_mesh else None)
                     self.reconfigurable, self.store = reconfigure_generation_group(
-                        self.reconfigurable, sealed.generation, sealed.rank, self.backend, self.pg_timeout)
+                        self.reconfigurable, sealed.generation, sealed.rank, self.backend, self.pg_timeout,
+                        mesh_rows=rows)
                 else:
                     self.store = build_generation_group(sealed.generation, sealed.rank, self.backend,
                                                         self.pg_timeout, self.device)
@@ -460,12 +468,14 @@ class Runtime:
         self._checkpointer = self._checkpointer_for(rank)
         group = Group(number=generation.number, rank=rank, world_size=world_size, local_rank=self.local_rank,
                       device=self.device, model=self.state.model, members=generation.members,
-                      local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), timeout=self.pg_timeout)
+                      local_world_size=self.local_world_size, timeout=self.pg_timeout,
+                      mesh_groups=(self.reconfigurable.mesh_groups if self.reconfigurable is not None
+                                   and self._keeps_mesh else None))
         if self._sharded is not None:
             # The shards move between the modules of this generation's mesh: wrapped first.
             held = self.state.step if self.state.live else -1  # whether or not its shards still fit
             self._state_sync.rewrap(group)
-            self.mark_recovery("rewrapped")
+            self.mark_recovery("module_kept" if self._sharded.kept else "rewrapped")
             group = dataclasses.replace(group, shard=self._sharded.position.index)
             sent_from = self._state_sync.sync_shards(rank, world_size, generation.number, held)
             model = self.state.model
@@ -930,18 +940,22 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     rank when a stop (SIGTERM) ends training with a final checkpoint (step, signalled: this
     worker was the one told to stop); ``"recovery_timeline"`` on every rank at the first step
     after a fault or change (round, noticed: the wall time the fault was seen, then the seconds
-    from it to the end of each phase: torn_down, sealed, group_built or group_reconfigured, rewrapped (sharded models),
+    from it to the end of each phase: torn_down, sealed, group_built or group_reconfigured, rewrapped or module_kept (sharded models),
     state_synced, first_step;
     see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
     (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`).
     ``transfer_bucket_bytes``: the largest message of a hot recovery's state transfer (default
     64 MiB; :mod:`elasticctl.train.transfer`).
 
-    ``sharded=True``: ``wrap`` shards the model (FSDP2 ``fully_shard``, typically on
-    :func:`elasticctl.train.shards.hsdp_mesh`); the runtime wraps a new module for each
-    generation's mesh (``group.model``, also ``state.model``: use these, not the model object
-    the script made), writes sharded checkpoints (DCP, resharded on load) and in hot mode moves
-    shards: :mod:`elasticctl.train.shards`.
+    ``sharded=True``: ``wrap`` shards the model (FSDP2 ``fully_shard`` on a mesh it builds); the
+    runtime wraps a new module for each generation's mesh (``group.model``, also ``state.model``:
+    use these, not the model object the script made), writes sharded checkpoints (DCP, resharded
+    on load) and in hot mode moves shards: :mod:`elasticctl.train.shards`. ``sharded="hsdp"``: the
+    wrap shards on :func:`elasticctl.train.shards.hsdp_mesh` (replicated across nodes, sharded
+    within one), and where groups are reconfigured in place (``recovery_timeline``'s
+    ``group_reconfigured``) that mesh and the module sharded on it outlive generations: a change
+    agreed at a step boundary re-forms its groups, a survivor keeps its module and its shards, and
+    only a newcomer wraps (after a failure every group, and so the module, is made anew).
 
     In hot mode ``"state_restored"`` on a rank whose state was restored when its generation formed:
     step, source ("replica": senders, nbytes, seconds; "checkpoint": path; "peer_copy": the shards

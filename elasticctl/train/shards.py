@@ -2,9 +2,12 @@
 
 A script that shards its model passes ``run(..., wrap=fn, sharded=True)``: ``fn(model, group)``
 applies ``fully_shard`` on a mesh of that generation's workers (:func:`hsdp_mesh`: replicate
-across nodes, shard within a node) and returns the model. A process group cannot outlive its
-generation, and an FSDP module is bound to the mesh it was sharded on, so each generation gets
-a new module (:class:`ShardedModel`):
+across nodes, shard within a node) and returns the model. An FSDP module is bound to the mesh it
+was sharded on. Where the mesh's groups are reconfigured in place (``sharded="hsdp"``:
+:class:`elasticctl.train.reconfigure.MeshGroups`), :func:`hsdp_mesh` is one mesh for the worker's
+life and a survivor keeps its module through a change agreed at a boundary. Otherwise (a
+failure, a joiner's first generation, a mesh the script builds) each generation gets a new
+module (:class:`ShardedModel`):
 
 1. a copy of the script's model on the meta device (made once, before the first wrap: it holds
    no memory) goes through ``fn`` on the new mesh and is given empty local storage
@@ -55,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from elasticctl.errors import ElasticctlError
+from elasticctl.errors import ConfigError, ElasticctlError
 from elasticctl.train.state import State, StateError
 
 if TYPE_CHECKING:
@@ -108,14 +111,30 @@ def hsdp_layout(members: Sequence[str], world_size: int, local_world_size: int) 
 def hsdp_mesh(group: Group) -> DeviceMesh:
     """The 2-D mesh of ``group``'s workers for ``fully_shard``: dimension ``replicate`` across nodes,
     ``shard`` within a node (shard count = workers per node; :func:`hsdp_layout`). Every worker
-    calls it, at the same point (it builds the process groups of both dimensions)."""
+    calls it, at the same point (it builds the process groups of both dimensions).
+
+    Under ``run(..., sharded="hsdp")`` with groups reconfigured in place, it is the worker's one mesh,
+    the same object every generation: its groups are re-formed over each generation's layout and
+    the module sharded on it is kept (:class:`ShardedModel`)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     layout = hsdp_layout(group.members, group.world_size, group.local_world_size)
+    if group.mesh_groups is not None:
+        if group.mesh_groups.rows != layout:
+            raise MeshError(f"The kept mesh groups were formed over {group.mesh_groups.rows}, not this generation's "
+                            f"layout {layout}.")
+        return group.mesh_groups.mesh(group.device.type, (REPLICATE_DIM, SHARD_DIM))
     options = mesh_group_options(group.device, group.timeout)
     return DeviceMesh(group.device.type, torch.tensor(layout, dtype=torch.int64),
                       mesh_dim_names=(REPLICATE_DIM, SHARD_DIM),
                       backend_override=None if options is None else ((None, options), (None, options)))
+
+
+def kept_position(group: Group) -> ShardPosition:
+    """The shard ``group``'s worker holds on an HSDP mesh: its place among its node's workers."""
+    rows = hsdp_layout(group.members, group.world_size, group.local_world_size)
+    row = next(row for row in rows if group.rank in row)
+    return ShardPosition(row.index(group.rank), len(row))
 
 
 def mesh_group_options(device: torch.device, timeout: datetime.timedelta | None):
@@ -245,12 +264,30 @@ class ShardedModel:
         self.shard_dim: int | None = None
         self.position: ShardPosition | None = None
         self._device: torch.device | None = None
+        # run(..., sharded="hsdp") on groups reconfigured in place: the mesh groups the module is
+        # sharded on (elasticctl.train.reconfigure.MeshGroups); None: a mesh of this generation's own.
+        self.kept_groups: Any = None
+        self.kept = False  # whether the last generation kept the module (no re-wrap)
 
     def rewrap(self, state: State, group: Group) -> bool:
         """Shard ``state.model`` over ``group``'s mesh as a new module; True if this worker kept its
-        local shards (the same shard of as many), False if it holds none that fit any more."""
+        local shards (the same shard of as many), False if it holds none that fit any more.
+
+        On a kept mesh (``group.mesh_groups``) a survivor keeps its module instead: its mesh's groups
+        were re-formed in place over this generation, and its shard is the same (its place among its
+        node's workers). A worker whose place changed fails the generation (MeshError): the mesh's
+        coordinate is its first generation's, so the next attempt builds every group anew."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        kept_groups = group.mesh_groups
+        if kept_groups is not None and kept_groups is self.kept_groups:
+            if kept_position(group) != self.position:
+                raise MeshError(f"This worker's shard moved from {self.position} to {kept_position(group)} on its "
+                                "kept mesh; this generation is formed again with new groups.")
+            if state.live:
+                self.kept = True
+                return True
+        self.kept = False
         previous = state.model
         first = self._template is None
         if first:
@@ -259,8 +296,14 @@ class ShardedModel:
         fresh = self._wrap(copy.deepcopy(self._template), group)
         fresh.to_empty(device=group.device)
         mesh, placements, replicate_dim, shard_dim = _sharding(fresh)
-        check_mesh(mesh)
-        position = ShardPosition(mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
+        if kept_groups is not None:
+            if mesh is not kept_groups.mesh(group.device.type, (REPLICATE_DIM, SHARD_DIM)):
+                raise ConfigError("run(..., sharded='hsdp') keeps the mesh of elasticctl.train.hsdp_mesh(group): the "
+                                  "wrap must shard the model on that mesh, not on one of its own.")
+            position = kept_position(group)  # torch's bookkeeping of the reconfigured groups is stale
+        else:
+            check_mesh(mesh)
+            position = ShardPosition(mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
         kept = first or (state.live and position == self.position)
         old_parameters = self._parameters or dict(previous.named_parameters())
         with torch.no_grad():
@@ -281,6 +324,7 @@ class ShardedModel:
         state.model, self._parameters = fresh, parameters
         self.mesh, self.replicate_dim, self.shard_dim, self.position = mesh, replicate_dim, shard_dim, position
         self._device = group.device
+        self.kept_groups = kept_groups
         if not kept:
             state.live = False
         return kept
@@ -300,6 +344,22 @@ class ShardedModel:
         if self.mesh is None or self.shard_dim is None or self.mesh.size(self.shard_dim) < 2:
             return  # a row of one worker cannot be split
         dist.all_reduce(torch.ones(1, device=self._device), group=self.mesh.get_group(self.shard_dim))
+
+    def replica_group_rank(self, global_rank: int) -> int:
+        """``global_rank``'s rank in the replicate group (of the worker's shard index)."""
+        import torch.distributed as dist
+
+        if self.kept_groups is not None:
+            return self.kept_groups.replica_group_rank(global_rank)
+        return dist.get_group_rank(self.replica_group(), global_rank)
+
+    def replica_global_rank(self, group_rank: int) -> int:
+        """The global rank of member ``group_rank`` of this worker's replicate group."""
+        import torch.distributed as dist
+
+        if self.kept_groups is not None:
+            return self.kept_groups.replica_global_rank(group_rank)
+        return dist.get_global_rank(self.replica_group(), group_rank)
 
     def replica_group(self) -> Any:
         """The process group of the workers that hold this worker's shard (None: no replicas)."""

@@ -13,13 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 # In the order they happen; a phase a recovery skipped is left out (``rewrapped``: only a sharded
-# model is wrapped anew on each generation's mesh before its state moves; DDP wraps after; the
-# group is either built anew or reconfigured in place: train/reconfigure.py).
-RECOVERY_PHASES = ("torn_down", "sealed", "group_built", "group_reconfigured", "rewrapped", "state_synced",
-                   "first_step")
+# model is wrapped anew on each generation's mesh before its state moves, ``module_kept`` where its
+# mesh is kept and its groups were reconfigured in place; DDP wraps after; the group is either
+# built anew or reconfigured in place: train/reconfigure.py).
+RECOVERY_PHASES = ("torn_down", "sealed", "group_built", "group_reconfigured", "rewrapped", "module_kept",
+                   "state_synced", "first_step")
 PHASE_NAMES = {"torn_down": "group torn down", "sealed": "generation sealed", "group_built": "group built",
                "group_reconfigured": "group reconfigured in place",
-               "rewrapped": "model re-wrapped", "state_synced": "state synced", "first_step": "first step"}
+               "rewrapped": "model re-wrapped", "module_kept": "sharded module kept",
+               "state_synced": "state synced", "first_step": "first step"}
 
 
 def recovery_timeline(noticed: float, marks: Mapping[str, float]) -> dict[str, float]:

@@ -19,7 +19,7 @@ import signal
 import psutil
 import pytest
 import torch
-from support.helpers import REPO, trained_together, wait_for
+from support.helpers import REPO, cli, trained_together, wait_for
 
 from bench.accounting import check_replicas, check_samples
 
@@ -203,9 +203,45 @@ def test_hsdp_a_joining_node_gets_its_shards_from_replicas(job):
     shard_of_rank = {r["rank"]: r["shard"] for r in grown if r["generation"] == joined_in}
     for r in restored:
         assert len(r["senders"]) == 2 and {shard_of_rank[s] for s in r["senders"]} == {r["shard"]}, r
+    # A join is agreed at a step boundary: the groups are reconfigured in place, every survivor
+    # keeps its sharded module (run(..., sharded="hsdp")), and only the joiners wrap one.
+    timelines = [r for r in records if r.get("event") == "recovery_timeline" and r["round"] == joined_in]
+    # (a joiner's first generation has no timeline: nothing was recovered)
+    kept = sorted(r["node"] for r in timelines if "module_kept" in r and "rewrapped" not in r)
+    assert kept == ["a", "a", "b", "b"] and all("group_reconfigured" in r for r in timelines), timelines
     steps = steps_of(records)
     check_shard_replicas(steps, 6)
     check_samples(steps, dataset_size=2048)  # lm.py's default: an epoch's last step pads
+
+
+def test_hsdp_survivors_keep_their_module_when_the_first_node_leaves(job):
+    """A leave is agreed at a step boundary too: the groups are reconfigured, and the survivors'
+    rows move up (b's replicas were row 1 of 3, now row 0 of 2) on a mesh made when they were not."""
+    j = job(nnodes="1:3", extra=["--recovery", "hot", "--node-ttl", "3", "--nproc-per-node", "2"], train=HSDP)
+    started = {"a": j.up("a")}
+    wait_for(j.registry.read_spec, 60, "the job spec in etcd")
+    started["b"] = j.join("b")
+    wait_workers(j, 4, {"a", "b"})
+    grown_at = max(r["time"] for r in j.records())
+    started["c"] = j.join("c")
+    pids = pids_by_node(wait_workers(j, 6, {"a", "b", "c"}, since=grown_at))
+
+    left_at = max(r["time"] for r in j.records())
+    assert cli("leave", "--etcd", j.etcd.endpoint, "--job", j.name, "--node", "a").returncode == 0
+    assert started["a"].wait(60) == 0, started["a"].log()
+    smaller = wait_workers(j, 4, {"b", "c"}, since=left_at)
+    later = max(r["step"] for r in smaller) + 5  # some steps on the moved rows
+    wait_for(lambda: max(r["step"] for r in steps_of(j.records())) >= later, 60, f"step {later} at world 4")
+    records = j.records()
+    left_in = min(r["generation"] for r in smaller)
+    assert pids_by_node(r for r in steps_of(records) if r["generation"] >= left_in) == {n: pids[n] for n in "bc"}
+    timelines = [r for r in records if r.get("event") == "recovery_timeline" and r["round"] == left_in]
+    assert sorted(r["node"] for r in timelines if "module_kept" in r and "group_reconfigured" in r) == \
+        ["b", "b", "c", "c"], timelines
+    assert not [r for r in records if r.get("event") == "state_restored" and r["time"] > left_at]
+    steps = steps_of(records)
+    check_shard_replicas(steps, 4)
+    check_samples(steps, dataset_size=2048)
 
 
 def test_lm_restart_mode_resumes_a_sharded_checkpoint_at_a_smaller_world(job, tmp_path):

@@ -223,7 +223,7 @@ def _one_worker_fsdp_state():
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
     state = State(model, torch.optim.AdamW(model.parameters(), lr=0.01), peer_copies=2, seen=0)
     sharded = ShardedModel(wrap)
-    sharded.rewrap(state, types.SimpleNamespace(members=(), world_size=1, local_world_size=1,
+    sharded.rewrap(state, types.SimpleNamespace(members=(), mesh_groups=None, world_size=1, local_world_size=1,
                                                 device=torch.device("cpu")))
     state.live = True
     return state, sharded

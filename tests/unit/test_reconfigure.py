@@ -23,18 +23,23 @@ from elasticctl.train.reconfigure import (
 R, B = GroupStrategy.RECONFIGURE, GroupStrategy.REBUILD
 
 
-@pytest.mark.parametrize(("backend", "torch_can", "sharded", "default_wrap", "forced", "expected", "why"), [
-    ("gloo", True, False, True, False, R, "gloo"),
-    ("cpu:gloo", True, False, True, False, R, "gloo"),
-    ("gloo", False, False, True, False, B, "cannot reconfigure"),
-    ("nccl", True, False, True, False, B, "not pinned"),
-    ("cpu:gloo,cuda:nccl", True, False, True, False, B, "not pinned"),
-    ("gloo", True, True, True, False, B, "mesh"),
-    ("gloo", True, False, False, False, B, "wraps the model itself"),
-    ("gloo", True, False, True, True, B, "asked for"),
+@pytest.mark.parametrize(("backend", "torch_can", "sharded", "default_wrap", "forced", "kept", "expected", "why"), [
+    ("gloo", True, False, True, False, False, R, "gloo"),
+    ("cpu:gloo", True, False, True, False, False, R, "gloo"),
+    ("gloo", False, False, True, False, False, B, "cannot reconfigure"),
+    ("nccl", True, False, True, False, False, B, "not pinned"),
+    ("cpu:gloo,cuda:nccl", True, False, True, False, False, B, "not pinned"),
+    ("gloo", True, True, False, False, False, B, "its own mesh"),         # sharded=True
+    ("gloo", True, True, False, False, True, R, "HSDP mesh, kept"),       # sharded="hsdp"
+    ("gloo", False, True, False, False, True, B, "cannot reconfigure"),
+    ("nccl", True, True, False, False, True, B, "not pinned"),
+    ("gloo", True, True, False, True, True, B, "asked for"),
+    ("gloo", True, False, False, False, False, B, "wraps the model itself"),
+    ("gloo", True, False, True, True, False, B, "asked for"),
 ])
-def test_which_workers_reconfigure(backend, torch_can, sharded, default_wrap, forced, expected, why):
-    choice = group_strategy(backend, torch_can, sharded=sharded, default_wrap=default_wrap, forced_rebuild=forced)
+def test_which_workers_reconfigure(backend, torch_can, sharded, default_wrap, forced, kept, expected, why):
+    choice = group_strategy(backend, torch_can, sharded=sharded, default_wrap=default_wrap, forced_rebuild=forced,
+                            kept_mesh=kept)
     assert choice.strategy is expected and why in choice.why
 
 

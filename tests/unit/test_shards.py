@@ -22,7 +22,7 @@ MESH_TIMEOUT = datetime.timedelta(seconds=17)
 
 
 def group():
-    return types.SimpleNamespace(members=(), world_size=1, local_world_size=1, device=torch.device("cpu"),
+    return types.SimpleNamespace(members=(), mesh_groups=None, world_size=1, local_world_size=1, device=torch.device("cpu"),
                                  timeout=MESH_TIMEOUT)
 
 

@@ -33,7 +33,7 @@ def generation(number: int, rank: int, port: int, sharded: ShardedModel, state: 
                members: tuple[str, ...]) -> dict:
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"generation-{number}", store), rank=rank, world_size=2)
-    group = types.SimpleNamespace(members=members, world_size=2, local_world_size=2,
+    group = types.SimpleNamespace(members=members, mesh_groups=None, world_size=2, local_world_size=2,
                                   device=torch.device("cpu"), timeout=datetime.timedelta(seconds=60))
     try:
         sharded.rewrap(state, group)

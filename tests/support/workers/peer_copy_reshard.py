@@ -54,6 +54,7 @@ class Group:  # the fields of elasticctl.train.Group that the re-wrap and the co
     device: torch.device = torch.device("cpu")
     local_rank: int = 0
     local_world_size: int = 1
+    mesh_groups: object = None  # a mesh of each generation's own (run(..., sharded=True))
 
 
 def worker(rank: int, port: int, mode: str = "loss") -> None:
