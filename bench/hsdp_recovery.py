@@ -49,6 +49,7 @@ from bench.harness import trained_together
 from bench.scenarios import _phases, _recovery
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.environment import REBUILD_GROUPS
 
 LM = str(REPO / "trainers" / "lm.py")
 NODES = ("a", "b", "c")
@@ -119,10 +120,15 @@ def last_error(cluster: Cluster, names: list[str]) -> str | None:
     return found[-200:] if found else None
 
 
-def start_hsdp(workdir: Path, etcd: EtcdClient, cap: float, lm_args: tuple[str, ...] = ()) -> Cluster:
-    """A job of 3 nodes x 2 workers training HSDP, every worker at world 6; ScenarioFailed if not within ``cap``."""
+def start_hsdp(workdir: Path, etcd: EtcdClient, cap: float, lm_args: tuple[str, ...] = (),
+               rebuild: bool = False) -> Cluster:
+    """A job of 3 nodes x 2 workers training HSDP, every worker at world 6; ScenarioFailed if not within ``cap``.
+    ``rebuild``: every generation builds its groups, mesh and module anew (``ELASTICCTL_REBUILD_GROUPS=1``),
+    the comparison for the mesh kept across the generations a join or a leave makes."""
     cluster = Cluster("elasticctl-hot", workdir, [*HSDP_TRAINING, *lm_args], etcd,
                       up_args=("--nproc-per-node", "2", "--node-ttl", str(NODE_TTL)), script=LM)
+    if rebuild:
+        cluster.env = {**cluster.env, REBUILD_GROUPS: "1"}
     started = time.time()
     try:
         for name in NODES:
@@ -219,7 +225,7 @@ def node_joins(cluster: Cluster, joiner: str, cap: float, bring_in: Callable[[],
 
 
 def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_args: tuple[str, ...] = (),
-                report=lambda line: None) -> list[dict]:
+                report=lambda line: None, rebuild: bool = False) -> list[dict]:
     """``rounds`` rounds of {"kill": kill_node's, "join": join_node's}; a round whose job cannot
     start is {"error": reason}. A failed join leaves the job in an unknown state: the next round
     starts a fresh one."""
@@ -230,7 +236,8 @@ def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_arg
         for number in range(1, rounds + 1):
             if cluster is None:
                 try:
-                    cluster = start_hsdp(workdir / f"hsdp-{number}", etcd, cap, lm_args)
+                    cluster = start_hsdp(workdir / f"hsdp-{'rebuilt-' if rebuild else ''}{number}", etcd, cap,
+                                         lm_args, rebuild=rebuild)
                 except ScenarioFailed as exc:
                     results.append({"error": str(exc)})
                     report(f"hsdp round {number}: {exc}")
@@ -245,7 +252,7 @@ def hsdp_rounds(workdir: Path, etcd: EtcdClient, rounds: int, cap: float, lm_arg
                 cluster.close()
                 cluster = None
             results.append(round_)
-            report(f"hsdp round {number}: {json.dumps(round_, default=str)}")
+            report(f"hsdp{' (groups rebuilt)' if rebuild else ''} round {number}: {json.dumps(round_, default=str)}")
     finally:
         if cluster is not None:
             cluster.close()

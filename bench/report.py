@@ -720,6 +720,21 @@ def sharded_rows(results: dict) -> list[tuple[str, str, str]]:
                             "from replicas"))
                 out.append(("HSDP: a node joins → every worker at world 6 (s)",
                             _cell(_samples(joined, "seconds"), None, digits=2), "—"))
+        rebuilt = [r["join"] for r in scenarios.get("hsdp_rebuilt") or [] if "join" in r]
+        rebuilt_joined = [j for j in rebuilt if j.get("seconds") is not None]
+        if rebuilt_joined:
+            out.append(("HSDP: a node joins, every group rebuilt (`ELASTICCTL_REBUILD_GROUPS=1`): the pause (s)",
+                        _cell(_samples(rebuilt_joined, "pause_s"), None, digits=2),
+                        "the comparison: the kept mesh above"))
+        for label, joined_ in (("kept", joins), ("rebuilt", rebuilt_joined)):
+            survivors = [j.get("phases") or {} for j in joined_ if j.get("seconds") is not None]
+            if survivors:
+                out.append((f"HSDP join, rank 0's phases, groups {label} (s after the join was seen)",
+                            ", ".join(f"{phase} {_median([p[phase] - p['fault_seen'] for p in survivors if phase in p]):.2f}"
+                                      for phase in ("group_reconfigured", "group_built", "rewrapped", "module_kept",
+                                                    "state_synced", "first_step")
+                                      if any(phase in p for p in survivors) and all("fault_seen" in p for p in survivors)),
+                            "—"))
     freezes = scenarios.get("hsdp_freeze")
     if freezes is not None:
         out += hsdp_freeze_rows(freezes)

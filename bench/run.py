@@ -252,7 +252,8 @@ def run_state_transfer(plan: Plan, root: Path, errors: list[str]) -> list[dict]:
 
 def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> dict:
     """The sharded scenarios (bench/hsdp_recovery.py), each under its own name:
-    ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers; ``hsdp_freeze``: jobs of the same
+    ``hsdp``: rounds of {kill, join} on 3 nodes x 2 workers (``hsdp_rebuilt``: the same with every
+    group rebuilt each generation, interleaved); ``hsdp_freeze``: jobs of the same
     shape, each {freeze, thaw, samples} of one node SIGSTOPped, then SIGCONTed; ``fsdp``: FSDP2 without copies,
     hot and restart mode interleaved; ``fsdp_peer_copies``: FSDP2 with peer copies every 10
     steps, a node SIGKILLed between two copy rounds (fsdp_round's keys and the copies' own)."""
@@ -261,8 +262,14 @@ def run_sharded(names: list[str], plan: Plan, root: Path, etcd: EtcdClient) -> d
     cap = plan.caps.recover
     out: dict = {}
     if "hsdp" in names:
-        # workdirs root/hsdp-N: the job names hold the run's directory name (the leftover check)
-        out["hsdp"] = hsdp_recovery.hsdp_rounds(root, etcd, plan.hsdp_rounds, cap, report=log)
+        # One job per round, the mesh kept (the default) and every group rebuilt each generation
+        # interleaved, each first in turn. Workdirs under root: the job names hold the run's
+        # directory name (the leftover check).
+        out["hsdp"], out["hsdp_rebuilt"] = [], []
+        for repeat in range(plan.hsdp_rounds):
+            for rebuild in ((False, True) if repeat % 2 == 0 else (True, False)):
+                out["hsdp_rebuilt" if rebuild else "hsdp"] += hsdp_recovery.hsdp_rounds(
+                    root / f"round-{repeat}", etcd, 1, cap, report=log, rebuild=rebuild)
     if "hsdp_freeze" in names:  # workdirs root/hsdp-freeze-N: the job names hold the run's directory name too
         out["hsdp_freeze"] = hsdp_recovery.hsdp_freezes(root, etcd, plan.hsdp_freezes, cap, report=log)
     if "fsdp" in names:
