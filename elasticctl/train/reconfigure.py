@@ -93,18 +93,35 @@ def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap
     return StrategyChoice(GroupStrategy.RECONFIGURE, "gloo, the runtime's DDP")
 
 
-def next_group(strategy: GroupStrategy, *, group_alive: bool, failed: bool) -> GroupStrategy:
+def next_group(strategy: GroupStrategy, *, group_alive: bool, failed: bool, timed_out: bool = False) -> GroupStrategy:
     """What the next generation does with the worker's group: reconfigure the one it has, or
-    build a new one (a reconfigurable one where ``strategy`` reconfigures).
+    build a new one (a reconfigurable one where ``strategy`` reconfigures; a member with a new one
+    and members with their old ones reconfigure together, as a joiner does).
 
     After a failure the group is rebuilt even where it could be reconfigured: on gloo a peer's
     death reaches only the collectives that wait on it directly, and only destroying a group
     closes its connections, so a survivor that reconfigured at once would leave another one
     waiting in its collective for the whole timeout (pinned in tests/process/test_torch_reconfigure.py).
+    Unless this worker's own collective timed out (``timed_out``: a frozen peer): it has waited the
+    whole timeout already, and so has every survivor whose collective waited on the frozen peer or
+    on it, which the generation, sealed only when they all arrive, waits for anyway. Its group,
+    which recovers from a timed-out collective by a reconfigure (pinned there too), is kept.
     A change every member agreed on at a step boundary has no collective pending: reconfigure."""
-    if strategy is GroupStrategy.REBUILD or failed or not group_alive:
+    if strategy is GroupStrategy.REBUILD or not group_alive or (failed and not timed_out):
         return GroupStrategy.REBUILD
     return GroupStrategy.RECONFIGURE
+
+
+# What gloo says when a collective's timeout ends it (torch 2.14: "[.../unbound_buffer.cc:81] Timed
+# out waiting 4000ms for recv operation to complete"); a lost peer's error says its connection
+# closed or was reset instead. Pinned in tests/process/test_torch_reconfigure.py.
+_TIMEOUT_RE = re.compile(r"Timed out waiting \d+ ?ms for (recv|send) operation")
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether ``error``, raised by a collective, is the end of its timeout (a peer that did not
+    answer), not a lost peer's closed connection."""
+    return bool(_TIMEOUT_RE.search(str(error)))
 
 
 def checked_handle(text: object) -> str:
@@ -214,6 +231,7 @@ class ReconfigurableGroup:
         handles = [checked_handle(handle) for handle in handles]
         self.store.point_at(store)
         dist._reconfigure(uuid, handles, group=self.group, timeout=self.timeout).wait()
+        keep_torch_bookkeeping(self.group, list(range(len(handles))))
 
     def release_store(self) -> None:
         """Let go of the generation's store (until the next reconfigure points at another)."""
@@ -227,6 +245,17 @@ class ReconfigurableGroup:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def keep_torch_bookkeeping(group: Any, members: list[int]) -> None:
+    """Tell torch who ``group``'s members are now (``members``: global ranks, in group-rank order):
+    a reconfigure does not update torch's own map of them, which ``get_rank(group)``,
+    ``get_group_rank``, ``get_process_group_ranks`` and c10d's error reporting read. Stale, a
+    survivor whose global rank changed made every failed collective on a kept mesh group raise
+    "Global rank N is not part of group" from that reporting, instead of its own error (a
+    timeout, say). The map is private (``_world.pg_group_ranks``), like the reconfigure itself:
+    pinned in tests/process/test_torch_reconfigure.py."""
+    dist.distributed_c10d._world.pg_group_ranks[group] = {member: index for index, member in enumerate(members)}
 
 
 def handles_of(store: dist.Store, rank: int, world_size: int, handle: str) -> list[str]:
@@ -312,6 +341,7 @@ class MeshGroups:
             dist._reconfigure(mesh_group_uuid(generation, dim, index),
                               [checked_handle(handles[dim][member]) for member in members],
                               group=self.groups[dim], timeout=self.world.timeout).wait()
+            keep_torch_bookkeeping(self.groups[dim], members)
         self.rows, self.rank = [list(row) for row in rows], rank
 
     def mesh(self, device_type: str, dim_names: tuple[str, str]) -> Any:

@@ -92,8 +92,8 @@ from elasticctl.train.replica_check import ReplicasDisagree
 from elasticctl.train.replica_watch import ReplicaWatch
 from elasticctl.train.non_finite_watch import NonFiniteWatch
 from elasticctl.train.ddp_hooks import observe_buckets
-from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, next_group,
-                                          torch_can_reconfigure)
+from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, is_collective_timeout,
+                                          next_group, torch_can_reconfigure)
 from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
 from elasticctl.train.shards import ShardedModel, hsdp_layout, is_sharded
 from elasticctl.train.state import State, StateError
@@ -239,6 +239,7 @@ class Runtime:
                                            default_wrap=wrap is None, kept_mesh=self._keeps_mesh,
                                            forced_rebuild=environment_names.rebuild_groups())
         self.reconfigurable: ReconfigurableGroup | None = None  # the group kept across generations
+        self._step_timed_out = False  # the last failed step's collective timed out (a frozen peer)
         self._wrapped: tuple[Any, torch.nn.Module] | None = None  # (the group it was wrapped on, the DDP)
         self._state_sync = GenerationStateSync(state, device=self.device, transport=self._training_group_device(),
                                                bucket_bytes=self.transfer_bucket_bytes,
@@ -325,6 +326,8 @@ class Runtime:
             return lifecycle.BoundaryAgreed(boundary.agreed, me_leaving=self._leaving_sent)
         except Exception as exc:
             self._failure = exc
+            # A collective that timed out (a frozen peer): the group may be kept (reconfigure.next_group)
+            self._step_timed_out = is_collective_timeout(exc)
             self._ending = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             # Replicas with no majority: every node restarting (or re-forming) would train on
             # from state no one can vouch for, so each node stops with the sentence instead.
@@ -346,7 +349,15 @@ class Runtime:
             self._noticed_at = self._noticed_at or time.time()
             self._recovery_marks = {}
         first = self._worker_state.phase is Phase.FORMING
-        step = next_group(self.group_choice.strategy, group_alive=self.reconfigurable is not None, failed=rebuild)
+        timed_out, self._step_timed_out = rebuild and self._step_timed_out, False
+        step = next_group(self.group_choice.strategy, group_alive=self.reconfigurable is not None, failed=rebuild,
+                          timed_out=timed_out)
+        if rebuild and step is GroupStrategy.RECONFIGURE:
+            # The group is kept, not the modules a failed step left half-way: DDP is wrapped anew on
+            # it, a sharded model re-wrapped on the same kept mesh (its caches stay warm).
+            self._wrapped = None
+            if self._sharded is not None:
+                self._sharded.after_failure = True
         self.teardown(keep_group=step is GroupStrategy.RECONFIGURE)
         self.mark_recovery("torn_down")
         try:

@@ -268,6 +268,9 @@ class ShardedModel:
         # sharded on (elasticctl.train.reconfigure.MeshGroups); None: a mesh of this generation's own.
         self.kept_groups: Any = None
         self.kept = False  # whether the last generation kept the module (no re-wrap)
+        # A step failed half-way (FSDP's unsharded parameters may still be registered): the next
+        # generation re-wraps even on the kept mesh, from the sharded parameters the optimizer holds.
+        self.after_failure = False
 
     def rewrap(self, state: State, group: Group) -> bool:
         """Shard ``state.model`` over ``group``'s mesh as a new module; True if this worker kept its
@@ -280,11 +283,13 @@ class ShardedModel:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         kept_groups = group.mesh_groups
-        if kept_groups is not None and kept_groups is self.kept_groups:
+        same_mesh = kept_groups is not None and kept_groups is self.kept_groups
+        after_failure, self.after_failure = self.after_failure, False
+        if same_mesh:
             if kept_position(group) != self.position:
                 raise MeshError(f"This worker's shard moved from {self.position} to {kept_position(group)} on its "
                                 "kept mesh; this generation is formed again with new groups.")
-            if state.live:
+            if state.live and not after_failure:
                 self.kept = True
                 return True
         self.kept = False
@@ -292,7 +297,8 @@ class ShardedModel:
         first = self._template is None
         if first:
             self._template = meta_copy(previous)
-        forget_earlier_meshes()  # before any DTensor op of this generation
+        if not same_mesh:  # the same mesh object keeps its caches right, and warm
+            forget_earlier_meshes()  # before any DTensor op of this generation
         fresh = self._wrap(copy.deepcopy(self._template), group)
         fresh.to_empty(device=group.device)
         mesh, placements, replicate_dim, shard_dim = _sharding(fresh)

@@ -102,6 +102,15 @@ def test_hsdp_a_frozen_node_costs_the_survivors_its_ttl_not_the_mesh_groups_defa
         started["c"].signal_tree(signal.SIGCONT)
     assert pids_by_node(shrunk) == {n: pids[n] for n in ("a", "b")}, "a survivor's worker restarted"
     check_shard_replicas(steps_of(j.records()), 4)
+    # Each survivor's collective timed out on the frozen node: it kept its groups (reconfigured in
+    # place) and re-wrapped its module, which the failed step left half-way, on the same kept mesh.
+    shrunk_in = min(r["generation"] for r in shrunk)
+    timelines = wait_for(lambda: len(found := [r for r in j.records() if r.get("event") == "recovery_timeline"
+                                               and r["round"] == shrunk_in]) == 4 and found, 30,
+                         "all four survivors' recovery timelines")
+    assert sorted(r["node"] for r in timelines if "group_reconfigured" in r and "rewrapped" in r) == \
+        ["a", "a", "b", "b"], timelines
+    
 
 
 def test_hsdp_with_a_spare_each_of_repeated_failures_costs_one_re_formation(job):

@@ -16,7 +16,10 @@ a reconfigure closes a survivor's connections, so a survivor waiting on another 
 out the timeout; and ``abort()`` does not release a collective pending on a frozen peer. So a
 failure still rebuilds the group (destroying it closes the connections, and every survivor's
 collective raises at once), and a freeze still costs the collective timeout (the node TTL). Both
-are pinned: when torch changes either, a test here fails and the rule can change with it.
+are pinned: when torch changes either, a test here fails and the rule can change with it. A
+survivor whose own collective timed out (gloo's "Timed out waiting ... for recv operation",
+:func:`elasticctl.train.reconfigure.is_collective_timeout`, pinned against both errors) keeps
+its group: a group recovers from a timed-out collective by a reconfigure.
 
 Layer tests/process: real processes. The pure choice of reconfigure or rebuild:
 tests/unit/test_reconfigure.py.
@@ -35,7 +38,7 @@ import pytest
 import torch.distributed as dist
 from support.helpers import WORKERS
 
-from elasticctl.train.reconfigure import torch_can_reconfigure
+from elasticctl.train.reconfigure import is_collective_timeout, torch_can_reconfigure
 
 PROBE = str(WORKERS / "reconfigure_probe.py")
 MESH_PROBE = str(WORKERS / "reconfigure_mesh_probe.py")
@@ -118,6 +121,8 @@ def test_a_peer_death_reaches_only_the_collectives_that_wait_on_it(probe):
         assert all(one["raised"] for one in lost), lost
         assert lost[0]["seconds"] < 2.0, lost  # the dead peer's neighbour in the ring
         assert lost[1]["seconds"] > 3.0, lost  # the other: its 4 s timeout, not the neighbour's failure
+        # What the runtime reads to keep a group after a failure (next_group): a timeout, not a loss
+        assert [is_collective_timeout(RuntimeError(one["error"])) for one in lost] == [False, True], lost
         for name in "ab":
             _formed(failure, name, 2, "ab")  # and the group recovers by a reconfigure all the same
             assert failure.result(name, "sum2") == 2.0
@@ -141,6 +146,7 @@ def test_a_revoke_does_not_release_a_collective_pending_on_a_frozen_gloo_peer(pr
         revoked = freeze.result("a", "revoked")
         assert revoked["raised"], revoked  # ended by the group's timeout, which still holds
         assert revoked["seconds"] > 2.0, revoked  # 4 s timeout, revoked 0.5 s in: not released by the revoke
+        assert is_collective_timeout(RuntimeError(revoked["error"])), revoked  # a freeze reads as a timeout
         assert freeze.result("a", "g2")["world"] == 1  # and the group recovers by a reconfigure
         assert freeze.result("a", "alone") == 1.0
         assert a.wait(60) == 0, freeze.output()
@@ -152,8 +158,7 @@ def test_a_revoke_does_not_release_a_collective_pending_on_a_frozen_gloo_peer(pr
 
 
 def test_an_hsdp_mesh_of_reconfigured_groups_outlives_a_join_and_a_leave():
-    # What a sharded model's mesh needs to outlive generations (not built yet: group_strategy still
-    # rebuilds it): a group made by new_group on a reconfigurable default group is reconfigurable
+    # What a sharded model's mesh needs to outlive generations (run(..., sharded="hsdp")): a group made by new_group on a reconfigurable default group is reconfigurable
     # too; a mesh made from such groups (DeviceMesh.from_group) keeps serving the FSDP2 module
     # wrapped on it once while its groups are reconfigured in place; and FSDP2 averages over the
     # live groups' sizes, whatever size the mesh was made with. See reconfigure_mesh_probe.py.
@@ -174,6 +179,10 @@ def test_an_hsdp_mesh_of_reconfigured_groups_outlives_a_join_and_a_leave():
         for name in processes:
             assert result(name, "grad2") == [2.5]  # (1 + 2 + 3 + 4) / 4: b's workers on a's mesh groups
         assert len({result(name, "weights2") for name in processes}) == 1  # one state: b got a's shards
+        # torch's bookkeeping of the groups' members, which a reconfigure leaves stale and MeshGroups
+        # sets (get_rank(group), get_process_group_ranks, c10d's error reporting read it)
+        assert [result(name, "bookkeeping2") for name in ("a0", "a1", "b0", "b1")] == [
+            [0, 0, [0, 2], [0, 1]], [0, 1, [1, 3], [0, 1]], [1, 0, [0, 2], [2, 3]], [1, 1, [1, 3], [2, 3]]]
         for name in ("a0", "a1"):
             assert result(name, "grad3") == [1.5]  # b gone: the mesh made at 1 x 2 and used at 2 x 2, live size
             assert result(name, "kept") is True  # the same mesh and module objects all along

@@ -16,6 +16,7 @@ from elasticctl.train.reconfigure import (
     GroupStrategy,
     checked_handle,
     group_strategy,
+    is_collective_timeout,
     next_group,
     torch_can_reconfigure,
 )
@@ -43,15 +44,33 @@ def test_which_workers_reconfigure(backend, torch_can, sharded, default_wrap, fo
     assert choice.strategy is expected and why in choice.why
 
 
-@pytest.mark.parametrize(("strategy", "alive", "failed", "expected"), [
-    (R, True, False, R),   # a change agreed at a boundary: in place
-    (R, True, True, B),    # a failure: destroyed, so that every survivor's collective raises
-    (R, False, False, B),  # no group yet (the first generation) or destroyed by a failure
-    (B, True, False, B),
-    (B, False, True, B),
+@pytest.mark.parametrize(("strategy", "alive", "failed", "timed_out", "expected"), [
+    (R, True, False, False, R),  # a change agreed at a boundary: in place
+    (R, True, True, False, B),   # a lost peer: destroyed, so that every survivor's collective raises
+    (R, True, True, True, R),    # its collective timed out (a frozen peer): nothing pending, kept
+    (R, False, False, False, B),  # no group yet (the first generation) or destroyed by a failure
+    (R, False, True, True, B),
+    (B, True, False, False, B),
+    (B, False, True, False, B),
+    (B, True, True, True, B),
 ])
-def test_what_the_next_generation_does_with_the_group(strategy, alive, failed, expected):
-    assert next_group(strategy, group_alive=alive, failed=failed) is expected
+def test_what_the_next_generation_does_with_the_group(strategy, alive, failed, timed_out, expected):
+    assert next_group(strategy, group_alive=alive, failed=failed, timed_out=timed_out) is expected
+
+
+@pytest.mark.parametrize(("message", "timed_out"), [
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv operation "
+     "to complete", True),
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:133] Timed out waiting 60000ms for send operation "
+     "to complete", True),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234", False),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:5555: Connection reset by peer",
+     False),
+    ("The sharded model's mesh does not name this generation's process groups", False),
+    ("", False),
+])
+def test_a_collective_timeout_is_told_from_a_lost_peer(message, timed_out):
+    assert is_collective_timeout(RuntimeError(message)) is timed_out
 
 
 def test_this_torch_can_reconfigure():

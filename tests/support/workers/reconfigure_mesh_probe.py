@@ -110,6 +110,9 @@ def main() -> None:
     form(2, list(RANKS))  # generation 2: node b joins
     if node == "b":
         mesh, model, optimizer = wrap(2)
+    # torch's own map of each group's members, kept true by MeshGroups (b's groups were made alone)
+    result("bookkeeping2", [dist.get_rank(replicate), dist.get_rank(shard),
+                            dist.get_process_group_ranks(replicate), dist.get_process_group_ranks(shard)])
     dist.broadcast(model.weight.to_local(), group=replicate, group_src=0)  # a's shard to b's same shard index
     step(model, optimizer, 2)
     if node == "b":
