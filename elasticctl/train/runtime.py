@@ -340,9 +340,10 @@ class Runtime:
 
     def _form(self, rebuild: bool) -> lifecycle.Event:
         """Into the next generation (the first one: :meth:`Membership.connect` came first): the
-        current group down (kept where it is reconfigured in place: train/reconfigure.py, only
-        after a change agreed at a boundary), the generation sealed, its groups built or
-        reconfigured, the state in sync. ``rebuild``: after a failure, every group anew."""
+        current group down (kept where it is reconfigured in place: train/reconfigure.py, after a
+        change agreed at a boundary or a collective that timed out), the generation sealed, its
+        groups built or reconfigured, the state in sync. ``rebuild``: after a failure (every group
+        anew, unless this worker's collective timed out: reconfigure.next_group)."""
         if self._group is not None:  # a generation ends: what ended it, and when it was noticed
             log.warning("[%s] generation %s ends at step %d: %s", self.worker, self._group.number,
                         self.state.step, self._ending)
@@ -966,7 +967,8 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     within one), and where groups are reconfigured in place (``recovery_timeline``'s
     ``group_reconfigured``) that mesh and the module sharded on it outlive generations: a change
     agreed at a step boundary re-forms its groups, a survivor keeps its module and its shards, and
-    only a newcomer wraps (after a failure every group, and so the module, is made anew).
+    only a newcomer wraps; after a frozen peer's timeout the groups are kept and the module is
+    re-wrapped on the same mesh; after a lost peer every group, and so the module, is made anew.
 
     In hot mode ``"state_restored"`` on a rank whose state was restored when its generation formed:
     step, source ("replica": senders, nbytes, seconds; "checkpoint": path; "peer_copy": the shards
