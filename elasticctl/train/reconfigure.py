@@ -320,7 +320,6 @@ class MeshGroups:
         self.groups = {dim: dist.new_group([0], use_local_synchronization=True, timeout=world.timeout)
                        for dim in MeshDim}
         self.rows: list[list[int]] = [[0]]  # the layout the groups were last reconfigured over
-        self.rank = 0
         self._mesh: Any = None
         for group in self.groups.values():  # a handle of (rank 0, no uuid) would be every fresh group's
             solo = secrets.SystemRandom().randrange(*_SOLO_UUIDS)
@@ -342,7 +341,7 @@ class MeshGroups:
                               [checked_handle(handles[dim][member]) for member in members],
                               group=self.groups[dim], timeout=self.world.timeout).wait()
             keep_torch_bookkeeping(self.groups[dim], members)
-        self.rows, self.rank = [list(row) for row in rows], rank
+        self.rows = [list(row) for row in rows]
 
     def mesh(self, device_type: str, dim_names: tuple[str, str]) -> Any:
         """The 2-D mesh of the two groups (``DeviceMesh.from_group``), made once, on the layout of the
@@ -356,15 +355,6 @@ class MeshGroups:
                                                device_type, mesh=torch.tensor(self.rows, dtype=torch.int64),
                                                mesh_dim_names=dim_names)
         return self._mesh
-
-    def replica_group_rank(self, global_rank: int) -> int:
-        """``global_rank``'s rank in its replicate group as reconfigured (its node's row): torch's own
-        bookkeeping (``get_group_rank``) keeps a reconfigured group's first members."""
-        return mesh_group_members(self.rows, global_rank)[MeshDim.REPLICATE][1].index(global_rank)
-
-    def replica_global_rank(self, group_rank: int) -> int:
-        """The global rank of member ``group_rank`` of this worker's replicate group."""
-        return mesh_group_members(self.rows, self.rank)[MeshDim.REPLICATE][1][group_rank]
 
 
 def mesh_handles_of(store: dist.Store, rank: int, world_size: int,

@@ -351,22 +351,6 @@ class ShardedModel:
             return  # a row of one worker cannot be split
         dist.all_reduce(torch.ones(1, device=self._device), group=self.mesh.get_group(self.shard_dim))
 
-    def replica_group_rank(self, global_rank: int) -> int:
-        """``global_rank``'s rank in the replicate group (of the worker's shard index)."""
-        import torch.distributed as dist
-
-        if self.kept_groups is not None:
-            return self.kept_groups.replica_group_rank(global_rank)
-        return dist.get_group_rank(self.replica_group(), global_rank)
-
-    def replica_global_rank(self, group_rank: int) -> int:
-        """The global rank of member ``group_rank`` of this worker's replicate group."""
-        import torch.distributed as dist
-
-        if self.kept_groups is not None:
-            return self.kept_groups.replica_global_rank(group_rank)
-        return dist.get_global_rank(self.replica_group(), group_rank)
-
     def replica_group(self) -> Any:
         """The process group of the workers that hold this worker's shard (None: no replicas)."""
         return None if self.replicate_dim is None else self.mesh.get_group(self.replicate_dim)

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import torch.distributed as dist
 
 from elasticctl.train.recovery.source import NothingToMove, Reports, Restoring, trust
 from elasticctl.train.shards import LocalShards
@@ -161,12 +162,13 @@ class Replicas:
         transfer = next((t for t in plan.transfers if t.shard == index), None)
         if transfer is None:
             return ()
-        sharded = restoring.sharded
-        moved = transfer_state(LocalShards(state), sharded.replica_group_rank(rank),
-                               [sharded.replica_group_rank(source) for source in transfer.sources],
+        # torch's map of a reconfigured group's members is kept true (reconfigure.keep_torch_bookkeeping)
+        replicas = restoring.sharded.replica_group()
+        moved = transfer_state(LocalShards(state), dist.get_group_rank(replicas, rank),
+                               [dist.get_group_rank(replicas, source) for source in transfer.sources],
                                device=restoring.device, transport=restoring.transport,
-                               bucket_bytes=restoring.bucket_bytes, group=sharded.replica_group())
-        senders = [sharded.replica_global_rank(sender) for sender in moved.senders]
+                               bucket_bytes=restoring.bucket_bytes, group=replicas)
+        senders = [dist.get_global_rank(replicas, sender) for sender in moved.senders]
         log.info("[%s] shard %d of step %d: %d bytes in %d buckets from rank(s) %s in %.3f s", restoring.worker,
                  index, state.step, moved.nbytes, moved.buckets, ", ".join(map(str, senders)), moved.seconds)
         if rank not in senders:
