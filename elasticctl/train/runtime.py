@@ -277,6 +277,7 @@ class Runtime:
 
     def _do(self, command: Command, train: Callable[[State, Group], object]) -> lifecycle.Event | None:
         if command is Command.FORM:
+            self._warm_up_sharding()
             self.membership.connect()
             return self._form(rebuild=False)
         if command is Command.RE_FORM:
@@ -337,6 +338,27 @@ class Runtime:
                 worker_entry.note_unrecoverable(str(exc))
             return lifecycle.StepFailed(self.state.step, fatal=fatal)
         return lifecycle.TrainReturned(self.state.step)
+
+    def _warm_up_sharding(self) -> None:
+        """Hot mode with a kept HSDP mesh: before its first generation, make this worker's group
+        (alone, as the first reconfigure would) and run a throwaway sharded step in that world of
+        one (ShardedModel.warm_up), so that a worker joining a running job does not make the running
+        workers wait through torch's first-use costs. A warm-up that fails costs nothing but the
+        time: the first generation pays those costs instead."""
+        if (self._sharded is None or not self._keeps_mesh or not self.membership.recovers_in_process
+                or self.group_choice.strategy is not GroupStrategy.RECONFIGURE):
+            return
+        started = time.monotonic()
+        try:
+            self.reconfigurable = ReconfigurableGroup(self.backend, self.pg_timeout, with_mesh=True)
+            alone = Group(number=0, rank=0, world_size=1, local_rank=self.local_rank, device=self.device,
+                          model=self.state.model, members=(self.worker,), local_world_size=1, timeout=self.pg_timeout)
+            self._sharded.warm_up(self.state, alone)
+        except Exception as exc:  # noqa: BLE001 - torch's errors of a script's own wrap or optimizer
+            log.warning("[%s] the sharded warm-up before joining failed (the first generation pays its cost "
+                        "instead): %s", self.worker, " ".join(str(exc).split())[:300])
+            return
+        self._emit("warmed_up", seconds=round(time.monotonic() - started, 3))
 
     def _form(self, rebuild: bool) -> lifecycle.Event:
         """Into the next generation (the first one: :meth:`Membership.connect` came first): the

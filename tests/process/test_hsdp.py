@@ -214,10 +214,15 @@ def test_hsdp_a_joining_node_gets_its_shards_from_replicas(job):
         assert len(r["senders"]) == 2 and {shard_of_rank[s] for s in r["senders"]} == {r["shard"]}, r
     # A join is agreed at a step boundary: the groups are reconfigured in place, every survivor
     # keeps its sharded module (run(..., sharded="hsdp")), and only the joiners wrap one.
-    timelines = [r for r in records if r.get("event") == "recovery_timeline" and r["round"] == joined_in]
-    # (a joiner's first generation has no timeline: nothing was recovered)
+    # (a joiner's first generation has no timeline: nothing was recovered; a survivor's follows its first step)
+    timelines = wait_for(lambda: len(found := [r for r in j.records() if r.get("event") == "recovery_timeline"
+                                               and r["round"] == joined_in]) == 4 and found, 30,
+                         "the four survivors' recovery timelines")
     kept = sorted(r["node"] for r in timelines if "module_kept" in r and "rewrapped" not in r)
     assert kept == ["a", "a", "b", "b"] and all("group_reconfigured" in r for r in timelines), timelines
+    # The joiners paid torch's first sharded wrap and step before they were admitted, alone.
+    warmed = [r for r in records if r.get("event") == "warmed_up"]
+    assert d_pids <= {r["pid"] for r in warmed}, warmed
     steps = steps_of(records)
     check_shard_replicas(steps, 6)
     check_samples(steps, dataset_size=2048)  # lm.py's default: an epoch's last step pads

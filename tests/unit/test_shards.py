@@ -101,3 +101,35 @@ def test_the_mesh_groups_give_up_at_the_generations_timeout_not_torchs_default()
     for dim in (REPLICATE_DIM, SHARD_DIM):
         backend = mesh.get_group(dim)._get_backend(torch.device("cpu"))
         assert backend.options._timeout == MESH_TIMEOUT, dim
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_warm_up_touches_neither_the_model_nor_its_optimizer_and_leaves_no_group_behind():
+    """What a joiner runs before its admission (ShardedModel.warm_up): a throwaway wrap and step."""
+    import torch.distributed as dist
+
+    state = make_state()
+    train(state, 1)  # optimizer state of its own, to see that it is kept
+    before = [p.detach().clone() for p in state.model.parameters()]
+    optimizer_state = copy.deepcopy(state.optimizer.state_dict())
+    hooks_called = []
+    state.optimizer.register_step_pre_hook(lambda *args: hooks_called.append(args))
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+
+    ShardedModel(shard).warm_up(state, group())
+
+    assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
+    assert not any(isinstance(p, DTensor) for p in state.model.parameters()), "the script's model stays whole"
+    after = state.optimizer.state_dict()
+    assert after["param_groups"] == optimizer_state["param_groups"]
+    assert all(torch.equal(after["state"][i][k], v) for i, s in optimizer_state["state"].items() for k, v in s.items())
+    assert hooks_called == [], "the optimizer's own hooks do not run for the throwaway step"
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before, "the throwaway mesh's groups are destroyed"
+    # and the real wrap after it trains on as it would have
+    reference = make_state()
+    train(reference, 1)
+    for candidate in (state, reference):
+        candidate.live = True
+        ShardedModel(shard).rewrap(candidate, group())
+        train(candidate, 2)
+    assert all(torch.equal(a, b) for a, b in zip(local(state.model), local(reference.model), strict=True))
