@@ -349,12 +349,17 @@ def main() -> None:
     mode.add_argument("--full", action="store_const", dest="mode", const="full")
     parser.add_argument("--only", nargs="+", choices=ALL, default=list(ALL), help="run these scenarios only")
     parser.add_argument("--repeats", type=int, default=None, help="override the plan's repeats")
+    parser.add_argument("--goodput-schedule", choices=sorted(PLANS), default=None,
+                        help="the goodput section's schedule of that plan (default: the mode's own); e.g. --quick "
+                             "--goodput-schedule full: 180 s, a kill every 30 s, beside quick repeats elsewhere")
     parser.add_argument("--no-report", action="store_true",
                         help="write the JSON but leave BENCHMARKS.md and the PNG alone (smoke runs)")
     parser.add_argument("--output", type=Path, default=RESULTS, help="directory for the results JSON")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the nodes' logs and records")
     args = parser.parse_args()
     plan = PLANS[args.mode]
+    if args.goodput_schedule:
+        plan = dataclasses.replace(plan, goodput_schedule=PLANS[args.goodput_schedule].goodput_schedule)
     if args.repeats:
         plan = dataclasses.replace(plan, repeats=dict.fromkeys(plan.repeats, args.repeats),
                                    checkpoint_repeats=args.repeats,
