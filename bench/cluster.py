@@ -91,13 +91,25 @@ class Cluster:
 
     def wait_world(self, world: int, nodes: set[str], since: float, timeout: float,
                    give_up: Callable[[], bool] = lambda: False) -> float | None:
-        """Time of the first step at ``world`` after ``since`` once every node in ``nodes`` trained there."""
+        """When every node in ``nodes`` had trained a step at ``world`` after ``since``: the latest of
+        their first such steps. Not the earliest line: where the world before and after is the same
+        size (a spare in a lost node's place), a survivor's step in flight at the signal can be written
+        just after it, at the old world, and read as a recovery in no time."""
         recent = wait_for(lambda: trained_together(self.record.read(), world, nodes, since=since), timeout,
                           give_up=give_up)
-        return min(r["time"] for r in recent) if recent else None
+        return first_together(recent, nodes) if recent else None
 
     def last_time(self) -> float:
         return max((r["time"] for r in self.record.read()), default=0.0)
 
     def close(self) -> None:
         stop_nodes(self.nodes.values())
+
+
+def first_together(lines: list[dict], nodes: set[str]) -> float:
+    """The moment every node in ``nodes`` had written one of ``lines``: the latest of their first lines."""
+    firsts: dict[str, float] = {}
+    for line in lines:
+        if line["node"] in nodes:
+            firsts[line["node"]] = min(firsts.get(line["node"], line["time"]), line["time"])
+    return max(firsts.values())

@@ -263,3 +263,16 @@ def test_peer_copies_meet_their_target_only_without_a_disk_read_or_a_restart():
         report.sharded_targets(results))
     results["scenarios"]["fsdp_peer_copies"] = {"samples": [{**sample, "resumed_from_checkpoint": True}]}
     assert "1.20 s, at most 7 re-done, from disk (missed)" in report.sharded_targets(results)
+
+
+def test_a_spare_recovery_is_timed_to_the_spares_first_step_not_a_survivors_step_in_flight(tmp_path):
+    # Restart mode: node c SIGKILLed at 10.0 while d waits as a spare; a's step in flight (at world 3,
+    # with c) lands at 10.0001; the restarted world of a, b and d trains from 15.2.
+    lines = [_step(9.9, 58, 3, 0, "a"), _step(9.9, 58, 3, 1, "b"), _step(9.9, 58, 3, 2, "c"),
+             _step(10.0001, 59, 3, 0, "a"), _step(15.2, 40, 3, 0, "a"), _step(15.2, 40, 3, 1, "b"),
+             _step(15.3, 40, 3, 2, "d")]
+    cluster = _record(tmp_path, lines)
+    cluster.wait_world = lambda *args, **kwargs: Cluster.wait_world(cluster, *args, **kwargs)
+    result = scenarios._recovery(cluster, 10.0, 3, {"a", "b", "d"}, cap=5)
+    assert result["seconds"] == pytest.approx(5.3)
+    assert result["redone_steps"] == 59 + 1 - 40
