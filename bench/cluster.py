@@ -10,6 +10,7 @@ the benchmarks time and wait on.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +41,12 @@ class Cluster:
     with torch's shared agent store a node that joins a running job with rank >= 1
     deadlocks in the rendezvous (DESIGN.md), so a job whose nodes start one after
     another never reaches 3 nodes and nothing else could be measured.
+
+    ``clock`` is the clock the record's lines are stamped with (the trainers write ``time.time()``):
+    a measurement takes "now" from it, so that a test's made-up job can run on a clock of its own.
     """
+
+    clock: Callable[[], float] = staticmethod(time.time)
 
     def __init__(self, system: str, workdir: Path, trainer_args: list[str], etcd: EtcdClient,
                  nnodes: str = "1:3", shared_store: bool = False, up_args: tuple[str, ...] = (),

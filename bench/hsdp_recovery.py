@@ -39,7 +39,6 @@ import json
 import signal
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,7 +128,7 @@ def start_hsdp(workdir: Path, etcd: EtcdClient, cap: float, lm_args: tuple[str, 
                       up_args=("--nproc-per-node", "2", "--node-ttl", str(NODE_TTL)), script=LM)
     if rebuild:
         cluster.env = {**cluster.env, REBUILD_GROUPS: "1"}
-    started = time.time()
+    started = cluster.clock()
     try:
         for name in NODES:
             cluster.start(name)
@@ -153,7 +152,7 @@ def lose_node(cluster: Cluster, victim: str, cap: float, sig: int) -> dict:
     at world 4, steps re-done, survivors restarted, the shards' replicas identical."""
     survivors = set(cluster.nodes) - {victim}
     before = {(r["node"], r["pid"]) for r in cluster.record.steps() if r["node"] in survivors}
-    lost = time.time()
+    lost = cluster.clock()
     cluster.nodes[victim].signal_tree(sig)
     if sig == signal.SIGKILL:
         cluster.nodes.pop(victim).stop()
@@ -186,7 +185,7 @@ def node_joins(cluster: Cluster, joiner: str, cap: float, bring_in: Callable[[],
     running = {(r["node"], r["pid"]) for r in steps if r["node"] in members - {joiner}}
     # world 6 must form in a later generation: a thawed node's lines of the one it was frozen in do not count
     generation = newest_generation(steps)
-    joined = time.time()
+    joined = cluster.clock()
     bring_in()
     node = cluster.nodes[joiner]
     grown = workers_at(cluster, 6, members, joined, cap, give_up=lambda: node.process.poll() is not None,
@@ -323,7 +322,7 @@ def kill_c_of_three(cluster: Cluster, cap: float) -> tuple[dict, list[dict]]:
     their state was restored from and whether a checkpoint was resumed) and the event lines since."""
     survivors = {"a", "b"}
     before = {r["pid"] for r in cluster.record.steps() if r["node"] in survivors}
-    killed = time.time()
+    killed = cluster.clock()
     cluster.nodes["c"].signal_tree(signal.SIGKILL)
     cluster.nodes.pop("c").stop()
     result = _recovery(cluster, killed, 2, survivors, cap)
@@ -352,7 +351,7 @@ def fsdp_round(system: str, workdir: Path, etcd: EtcdClient, cap: float) -> dict
 
     try:
         for world, name in enumerate(NODES, start=1):
-            started = time.time()
+            started = cluster.clock()
             cluster.start(name)
             if cluster.wait_world(world, set(NODES[:world]), started, cap) is None:
                 return {"seconds": None, "cap_s": cap,
@@ -387,7 +386,7 @@ def fsdp_peer_copy_round(workdir: Path, etcd: EtcdClient, cap: float) -> dict:
     cluster = Cluster("elasticctl-hot", workdir, list(FSDP_PEER_COPY_TRAINING), etcd, script=LM,
                       up_args=("--node-ttl", "3"))
     try:
-        started = time.time()
+        started = cluster.clock()
         for name in NODES:
             cluster.start(name)
         if cluster.wait_world(3, set(NODES), started, cap) is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,9 +120,10 @@ class FakeJob:
     def __init__(self, workdir: Path, survivors_reform: bool = True) -> None:
         self.path = workdir / "record.jsonl"
         self.survivors_reform = survivors_reform
-        lines, self.position = before_the_freeze(time.time() - 5)
+        self.now = 1000.0  # the job's own clock: each signal moves it on, whatever the machine's speed
+        lines, self.position = before_the_freeze(self.now - 5)
         self._write(lines)
-        self.cluster = SimpleNamespace(record=Record(self.path), closed=False,
+        self.cluster = SimpleNamespace(record=Record(self.path), closed=False, clock=lambda: self.now,
                                        nodes={name: FakeNode(name, self, workdir) for name in ("a", "b", "c")})
         self.cluster.close = lambda: setattr(self.cluster, "closed", True)
 
@@ -132,7 +132,8 @@ class FakeJob:
             file.write("".join(json.dumps(line) + "\n" for line in lines))
 
     def react(self, name: str, sig: int) -> None:
-        now = time.time()
+        now = self.now
+        self.now += 2.0  # what the job records happens within the 2 s before the bench's next "now"
         if sig == signal.SIGSTOP and self.survivors_reform:
             lines, self.position = trained(9, 5, 4, ("a", "c"), self.position, now + 0.2)
             self._write([*lines, {"event": "recovery_timeline", "rank": 0, "world_size": 4, "time": now + 0.2,
