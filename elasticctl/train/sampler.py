@@ -19,6 +19,13 @@ world size, each rank is topped up to the same length with positions from the
 start of the remainder (as ``DistributedSampler`` does), so the last step of an
 epoch can train up to ``world_size - 1`` samples twice. With ``drop_last=True``
 those trailing samples are dropped instead. Nothing else repeats or is skipped.
+
+World size and rank: a script builds its sampler wherever it likes, at module level too, before
+any process group exists (torch's ``DistributedSampler(dataset)`` raises there). Those it was
+not given are the generation's it serves: the runtime binds each generation's (setting
+``num_replicas`` and ``rank``, which moves nothing in the epoch); until then, or without the
+runtime, the default process group's while one is up, else a world of one
+(:func:`sampler_world`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,36 @@ import math
 from collections.abc import Iterator, Sized
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DistributedSampler
+
+from elasticctl.errors import ConfigError
+
+
+def sampler_world(num_replicas: int | None, rank: int | None,
+                  group: tuple[int, int] | None) -> tuple[int, int]:
+    """The (world size, rank) a sampler deals for.
+
+    ``num_replicas``, ``rank``: what it was given or bound to (None: not set); ``group``: the
+    default process group's (world size, rank) while one is up, else None. Each unset value comes
+    from the group, else from a world of one (a script run as ``python train.py``, or a sampler
+    used before its run formed a group). Raises :class:`ConfigError` for a world below one or a
+    rank outside it.
+    """
+    world = num_replicas if num_replicas is not None else group[0] if group is not None else 1
+    own = rank if rank is not None else group[1] if group is not None else 0
+    if world < 1:
+        raise ConfigError(f"The sampler's world size ({world}) must be at least 1.")
+    if not 0 <= own < world:
+        raise ConfigError(f"The sampler's rank ({own}) must be between 0 and {world - 1}, "
+                          f"its world size less one.")
+    return world, own
+
+
+def _default_group() -> tuple[int, int] | None:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return None
 
 
 class ResumableSampler(DistributedSampler):
@@ -37,14 +73,39 @@ class ResumableSampler(DistributedSampler):
     size (the same on every rank); save :meth:`state_dict` in checkpoints; call
     :meth:`load_state_dict` before iterating to resume. :meth:`set_epoch` starts
     an epoch from its top.
+
+    ``num_replicas`` and ``rank`` are read where they are used, not fixed when it is built:
+    unset, they follow the generation it serves (module docstring, :func:`sampler_world`).
+    Setting them (the runtime does, each generation) binds them.
     """
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=drop_last)
+        sampler_world(num_replicas, rank, None if num_replicas is not None and rank is not None
+                      else _default_group())  # a bad value is named now, where the script gave it
+        # torch's __init__ would ask the default process group for what was not given, and raise
+        # when there is none yet: it gets a world of one, replaced at once by the values given
+        # (num_samples and total_size, which it derives from them, are not used here).
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._num_replicas, self._rank = num_replicas, rank
         self.dataset_size = len(dataset)
         self.consumed = 0  # positions of this epoch's permutation already trained, by all ranks
+
+    @property
+    def num_replicas(self) -> int:
+        return sampler_world(self._num_replicas, self._rank, _default_group())[0]
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        self._num_replicas = value
+
+    @property
+    def rank(self) -> int:
+        return sampler_world(self._num_replicas, self._rank, _default_group())[1]
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = value
 
     def permutation(self) -> list[int]:
         """The epoch's global order of dataset indices."""
@@ -64,14 +125,15 @@ class ResumableSampler(DistributedSampler):
         return math.ceil(self.remaining / self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
+        world, rank = sampler_world(self._num_replicas, self._rank, _default_group())
         rest = self.permutation()[self.consumed:]
         per_rank = len(self)
-        total = per_rank * self.num_replicas
+        total = per_rank * world
         if total > len(rest):  # pad from the start of the remainder, as DistributedSampler does
             rest += (rest * math.ceil(total / max(len(rest), 1)))[: total - len(rest)]
         # Round-robin keeps each step a contiguous block of the stream: after k
         # batches of b per rank, exactly positions [0, k*b*world) are consumed.
-        return iter(rest[self.rank:total:self.num_replicas])
+        return iter(rest[rank:total:world])
 
     def advance(self, batch_size: int) -> None:
         """Record that every rank trained one more batch of ``batch_size`` samples."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from elasticctl.train.sampler import ResumableSampler
+from elasticctl.errors import ConfigError
+from elasticctl.train.sampler import ResumableSampler, sampler_world
 
 
 def samplers(size: int, world: int, state: dict | None = None, **options) -> list[ResumableSampler]:
@@ -96,3 +98,55 @@ def test_loading_a_state_of_another_dataset_size_is_refused():
     state = samplers(40, 2)[0].state_dict()
     with pytest.raises(ValueError, match="40 samples"):
         samplers(50, 2, state)
+
+
+# -- world size and rank: given, bound by the runtime, or the generation's --------------------------
+
+@pytest.mark.parametrize(("given", "group", "expected"), [
+    ((None, None), None, (1, 0)),     # python train.py, or built before any group: a world of one
+    ((None, None), (4, 3), (4, 3)),   # the default process group's, while one is up
+    ((2, 1), None, (2, 1)),           # given (or bound by the runtime) before any group
+    ((2, 1), (4, 3), (2, 1)),         # given wins over the group
+    ((3, None), (4, 2), (3, 2)),      # each unset value on its own, as torch's sampler does
+    ((None, 0), (4, 2), (4, 0)),
+    ((5, None), None, (5, 0)),
+])
+def test_sampler_world_takes_what_was_given_then_the_group_then_a_world_of_one(given, group, expected):
+    assert sampler_world(*given, group) == expected
+
+
+@pytest.mark.parametrize(("given", "group", "needle"), [
+    ((0, None), None, r"world size \(0\) must be at least 1"),
+    ((2, 2), None, r"rank \(2\) must be between 0 and 1"),
+    ((None, -1), None, r"rank \(-1\) must be between 0 and 0"),
+    ((3, None), (4, 3), r"rank \(3\) must be between 0 and 2"),
+])
+def test_sampler_world_names_a_value_outside_the_world(given, group, needle):
+    with pytest.raises(ConfigError, match=needle):
+        sampler_world(*given, group)
+
+
+def test_a_sampler_built_outside_any_process_group_is_a_world_of_one():
+    assert not dist.is_initialized()
+    sampler = ResumableSampler(range(12), seed=7)  # torch's own would raise here
+    assert (sampler.num_replicas, sampler.rank) == (1, 0)
+    assert sorted(sampler) == list(range(12)) and len(sampler) == 12
+
+
+def test_a_bad_rank_given_is_refused_where_the_sampler_is_built():
+    with pytest.raises(ValueError, match=r"rank \(4\) must be between 0 and 1"):
+        ResumableSampler(range(12), num_replicas=2, rank=4)
+
+
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (3, 0), (3, 2), (4, 1)])
+def test_binding_a_generation_deals_from_the_same_position(world, rank):
+    # The runtime binds each generation's world to the sampler the script built: the epoch's
+    # position (its state) stays, only the deal of what is left changes.
+    built = ResumableSampler(range(30), seed=7)
+    built.load_state_dict({"epoch": 2, "consumed": 9, "seed": 7, "dataset_size": 30})
+    state = built.state_dict()
+    built.num_replicas, built.rank = world, rank
+    assert built.state_dict() == state
+    given = samplers(30, world, state)[rank]
+    assert (built.num_replicas, built.rank) == (world, rank)
+    assert list(built) == list(given) and len(built) == len(given)
