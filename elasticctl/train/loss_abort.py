@@ -10,7 +10,9 @@ left of the timeout. With it, a freeze costs the node TTL and the watch's round 
 torch's public ``ProcessGroup.abort()`` aborts what the backend can: NCCL aborts its
 communicators and the kernels waiting on a lost peer. Gloo's abort is a no-op (tested on
 torch 2.14: a pending gloo collective keeps waiting), so on gloo the path runs, decides, and
-logs once that the collective ends by its timeout instead. Other backends get the abort: torch
+logs once that a collective pending on a frozen member ends by its timeout instead. (A dead
+member's end reaches every gloo survivor at once another way: the first survivor whose
+collective fails shuts the generation's connections down, train/connections.py.) Other backends get the abort: torch
 makes it a no-op where the backend has none.
 
 The decision is :func:`loss_action` (pure, table-tested); :class:`LossAbort` is the edge that
@@ -95,6 +97,7 @@ class LossAbort:
             elif action is LossAction.NO_ABORT and not self._no_abort_logged:
                 self._no_abort_logged = True
                 log.warning("[%s] %s of generation %d lost; the training group's backend (%s) has no "
-                            "abort: a pending collective ends by its timeout (the node TTL). Logged once.",
+                            "abort: a collective pending on a frozen member ends by its timeout (the node "
+                            "TTL). Logged once.",
                             self.worker, ", ".join(lost), running, self.backend)
             return action

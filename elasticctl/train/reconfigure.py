@@ -99,9 +99,9 @@ def next_group(strategy: GroupStrategy, *, group_alive: bool, failed: bool, time
     and members with their old ones reconfigure together, as a joiner does).
 
     After a failure the group is rebuilt even where it could be reconfigured: on gloo a peer's
-    death reaches only the collectives that wait on it directly, and only destroying a group
-    closes its connections, so a survivor that reconfigured at once would leave another one
-    waiting in its collective for the whole timeout (pinned in tests/process/test_torch_reconfigure.py).
+    death reaches only the collectives that wait on it directly, and the survivor that saw it
+    passes it on by shutting the failed generation's connections down (train/connections.py),
+    which leaves that group of no further use (pinned in tests/process/test_torch_reconfigure.py).
     Unless this worker's own collective timed out (``timed_out``: a frozen peer): it has waited the
     whole timeout already, and so has every survivor whose collective waited on the frozen peer or
     on it, which the generation, sealed only when they all arrive, waits for anyway. Its group,

@@ -82,6 +82,7 @@ from elasticctl.job.options import RecoveryMode
 from elasticctl.train import lifecycle
 from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary
 from elasticctl.train.lifecycle import Command, WorkerState, on_stop_request, transition
+from elasticctl.train.connections import GenerationConnections
 from elasticctl.train.loss_abort import LossAbort
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.peer_copies import PeerCopies
@@ -240,6 +241,7 @@ class Runtime:
                                            forced_rebuild=environment_names.rebuild_groups())
         self.reconfigurable: ReconfigurableGroup | None = None  # the group kept across generations
         self._step_timed_out = False  # the last failed step's collective timed out (a frozen peer)
+        self._connections: GenerationConnections | None = None  # hot mode: its generations' groups' connections
         self._wrapped: tuple[Any, torch.nn.Module] | None = None  # (the group it was wrapped on, the DDP)
         self._state_sync = GenerationStateSync(state, device=self.device, transport=self._training_group_device(),
                                                bucket_bytes=self.transfer_bucket_bytes,
@@ -373,6 +375,11 @@ class Runtime:
             self._recovery_marks = {}
         first = self._worker_state.phase is Phase.FORMING
         timed_out, self._step_timed_out = rebuild and self._step_timed_out, False
+        if rebuild and not timed_out and self._connections is not None:
+            # The peers still waiting on this worker in the failed generation's collectives learn
+            # of it now, not at their timeout (train/connections.py); a timeout every survivor
+            # waits out alike, and keeps its group.
+            self._connections.sever()
         step = next_group(self.group_choice.strategy, group_alive=self.reconfigurable is not None, failed=rebuild,
                           timed_out=timed_out)
         if rebuild and step is GroupStrategy.RECONFIGURE:
@@ -388,6 +395,7 @@ class Runtime:
         except JoinCancelled:
             return lifecycle.JoinCancelled()
         self.mark_recovery("sealed")
+        connections_before = self._connections.current() if self._connections is not None else None
         try:
             if not sealed.groups_ready:
                 if self.group_choice.strategy is GroupStrategy.RECONFIGURE:
@@ -400,6 +408,8 @@ class Runtime:
                     self.store = build_generation_group(sealed.generation, sealed.rank, self.backend,
                                                         self.pg_timeout, self.device)
             self.control_group = build_control_group(self.backend, self.pg_timeout)
+            if connections_before is not None:
+                self._connections.record_build(connections_before, sealed.generation.master_port)
             if not sealed.groups_ready:
                 self.mark_recovery("group_reconfigured" if step is GroupStrategy.RECONFIGURE else "group_built")
             self.start_generation(sealed.generation, sealed.rank, sealed.world_size,
@@ -476,6 +486,9 @@ class Runtime:
             for name, value in environment_names.NCCL_HOT_RECOVERY.items():
                 os.environ.setdefault(name, value)
         addr = self.environment.node_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        # The connections of each generation's groups, shut down when one fails (train/connections.py):
+        # never etcd's, whose client lives on across generations.
+        self._connections = GenerationConnections(self.worker, other_ports={e.port for e in etcd.endpoints})
         generations = Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
                                   self.membership.settings, self.environment.secret_bytes(),
                                   sharded=self._sharded is not None)
@@ -560,8 +573,8 @@ class Runtime:
             return
         self.reconfigurable = None
         # destroy_process_group() below takes the side group down with the training group; the
-        # last reference goes here, so that its gloo threads and sockets go with it (a gloo
-        # collective still waiting on a lost peer ends by its timeout, the node TTL: gloo has no abort).
+        # last reference goes here, so that its gloo threads and sockets go with it. (A failed
+        # generation's connections were shut down before: train/connections.py.)
         self.control_group = None
         if not dist.is_initialized():
             return

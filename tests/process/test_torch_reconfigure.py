@@ -13,9 +13,10 @@ uuid a group holds now, not every one it held: each generation's number is its u
 Known, and what the runtime does about it (elasticctl.train.reconfigure.group_strategy): on gloo
 a peer's death reaches only the collectives that wait on it directly, and neither ``abort()`` nor
 a reconfigure closes a survivor's connections, so a survivor waiting on another survivor waits
-out the timeout; and ``abort()`` does not release a collective pending on a frozen peer. So a
-failure still rebuilds the group (destroying it closes the connections, and every survivor's
-collective raises at once), and a freeze still costs the collective timeout (the node TTL). Both
+out the timeout; and ``abort()`` does not release a collective pending on a frozen peer. So the
+survivor that sees a failure shuts the generation's connections down (``shutdown(2)``:
+elasticctl.train.connections), which releases every survivor waiting on it at once, and the
+group is rebuilt; a freeze still costs the collective timeout (the node TTL). Both
 are pinned: when torch changes either, a test here fails and the rule can change with it. A
 survivor whose own collective timed out (gloo's "Timed out waiting ... for recv operation",
 :func:`elasticctl.train.reconfigure.is_collective_timeout`, pinned against both errors) keeps
@@ -129,6 +130,28 @@ def test_a_peer_death_reaches_only_the_collectives_that_wait_on_it(probe):
             assert failure.processes[name].wait(60) == 0, failure.output()
     except Exception:
         print(failure.output())
+        raise
+
+
+def test_a_survivor_that_shuts_its_connections_down_releases_every_peer_waiting_on_it(probe):
+    # What elasticctl.train.connections relies on: shutdown(2) of a survivor's ends of the failed
+    # generation's connections reaches every peer whose collective waits on it as a closed
+    # connection, at once; so each survivor that raises passes the failure on, across the whole
+    # world (four members: one survivor never waits on the dead peer directly). The group whose
+    # connections were shut down still comes down cleanly (each probe exits 0).
+    severed = probe("severed", "a,b,c")
+    for name in "abcd":
+        severed.start(name, PROBE_PG_TIMEOUT="20")
+    try:
+        lost = [severed.result(name, "lost_peer") for name in "abc"]
+        assert all(one["raised"] for one in lost), lost
+        assert not any(is_collective_timeout(RuntimeError(one["error"])) for one in lost), lost  # not the 20 s
+        # the first to raise shut its connections down; the last may find its peers' ends closed already
+        assert max(one["severed"] for one in lost) > 0, lost
+        for name in "abc":
+            assert severed.processes[name].wait(60) == 0, severed.output()
+    except Exception:
+        print(severed.output())
         raise
 
 

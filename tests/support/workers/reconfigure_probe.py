@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elasticctl.train.connections import GenerationConnections
 from elasticctl.train.reconfigure import ReconfigurableGroup
 
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -107,6 +108,27 @@ def main() -> None:
         ones = torch.ones(1)
         dist.all_reduce(ones)
         result("sum2", ones.item())
+    elif scenario == "severed":
+        # a, b, c, d form; d dies at once; a, b and c start a collective. Whichever raises first
+        # (a neighbour of d) shuts its connections of the generation down, as the runtime does.
+        before = GenerationConnections.current()
+        generation(1, ["a", "b", "c", "d"], host="a")
+        connections = GenerationConnections(name, other_ports={port})
+        connections.record_build(before, store_port=None)
+        if name == "d":
+            coord.set("d/dying", "1")
+            os.kill(os.getpid(), signal.SIGKILL)
+        coord.get("d/dying")
+        began = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1000))
+            result("lost_peer", {"raised": False, "seconds": time.monotonic() - began})
+        except RuntimeError as exc:
+            severed = connections.sever()
+            result("lost_peer", {"raised": True, "seconds": time.monotonic() - began, "error": str(exc)[:200],
+                                 "severed": severed})
+        group.destroy()  # a group whose connections were shut down still comes down cleanly
+        return
     elif scenario == "freeze":
         # a and b form; b stops answering (the test SIGSTOPs it); a revokes its pending collective.
         generation(1, ["a", "b"], host="a")
