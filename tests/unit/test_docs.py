@@ -6,6 +6,9 @@
   version accepts: ``up`` runs with ``--dry-run`` (it prints the torchrun command and exits: no
   etcd, no torchrun), every other command with ``--help``.
 * The examples of the exit-code page end with the status the page gives them.
+* The trainer's shape on the "Writing a trainer" page is the part below the marker of
+  ``docs/examples/train.py``, a file tests/process/test_guide_example.py runs: the page cannot
+  show code that no longer runs.
 * The README stays a short user README: at most 300 lines, its links name files that exist, and
   the two commands CI runs from it (the one-line main command, the test command) are there.
 
@@ -94,6 +97,21 @@ def test_every_page_of_docs_is_in_the_navigation():
     pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert pages, "no pages"
     assert {p for p in pages if p not in nav} == set()
+
+
+# -- the trainer the guide shows is a file that runs --------------------------------------------
+
+EXAMPLE_MARKER = "# -- the page's code block "
+
+
+def test_the_guide_shows_the_trainer_the_example_file_runs():
+    page = (DOCS / "writing-a-trainer.md").read_text()
+    first = code_blocks(page.split("## The shape of a trainer", 1)[1])[0]
+    example = (DOCS / "examples" / "train.py").read_text()
+    assert example.count(EXAMPLE_MARKER) == 1, "docs/examples/train.py lost its marker line"
+    below = example.split(EXAMPLE_MARKER, 1)[1].split("\n", 1)[1]
+    assert below == first, "the page's code block and docs/examples/train.py differ: change both"
+    assert "(examples/train.py)" in page, "the page links to the file it shows"
 
 
 # -- the commands shown are commands this version accepts --------------------------------------
