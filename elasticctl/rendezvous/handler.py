@@ -66,6 +66,8 @@ from elasticctl.job import environment as worker_environment
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind, FailureCause, MemberState, Round
 from elasticctl.job.options import RecoveryMode
+from elasticctl.job.worker_failure import MAX_BYTES as MAX_FAILURE_BYTES
+from elasticctl.job.worker_failure import WorkerFailure
 from elasticctl.rendezvous.member import RoundMember
 from elasticctl.rendezvous.rounds import Settings
 from elasticctl.rendezvous.policy import (
@@ -80,6 +82,7 @@ from elasticctl.rendezvous.policy import (
     charge,
     kill_for_lost,
     on_request,
+    repeated_failure,
     when_asked_for_waiting,
 )
 from elasticctl.rendezvous.verdicts import Evidence, Verdict, failure_verdict
@@ -141,6 +144,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Workers mark here which of them finished their script (see elasticctl/train/entry.py).
         self._marks_root = tempfile.mkdtemp(prefix="elasticctl-workers-")
         self._marks: str | None = None
+        # The failure the workers' last start ended on (None: it left none, or it did not fail):
+        # the same one again before a first step stops the node (policy.repeated_failure).
+        self._last_failure: WorkerFailure | None = None
         # leave/down requests, watched: acted on the moment they are written (last: it may act at once).
         self._requests = registry.watch_requests(self._on_requests)
 
@@ -301,8 +307,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         a stop or a quarantine the budget calls for."""
         if workers_ended:
             started, done = self._worker_marks()
+            failure = self._worker_failure()
+            repeated = repeated_failure(self._last_failure, failure)
+            self._last_failure = failure
             decision = after_workers_ended(self._node_id, self._recovery, started, done,
-                                           self._unrecoverable())
+                                           self._unrecoverable() or repeated)
             if decision.action is NodeAction.END:
                 log.warning("[%s] round %d: every worker finished its script (local ranks %s) and one died "
                             "afterwards, at interpreter exit: the job is complete, not starting it again",
@@ -322,6 +331,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._events.record_later(EventKind.WORKERS_FAILED, self._node_id, round=self._round.number,
                                           reason="could not recover in process")
                 self._charge(self._round)
+        else:  # stopped for a membership change: what failed before is no longer the last start's
+            self._last_failure = None
         with self._lock:
             decision, self._budget = before_join(self._budget)
         if decision.action is NodeAction.STOP:
@@ -388,6 +399,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     reason = " ".join(mark.read(2048).split())
                 if reason:
                     return reason
+        except OSError:
+            return None
+        return None
+
+    def _worker_failure(self) -> WorkerFailure | None:
+        """What a worker of this round that raised said of it (the lowest local rank's readable
+        record; elasticctl/job/worker_failure.py validates it), or None."""
+        try:
+            names = sorted(n for n in os.listdir(self._marks) if n.startswith("failure-")) if self._marks else []
+            for name in names:
+                with open(os.path.join(self._marks, name), encoding="utf-8", errors="replace") as mark:
+                    failure = WorkerFailure.parse(mark.read(MAX_FAILURE_BYTES + 1))
+                if failure is not None:
+                    return failure
         except OSError:
             return None
         return None

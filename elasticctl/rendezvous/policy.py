@@ -10,6 +10,9 @@ the budget, the view) and acts; the rules live here, beside :mod:`elasticctl.ren
   marked its failure unrecoverable stops the node without spending a restart. Otherwise
   the failure is judged (restart mode: from the evidence, charged or free) or charged at
   once (hot mode: the runtime could not recover in process, the node's own failure).
+* :func:`repeated_failure`: a script that failed the same way twice in a row before its first
+  step stops the node at once, as a worker marked unrecoverable does: a restart would only
+  repeat it.
 * :func:`charge`: one own failure spent; over ``max_restarts`` the node stops, too many
   within ``quarantine_window`` it sits out a quarantine.
 * :func:`before_join`: a stop or a quarantine the budget holds is acted on before the
@@ -26,6 +29,7 @@ from collections.abc import Iterable, Mapping, Set
 
 from elasticctl.job.options import BY_NAME, RecoveryMode
 from elasticctl.job.records import MemberState
+from elasticctl.job.worker_failure import WorkerFailure
 from elasticctl.rendezvous.verdicts import quarantine_due
 
 
@@ -81,6 +85,28 @@ def after_workers_ended(node: str, recovery: RecoveryMode, started: Set[str], do
         return NodeDecision(NodeAction.STOP, f"The node '{node}' stops without restarting its workers: "
                             f"{unrecoverable}", unrecoverable, failure_event=True)
     return NodeDecision(NodeAction.CHARGE if recovery is RecoveryMode.HOT else NodeAction.JUDGE)
+
+
+def repeated_failure(previous: WorkerFailure | None, current: WorkerFailure | None) -> str | None:
+    """Why the node stops at once after its workers' ``current`` failure, the start before having
+    ended on ``previous`` (None: that start or this one left no failure record); None keeps the
+    usual policy.
+
+    The rule: the same exception type at the same place (file and line of the script's own code),
+    neither time after a trained step and neither time possibly its peers' doing. Before its
+    first step a script has read only its code, its files and its environment, which a restart
+    hands it unchanged: the third start would fail as the first two did. A different failure, or
+    one after training began, is judged as any failure is.
+    """
+    if previous is None or current is None:
+        return None
+    if not (previous.in_script and current.in_script) or previous.trained or current.trained:
+        return None
+    if (previous.kind, previous.file, previous.line) != (current.kind, current.file, current.line):
+        return None
+    return (f"its script failed the same way twice before its first step, {current.kind} at line "
+            f"{current.line} of {current.file} ({current.message or 'no message'}), which every restart "
+            "would repeat.")
 
 
 def charge(budget: Budget, rules: BudgetRules, node: str, now: float) -> Budget:

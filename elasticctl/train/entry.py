@@ -14,6 +14,15 @@ rendezvous handler names in the worker environment (:mod:`elasticctl.job.environ
 * ``done-<LOCAL_RANK>`` once the script ended with status 0, on its own (not stopped by
   SIGTERM, see :func:`note_stop_request`), and every ``atexit`` callback ran: the last
   thing Python does before its teardown.
+* ``failure-<LOCAL_RANK>``, a small JSON record, when the script raised: the exception's type and
+  message, the file and line of the script's own code it was raised at, whether it may be its
+  peers' doing, and whether the worker had trained a step (:mod:`elasticctl.job.worker_failure`).
+  Its node stops when the same failure comes twice before a first step (a restart would only
+  repeat it: :func:`elasticctl.rendezvous.policy.repeated_failure`).
+
+A torch ``DistributedSampler`` built before any process group exists (at module level) raises
+torch's "Default process group has not been initialized" in every worker: the worker says the fix
+in one sentence instead (:func:`elasticctl.train.porting.sampler_before_group`), and its node stops.
 
     python -m elasticctl.train.entry [--module] [--local-rank-flag] SCRIPT [ARGS...]
 
@@ -30,7 +39,10 @@ import atexit
 import gc
 import os
 import runpy
+import site
 import sys
+import sysconfig
+import traceback
 
 from elasticctl.job.environment import WorkerEnvironment
 
@@ -38,6 +50,8 @@ _completed = False
 _joined = False
 _marks_dir: str | None = None  # None: not decoded yet ("": no marks, not under elasticctl)
 _stop_requested = False
+_steps_counted = False  # the elastic runtime counts this worker's steps (State.commit tells each one)
+_stepped = False  # a step was committed in this process
 
 USAGE_ERROR_STATUS = 2  # argparse's parser.error, click's UsageError, script.run_main's user mistake
 
@@ -80,6 +94,25 @@ def note_joined() -> None:
     _joined = True
 
 
+def note_steps_counted() -> None:
+    """The script trains through the elastic runtime (:class:`elasticctl.train.state.State` is
+    bound to it): :func:`note_step` tells each step, so a failure before the first one is known."""
+    global _steps_counted
+    _steps_counted = True
+
+
+def note_step() -> None:
+    """A training step was committed (:meth:`elasticctl.train.state.State.commit`)."""
+    global _stepped
+    _stepped = True
+
+
+def _trained() -> bool:
+    # A script that counts its own steps says nothing of them: once it joined its peers it may
+    # have trained, and its failures keep the node's usual restart policy.
+    return _stepped or (not _steps_counted and _has_joined())
+
+
 def _has_joined() -> bool:
     # A script may form its group itself (dist.init_process_group), unnoticed by note_joined:
     # torch is loaded then, and its group still stands unless the script destroyed it.
@@ -96,6 +129,63 @@ def _mark(kind: str, text: str = "") -> None:
     if directory:
         with open(os.path.join(directory, f"{kind}-{os.environ.get('LOCAL_RANK', '0')}"), "w") as mark:
             mark.write(text)
+
+
+def _library_dirs() -> list[str]:
+    """Where code that is not the script's own lives: Python's library, installed packages,
+    elasticctl itself."""
+    paths = sysconfig.get_paths()
+    dirs = [paths.get(name, "") for name in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        dirs += [*site.getsitepackages(), site.getusersitepackages()]
+    except AttributeError:  # a virtualenv's old site module has neither
+        pass
+    dirs.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [os.path.abspath(d) for d in dirs if d]
+
+
+def _note_failure(error: BaseException) -> None:
+    """Leave the ``failure`` mark of ``error`` for the node (never raises: the script's own
+    exception is what the worker ends with)."""
+    from elasticctl.job import worker_failure
+
+    try:
+        frames = [(os.path.abspath(f.filename) if not f.filename.startswith("<") else f.filename, f.lineno or 0)
+                  for f in traceback.extract_tb(error.__traceback__)]
+        distributed = sys.modules.get("torch.distributed")
+        dist_error = getattr(distributed, "DistError", None)
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        from elasticctl.errors import ConfigError
+
+        syntax_at = None
+        if isinstance(error, SyntaxError) and error.filename:
+            syntax_at = (os.path.abspath(error.filename), error.lineno or 0)
+        involved = worker_failure.peers_involved(
+            frames[-1][0] if frames else "", distributed_error=dist_error is not None and isinstance(error, dist_error),
+            config_error=isinstance(error, ConfigError),
+            distributed_dir=os.path.dirname(distributed.__file__) if getattr(distributed, "__file__", None) else "",
+            package_dir=package)
+        record = worker_failure.describe(type(error).__name__, str(error), frames, library=_library_dirs(),
+                                         peers_involved=involved, trained=_trained(), syntax_at=syntax_at)
+        if record is not None:
+            _mark("failure", record.to_json())
+    except Exception as exc:  # noqa: BLE001 - without the mark the node keeps its usual policy
+        print(f"elasticctl: warning: cannot record the script's failure for its node: {exc}", file=sys.stderr)
+
+
+def _refuse_sampler_before_group(error: BaseException) -> None:
+    """torch's DistributedSampler built before any process group: the fix in one sentence, the
+    worker marked unrecoverable (every restart builds it again), and exit 1 without torch's
+    traceback."""
+    from elasticctl.train import porting
+
+    frames = [(f.filename, f.name) for f in traceback.extract_tb(error.__traceback__)]
+    reason = porting.sampler_before_group(error, frames)
+    if reason is None:
+        return
+    note_unrecoverable(reason)
+    print(f"elasticctl: error: {reason[0].upper()}{reason[1:]}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 def _mark_done() -> None:
@@ -136,6 +226,10 @@ def main(argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
             runpy.run_path(script, run_name="__main__")
         _completed = True
+    except Exception as exc:
+        _note_failure(exc)
+        _refuse_sampler_before_group(exc)
+        raise
     except SystemExit as exc:
         _completed = exc.code is None or exc.code == 0
         if refused_its_arguments(exc.code, _has_joined()):

@@ -12,6 +12,12 @@ process per worker, and neither fails on its own:
   of its own and nothing tells. The first forward names it, with the line that replaces it
   (:func:`warn_on_data_parallel`), on stderr and in the job's history.
 
+And one habit that fails, but in torch's words: torch's ``DistributedSampler(dataset)`` asks the
+default process group for the world size when it is built, so one built at module level (before
+``init_process_group``, or before ``elasticctl.train.run`` forms the first generation) raises
+"Default process group has not been initialized" in every worker. The entry turns that into the
+fix in one sentence (:func:`sampler_before_group`).
+
 :func:`install` sets both up; :mod:`elasticctl.train.entry` calls it before the script runs. The
 decisions are pure functions (:func:`spawn_refusal`, :func:`data_parallel_warning`), the rest
 only wires them to torch.
@@ -24,7 +30,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 SPAWN_FUNCTIONS = ("spawn", "start_processes")  # torch.multiprocessing's public ways to start workers
 DDP_LINE = ("model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank]) "
@@ -66,6 +72,29 @@ def data_parallel_warning(module: object, environ: Mapping[str, str]) -> str | N
         return None
     return ("nn.DataParallel only splits each batch over this process's GPUs, so every worker "
             f"trains a model of its own; replace it with {DDP_LINE}.")
+
+
+# Where torch's DistributedSampler asks for the world: its constructor, in this file of torch.
+SAMPLER_FILE = os.path.join("torch", "utils", "data", "distributed.py")
+NO_GROUP = "process group has not been initialized"  # torch's message for a missing default group
+
+
+def sampler_before_group(error: BaseException, frames: Sequence[tuple[str, str]]) -> str | None:
+    """The fix for ``error``, raised through ``frames`` (file, function; outermost first), when it
+    is torch's ``DistributedSampler(dataset)`` built before any process group exists; else None.
+
+    torch fills in the world size and rank it was not given from the default process group, and
+    raises when there is none yet (a sampler built at module level, or before ``run``). The
+    elastic runtime's sampler takes them from each generation instead.
+    """
+    if not isinstance(error, (ValueError, RuntimeError)) or NO_GROUP not in str(error):
+        return None
+    if not any(file.endswith(SAMPLER_FILE) and function == "__init__" for file, function in frames):
+        return None
+    return ("this script builds torch's DistributedSampler before any process group exists (at module "
+            "level, or before elastic.run): use elastic.ResumableSampler(dataset) (elasticctl.train), "
+            "which takes its world size and rank from each generation of workers, or build the "
+            "sampler after torch.distributed.init_process_group().")
 
 
 def _no_mark(reason: str) -> None:

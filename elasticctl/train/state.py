@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from elasticctl.errors import ConfigError, ElasticctlError
+from elasticctl.train import entry as worker_entry
 
 
 class StateError(ElasticctlError):
@@ -76,6 +77,7 @@ class State:
     def bind(self, runtime: Any) -> None:
         """The runtime that :meth:`commit` and :meth:`checkpoint` report to (elasticctl.train.runtime)."""
         self._runtime = runtime
+        worker_entry.note_steps_counted()  # a failure before the first commit is then known as such
 
     def commit(self, samples: int = 0, loss: float | None = None) -> None:
         """End a training step: apply the gradients (``optimizer.step``, ``zero_grad``, the
@@ -99,6 +101,7 @@ class State:
         if self.sampler is not None and samples:
             self.sampler.advance(samples)
         self.step += 1
+        worker_entry.note_step()  # its node then judges a failure as one after training began
         if self._runtime is not None:
             self._runtime.step_done(samples, loss)
 

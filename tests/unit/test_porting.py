@@ -6,6 +6,7 @@ The scripts themselves run under real `elasticctl up` in tests/process/test_port
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -150,3 +151,49 @@ def test_the_checks_wait_for_the_scripts_own_import_of_torch():
                             env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "True", "False"], result.stdout
+
+
+# -- torch's DistributedSampler built before any process group ------------------------------------
+
+NO_GROUP = ValueError("Default process group has not been initialized, please make sure to call "
+                      "init_process_group.")
+SAMPLER_INIT = ("/venv/site-packages/torch/utils/data/distributed.py", "__init__")
+GET_WORLD = ("/venv/site-packages/torch/distributed/distributed_c10d.py", "get_world_size")
+
+
+@pytest.mark.parametrize(("error", "frames", "fixed"), [
+    (NO_GROUP, [("/job/train.py", "<module>"), SAMPLER_INIT, GET_WORLD], True),
+    (NO_GROUP, [("/job/train.py", "main"), SAMPLER_INIT, GET_WORLD], True),
+    # the same error from elsewhere (a collective before init_process_group): torch's words stand
+    (NO_GROUP, [("/job/train.py", "<module>"), GET_WORLD], False),
+    (ValueError("Invalid rank 3, rank should be in the interval [0, 1]"), [("/job/train.py", "<module>"),
+                                                                          SAMPLER_INIT], False),
+    (KeyError("x"), [SAMPLER_INIT], False),
+])
+def test_sampler_before_group(error, frames, fixed):
+    reason = porting.sampler_before_group(error, frames)
+    if not fixed:
+        assert reason is None
+        return
+    assert reason.startswith("this script builds torch's DistributedSampler before any process group exists")
+    assert "use elastic.ResumableSampler(dataset)" in reason
+    assert reason.endswith(".") and reason.count(". ") == 0, "one sentence"
+
+
+def test_a_distributed_sampler_at_module_level_ends_the_worker_with_the_fix(torch_restored, capsys):
+    script = torch_restored / "train.py"
+    script.write_text("from torch.utils.data import DistributedSampler\n"
+                      "sampler = DistributedSampler(list(range(10)))\n")
+    with pytest.raises(ValueError) as raised:  # torch's, as the script raises it
+        runpy.run_path(str(script), run_name="__main__")
+    with pytest.raises(SystemExit) as exited:
+        entry._refuse_sampler_before_group(raised.value)
+    assert exited.value.code == 1
+    reason = (torch_restored / "unrecoverable-0").read_text()
+    assert reason.startswith("this script builds torch's DistributedSampler")
+    assert capsys.readouterr().err == f"elasticctl: error: T{reason[1:]}\n"
+
+
+def test_another_error_goes_on_as_the_script_raised_it(torch_restored, capsys):
+    entry._refuse_sampler_before_group(KeyError("x"))
+    assert capsys.readouterr().err == "" and not (torch_restored / "unrecoverable-0").exists()

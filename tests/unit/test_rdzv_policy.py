@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elasticctl.job.options import RecoveryMode
+from elasticctl.job.worker_failure import WorkerFailure
 from elasticctl.rendezvous.policy import (
     Budget,
     BudgetRules,
@@ -16,6 +17,7 @@ from elasticctl.rendezvous.policy import (
     charge,
     kill_for_lost,
     on_request,
+    repeated_failure,
     when_asked_for_waiting,
 )
 
@@ -139,3 +141,39 @@ def test_kill_for_lost(lost, states, kill):
 ])
 def test_on_request(request_, left, action):
     assert on_request(request_, left) is action
+
+
+# -- the same failure twice before a first step ----------------------------------------------------
+
+def failure(kind="ZeroDivisionError", file="/job/train.py", line=3, in_script=True, trained=False,
+            message="division by zero") -> WorkerFailure:
+    return WorkerFailure(kind=kind, message=message, file=file, line=line, in_script=in_script, trained=trained)
+
+
+@pytest.mark.parametrize(("previous", "current", "stops"), [
+    (failure(), failure(), True),                                 # an import-time error, twice
+    (failure(), failure(message="division by zero!"), True),      # the message may differ (a value in it)
+    (None, failure(), False),                                     # the first failure: usual policy
+    (failure(), None, False),                                     # this start left no record (killed)
+    (failure(), failure(kind="KeyError"), False),                 # another type
+    (failure(), failure(line=4), False),                          # another line
+    (failure(), failure(file="/job/model.py"), False),            # another file
+    (failure(trained=True), failure(), False),                    # the first one came after a step
+    (failure(), failure(trained=True), False),                    # this one after training began
+    (failure(in_script=False), failure(in_script=False), False),  # its peers' doing, maybe (a collective)
+    (failure(), failure(in_script=False), False),
+])
+def test_repeated_failure(previous, current, stops):
+    reason = repeated_failure(previous, current)
+    if not stops:
+        assert reason is None
+        return
+    assert reason == (f"its script failed the same way twice before its first step, ZeroDivisionError at line 3 "
+                      f"of /job/train.py ({current.message}), which every restart would repeat.")
+
+
+def test_a_repeated_failure_stops_the_node_as_an_unrecoverable_mark_does():
+    decision = after_workers_ended("a", RESTART, {"0"}, E, repeated_failure(failure(), failure()))
+    assert decision.action is NodeAction.STOP and decision.failure_event
+    assert decision.message.startswith("The node 'a' stops without restarting its workers: its script failed "
+                                       "the same way twice before its first step, ZeroDivisionError at line 3")
