@@ -1,0 +1,65 @@
+"""The guide's first trainer (docs/examples/train.py, the "Writing a trainer" page's code block as
+written: its sampler built at module level) runs to its last step, every way the page says.
+
+Each run ends with a final checkpoint (the runtime writes one when training ends): its step is
+the script's last, and its sampler's position tells at which world size the sampler dealt. With
+two workers, 6 steps of 32 samples each at world 2 are 1.5 epochs of the 256 samples: epoch 1,
+128 consumed. A sampler left at a world of one would have advanced 32 a step: epoch 0, 192.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from support.helpers import ELASTICCTL, REPO
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = str(REPO / "docs" / "examples" / "train.py")
+STEPS = 6  # the example's `steps`
+
+
+def final_checkpoint(directory) -> dict:
+    """What the run's final checkpoint says: step, world size, the sampler's position."""
+    files = sorted(directory.glob("step-*.pt"))
+    assert files, f"no checkpoint in {directory}"
+    saved = torch.load(files[-1], weights_only=True)
+    return {"step": saved["step"], "world_size": saved["world_size"], "sampler": saved["state"]["sampler"]}
+
+
+def position(world: int) -> dict:
+    consumed = STEPS * 32 * world
+    return {"epoch": consumed // 256, "consumed": consumed % 256, "seed": 0, "dataset_size": 256}
+
+
+def test_python_train_py_is_a_world_of_one(nodes, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    node = nodes("python", [sys.executable, EXAMPLE], env={"ELASTICCTL_CHECKPOINT_DIR": str(checkpoints)})
+    assert node.wait(120) == 0, node.log()
+    assert final_checkpoint(checkpoints) == {"step": STEPS, "world_size": 1, "sampler": position(1)}
+
+
+@pytest.mark.parametrize("recovery", ["restart", "hot"])
+def test_elasticctl_up(nodes, default_etcd, run_id, tmp_path, recovery):
+    checkpoints = tmp_path / "checkpoints"
+    node = nodes("up", [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1",
+                        "--nproc-per-node", "2", "--recovery", recovery, "--checkpoint-dir", str(checkpoints),
+                        EXAMPLE])
+    assert node.wait(180) == 0, node.log()
+    assert "Traceback" not in node.log(), node.log()
+    assert final_checkpoint(checkpoints) == {"step": STEPS, "world_size": 2, "sampler": position(2)}
+
+
+def test_plain_torchrun_with_the_etcd3_rendezvous(nodes, default_etcd, run_id, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+               "--rdzv-backend=etcd3", f"--rdzv-endpoint={default_etcd.endpoint}", f"--rdzv-id={run_id}",
+               "--rdzv-conf=last_call_timeout=1", "--max-restarts=0", "--monitor-interval=0.5",
+               "--local-addr=127.0.0.1", EXAMPLE]
+    node = nodes("torchrun", command, env={"ELASTICCTL_CHECKPOINT_DIR": str(checkpoints)})
+    assert node.wait(180) == 0, node.log()
+    assert "Traceback" not in node.log(), node.log()
+    assert final_checkpoint(checkpoints) == {"step": STEPS, "world_size": 2, "sampler": position(2)}
+
