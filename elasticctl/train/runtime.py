@@ -118,6 +118,15 @@ STOP_BOUND = 10.0
 EXIT_STOPPED_WITHOUT_BOUNDARY = 143  # 128 + SIGTERM: what the signal's default action returns
 
 
+def _no_seam(runtime: Runtime) -> None:
+    return None
+
+
+# A seam for tests: called on the training thread right after a step boundary has read the stop
+# flag, so that a test can deliver a stop there (one that boundary did not send), not by timing.
+after_stop_flag_read: Callable[[Runtime], None] = _no_seam
+
+
 def no_step_warning_after(node_ttl: float | None) -> float:
     """Seconds without a step boundary after which a worker warns: twice the longer of the node
     TTL and a minute. A joiner waits for a boundary to be admitted and a leaver to be let go;
@@ -680,11 +689,15 @@ class Runtime:
         (:func:`lifecycle.when_flags_agreed`). CPU tensors on the control group: reading them
         never waits for a GPU."""
         pending = self.membership.change_pending()
-        self._leaving_sent = self._leaving
+        # Read once: the SIGTERM handler sets it between any two bytecodes, and what this boundary
+        # sends must be what it records having sent (a worker that sent "leaving" while recording
+        # that it did not would re-form while the others enter the final checkpoint without it).
+        leaving = self._leaving_sent = self._leaving
+        after_stop_flag_read(self)
         when = lifecycle.when_flags_agreed(self.membership.mode, group.world_size)
         if when is lifecycle.FlagsAgreed.ALONE:
-            return Agreed(int(pending), int(self._leaving), 1)
-        flags = torch.tensor([int(pending), int(self._leaving)], dtype=torch.int64)
+            return Agreed(int(pending), int(leaving), 1)
+        flags = torch.tensor([int(pending), int(leaving)], dtype=torch.int64)
         self._flags_sent = (flags, dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.control_group,
                                                    async_op=True))
         return self._flags_in_flight() if when is lifecycle.FlagsAgreed.AT_THIS_BOUNDARY else None

@@ -208,6 +208,28 @@ def test_on_gpus_survivors_of_a_kill_abort_and_rebuild_their_nccl_group(hot_job)
     check_replicas_and_samples(job.steps())
 
 
+def test_a_stop_right_after_a_boundary_read_the_flag_waits_for_the_next_boundary(hot_job, tmp_path):
+    """What a boundary sends and what it records come from one read of the stop flag. b is told
+    to stop at its third boundary together with a, and sends "leaving" at the fourth; a is told
+    at that fourth boundary just after it read the flag (the runtime's seam, not a timing), so it
+    sends "not leaving" there, as it records. At the fifth, b leaves and a stays: both save the
+    step first, and a, told to stop too, leaves with it. Both end the same way, with the same
+    step saved once. Had a sent "leaving" while recording that it did not, b would enter the
+    whole job's final checkpoint and a would re-form without it: b's checkpoint would fail."""
+    checkpoints = tmp_path / "checkpoints"
+    job = hot_job(HotSettings(min_nodes=1, max_nodes=2, node_ttl=5, last_call=1.0, reform_last_call=0.5))
+    job.env["ELASTICCTL_CHECKPOINT_DIR"] = str(checkpoints)
+    workers = {"a": job.start("a", extra=["--stop-after-read-at", "4", "--step-sleep", "0.2"]),
+               "b": job.start("b", extra=["--stop-after-read-at", "3", "--step-sleep", "0.2"])}
+    for name, worker in workers.items():
+        assert worker.wait(120) == 0, f"{name}\n{worker.log()[-3000:]}"
+    left = {name: re.findall(r"\] left at step (\d+)(.*)", worker.log()) for name, worker in workers.items()}
+    assert left["a"] == left["b"] and len(left["a"]) == 1, left  # the same step, the same way
+    step = int(left["a"][0][0])
+    assert sorted(p.name for p in checkpoints.iterdir() if p.suffix == ".pt") == [f"step-{step:08d}.pt"]
+    assert not any("final checkpoint" in worker.log() for worker in workers.values())  # no retry, no failure
+
+
 def test_sigterm_ends_the_wait_for_a_generation(hot_job):
     job = hot_job(HotSettings(min_nodes=2, max_nodes=2, node_ttl=5, join_timeout=600))
     alone = job.start("a")

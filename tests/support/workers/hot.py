@@ -41,6 +41,8 @@ parser.add_argument("--backend-named", default=None, metavar="NAME",
                     help="train on torch's gloo registered as the backend NAME (torch's public Backend.register_"
                          "backend): to the runtime a training backend that is not gloo, as NCCL is not, so it "
                          "builds its gloo side group for the boundary collectives on a machine without GPUs")
+parser.add_argument("--stop-after-read-at", type=int, default=None, metavar="N",
+                    help="SIGTERM this worker at its N-th step boundary at world 2, right after it read the stop flag")
 parser.add_argument("--pg-timeout", type=float, default=None,
                     help="the training group's collective timeout in seconds (default: the node TTL)")
 args = parser.parse_args()
@@ -102,6 +104,21 @@ if args.backend_named:
         args.backend_named, lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
         devices=["cpu"])
     options["backend"] = args.backend_named
+if args.stop_after_read_at is not None:
+    import signal
+
+    from elasticctl.train import runtime as runtime_module
+
+    boundaries_at_2 = []
+
+    def stop_after_read(runtime) -> None:
+        if runtime.running_generation is None or runtime._group.world_size != 2:
+            return
+        boundaries_at_2.append(runtime.state.step)
+        if len(boundaries_at_2) == args.stop_after_read_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this call returns
+
+    runtime_module.after_stop_flag_read = stop_after_read
 elastic.run(state, train, checkpoint_every=args.checkpoint_every, **options)
 record.write(json.dumps({"event": "done", "step": state.step, "pid": os.getpid(), "time": time.time(),
                          "node": ENVIRONMENT.node}) + "\n")
