@@ -9,12 +9,11 @@ import os
 import re
 import shlex
 import signal
-import socket
 import sys
 
 import psutil
 
-from elasticctl import processes
+from elasticctl import addressing, processes
 from elasticctl.errors import ConfigError
 from elasticctl.job.options import up_defaults
 from elasticctl.job.spec import JobSpec
@@ -67,15 +66,9 @@ def is_loopback(host: str) -> bool:
 
 
 def primary_address() -> str:
-    """This node's first non-loopback IPv4 address on an interface that is up."""
-    stats = psutil.net_if_stats()
-    for name, addresses in sorted(psutil.net_if_addrs().items()):
-        if not stats.get(name) or not stats[name].isup:
-            continue
-        for address in addresses:
-            if address.family == socket.AF_INET and not is_loopback(address.address):
-                return address.address
-    return "127.0.0.1"
+    """The address this host advertises to a job whose etcd runs here: the source of its
+    default route (see elasticctl.addressing)."""
+    return addressing.advertised_address(None, None).address
 
 
 def interface_of(address: str) -> str | None:
@@ -84,11 +77,6 @@ def interface_of(address: str) -> str | None:
         if any(a.address.split("%")[0] == address for a in addresses):
             return name
     return None
-
-
-def local_address_for(etcd_host: str) -> str:
-    """The address other nodes should use for this one: loopback for a loopback job."""
-    return "127.0.0.1" if is_loopback(etcd_host) else primary_address()
 
 
 # torchrun's --tee/--redirects: one stream code (0 none, 1 stdout, 2 stderr, 3 both) for every

@@ -37,12 +37,12 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
     """Can this host run a node? One line per check; exit status 1 when one fails.
 
     Checks versions (and that they agree with the job's nodes), GPUs, the network
-    interface gloo would use, etcd latency, the clock against etcd's, a free port,
-    /dev/shm, that the checkpoint directory is writable, shared with the other nodes and has
+    interface gloo would use, the address this host advertises, etcd latency, the clock
+    against etcd's, a free port, /dev/shm, that the checkpoint directory is writable, shared with the other nodes and has
     room for the next checkpoint, that this host has the job's code, and that its GPUs compute.
     """
+    from elasticctl import addressing
     from elasticctl import doctor as checks
-    from elasticctl import launcher
     from elasticctl.embedded_etcd import embedded_endpoint
     from elasticctl.job.registry import list_jobs
 
@@ -70,8 +70,9 @@ def doctor(job, checkpoint_dir, local_addr, deep, as_json, **etcd_params) -> Non
                 if checkpoint_dir is None and spec is not None:
                     checkpoint_dir = spec.checkpoint_dir
         if local_addr is None:
-            local_addr = (launcher.local_address_for(settings.endpoints[0].host) if settings
-                          else launcher.primary_address())
+            # What up/join would advertise: the source of the route to etcd (an embedded etcd's
+            # endpoint is that address itself), or of the default route when no etcd is known.
+            local_addr = addressing.advertised_address(None, settings.endpoints[0].host if settings else None).address
         report = checks.run_checks(settings=settings, client=client, etcd_error=etcd_error, registry=registry,
                                    checkpoint_dir=checkpoint_dir, local_addr=local_addr, quick=False, deep=deep,
                                    key_prefix=etcd_params["key_prefix"], prepare=False, spec=spec)

@@ -14,6 +14,7 @@ import time
 import click
 from click.core import ParameterSource
 
+from elasticctl import addressing
 from elasticctl.cli.job_file import _load_config
 from elasticctl.cli.options import (
     _FLAT_ENV,
@@ -193,16 +194,18 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
         # Chosen now, so that the endpoint (and --dry-run) names the real port.
         etcd_port = etcd_port or free_port(etcd_listen)
         etcd_peer_port = etcd_peer_port or free_port(etcd_listen)
+        advertised, etcd_host = _embedded_addresses(etcd_listen, local_addr)
         server = EmbeddedEtcd(
             data_dir=etcd_data_dir, listen_host=etcd_listen, client_port=etcd_port, peer_port=etcd_peer_port,
-            advertise_host=None if launcher.is_loopback(etcd_listen) else launcher.primary_address(),
+            advertise_host=etcd_host,
         )
         settings = _settings(params, server.endpoint)
         _warn_if_exposed(settings, listening=Endpoint(etcd_listen, etcd_port))
     else:
         settings = _settings(params)
         _warn_if_exposed(settings)
-    local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
+        advertised = addressing.advertised_address(local_addr, settings.endpoints[0].host)
+    local_addr = advertised.address
     if dry_run:
         from elasticctl.node import torchrun_for
 
@@ -210,6 +213,8 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
                                                         worker_logs=worker_logs)))
         return
 
+    # A dry run's output is the command alone (its --local-addr says the address); a node says why.
+    click.echo(advertised.line(), err=True)
     try:
         if server is not None:
             _start_embedded(server, job)
@@ -246,6 +251,19 @@ def up(job, nnodes, nproc_per_node, checkpoint_dir, env, rdzv_conf, legacy_local
 
             forget_embedded(os.getpid())
             server.stop()
+
+
+def _embedded_addresses(listen: str, given: str | None) -> tuple[addressing.Advertised, str | None]:
+    """What a node whose etcd runs in its own process advertises, and the host in that etcd's
+    client URL (the endpoint of the join line; None: etcd's own default, loopback). On a wildcard
+    listen address both are this host's address: ``given`` (--local-addr), else the source of
+    its default route. On one address, etcd serves only there, so that is its URL's host, and the
+    node's address is the source of the route to it (the address itself)."""
+    if listen in ("0.0.0.0", "::", ""):
+        advertised = addressing.advertised_address(given, None)
+        return advertised, None if addressing.is_loopback(advertised.address) else advertised.address
+    advertised = addressing.advertised_address(given, listen)
+    return advertised, None if addressing.is_loopback(listen) else listen
 
 
 def _with_code_digests(spec: JobSpec, code_hash: str | None) -> JobSpec:
@@ -364,7 +382,8 @@ def join(job, wait_seconds, node_id, local_addr, skip_checks, checks, dry_run, *
                                                  wait_seconds))
     registry = Registry(client, job, etcd_params["key_prefix"])
     spec = registry.read_spec()
-    local_addr = local_addr or launcher.local_address_for(settings.endpoints[0].host)
+    advertised = addressing.advertised_address(local_addr, settings.endpoints[0].host)
+    local_addr = advertised.address
     if dry_run:
         from elasticctl.node import torchrun_for
 
@@ -372,6 +391,7 @@ def join(job, wait_seconds, node_id, local_addr, skip_checks, checks, dry_run, *
         click.echo(launcher.format_command(torchrun_for(spec, settings, etcd_params["key_prefix"], local_addr,
                                                         worker_logs=worker_logs)))
         return
+    click.echo(advertised.line(), err=True)
     _quick_doctor(client, registry, spec, local_addr, node_id, skip_checks, checks, record_refusal=True)
     _run_node(client, registry, spec, local_addr, node_id, hosts_etcd=False, worker_logs=worker_logs)
 

@@ -24,6 +24,7 @@ from elasticctl.doctor.checks import (
     Check,
     Status,
     decide_checkpoint_dir,
+    decide_advertised,
     decide_checkpoint_health,
     decide_etcd,
     decide_interface,
@@ -36,6 +37,7 @@ from elasticctl.doctor.gather import (
     MarkerOutcome,
     CUSTOM_CHECK_TIMEOUT_S,
     DEVICE_PROBE_TIMEOUT_S,
+    gather_advertised,
     gather_checkpoint_marker,
     gather_clock,
     gather_code,
@@ -63,8 +65,9 @@ __all__ = ["ADMISSION_CHECKS", "Check", "Report", "Status", "decide_job", "refus
 
 # The checks up and join run before a node registers (the admission checks), by name: what
 # --skip-check takes. "custom" is every --check CMD.
-ADMISSION_CHECKS = ("versions", "torch-agreement", "checkpoint-writes", "interface", "etcd", "etcd-version",
-                    "clock", "ports", "shm", "checkpoint-dir", "checkpoint-shared", "code", "devices", "custom")
+ADMISSION_CHECKS = ("versions", "torch-agreement", "checkpoint-writes", "interface", "address", "etcd",
+                    "etcd-version", "clock", "ports", "shm", "checkpoint-dir", "checkpoint-shared", "code", "devices",
+                    "custom")
 # All of them together, the etcd reads and the processes they run (the device probe, --check) included.
 ADMISSION_BUDGET_S = 10.0
 
@@ -122,6 +125,8 @@ def run_checks(*, settings: EtcdSettings | None, client: EtcdClient | None, etcd
     if not quick:
         add(gather_gpus(sorted(n for n, r in nodes.items() if r.get("gpus"))))
     add(decide_interface(gather_interface(local_addr, nodes)))
+    add(decide_advertised(gather_advertised(local_addr, settings.endpoints[0] if client is not None and settings
+                                            else None)))
     described = settings.describe() if settings else "(none)"
     if client is not None and settings is not None:
         read = registry.read_spec if registry else (lambda: read_probe(client, key_prefix))

@@ -270,6 +270,46 @@ def decide_interface(facts: InterfaceFacts) -> Check:
     return passed(name, f"{shown}{source}")
 
 
+@dataclasses.dataclass(frozen=True)
+class AdvertisedFacts:
+    """The address this node advertises, where it lives, and where etcd sees this host come from."""
+
+    local_addr: str
+    addresses: tuple[str, ...]          # what local_addr resolves to
+    interface: str | None = None        # the interface holding it, None when none does
+    kind: str | None = None             # that interface's kind (elasticctl.addressing)
+    local_only: bool = False            # a kind other hosts usually cannot reach (a bridge, docker0, ...)
+    etcd_endpoint: str | None = None
+    etcd_source: str | None = None      # the local address of a TCP connection to etcd; None: unknown
+
+
+def _loopback_address(address: str) -> bool:
+    return address == "localhost" or address.startswith("127.") or address == "::1"
+
+
+def decide_advertised(facts: AdvertisedFacts) -> Check:
+    """Warn when the advertised address is one other hosts are unlikely to reach: on a
+    host-local virtual interface, or not the address etcd sees this host connect from."""
+    name = "address"
+    problems = []
+    if facts.interface is not None and facts.local_only:
+        problems.append(f"the advertised address {facts.local_addr} is on {facts.interface}, a {facts.kind} "
+                        "interface that other hosts usually cannot reach")
+    mine = facts.addresses or (facts.local_addr,)
+    seen = facts.etcd_source
+    both_loopback = seen is not None and _loopback_address(seen) and all(_loopback_address(a) for a in mine)
+    if seen is not None and seen not in mine and not both_loopback:
+        problems.append(f"etcd at {facts.etcd_endpoint} sees this host connect from {seen}, not from the "
+                        f"advertised {facts.local_addr}")
+    if problems:
+        return Check(name, Status.WARN, "; ".join(problems),
+                     "Pass --local-addr with this host's address on the network the other nodes share "
+                     "(the one it reaches etcd from, unless a separate training network is meant).")
+    where = f" on {facts.interface} ({facts.kind})" if facts.interface else ""
+    agreed = ", the address etcd sees this host connect from" if seen is not None else ""
+    return passed(name, f"advertising {facts.local_addr}{where}{agreed}")
+
+
 def decide_etcd(endpoints: str, latencies_ms: Sequence[float], error: str | None) -> Check:
     """``error``: why connecting failed, a clause naming the endpoints (from etcd.connect)."""
     name = "etcd"

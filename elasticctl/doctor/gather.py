@@ -25,9 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import psutil
 
-from elasticctl import launcher
+from elasticctl import addressing, launcher
 from elasticctl.doctor.checks import (
     NVIDIA_SMI_QUERY,
+    AdvertisedFacts,
     Check,
     DateSample,
     EtcdMember,
@@ -49,7 +50,7 @@ from elasticctl.doctor.checks import (
 )
 from elasticctl.doctor.code import hash_code, hash_file, script_file
 from elasticctl.errors import ConfigError, ElasticctlError
-from elasticctl.etcd.client import EtcdClient, EtcdSettings, member_versions
+from elasticctl.etcd.client import Endpoint, EtcdClient, EtcdSettings, member_versions
 from elasticctl.etcd.retry import Backoff, poll
 from elasticctl.job.registry import Registry
 from elasticctl.job.spec import JobSpec
@@ -174,6 +175,27 @@ def gather_interface(local_addr: str, nodes: Mapping[str, dict],
     return InterfaceFacts(local_addr=local_addr, interface=interface, addresses=on_it, loopback=loopback,
                           variable=variable, requested=gloo or None, available=names,
                           nccl_requested=nccl, nccl_matches=nccl_matches, remote_nodes=remote)
+
+
+def gather_advertised(local_addr: str, etcd: Endpoint | None, timeout: float = 1.0) -> AdvertisedFacts:
+    """Where ``local_addr`` lives on this host, and the local address of a TCP connection to
+    ``etcd`` (the address etcd sees this host connect from; etcd has no cheap way to say it)."""
+    try:
+        resolved = tuple(dict.fromkeys(info[4][0].split("%")[0] for info in socket.getaddrinfo(local_addr, None)))
+    except (socket.gaierror, UnicodeError):
+        resolved = (local_addr,)
+    holder = next((i for i in addressing.gather_interfaces() if set(i.addresses) & set(resolved)), None)
+    source = None
+    if etcd is not None:
+        try:
+            with socket.create_connection((etcd.host, etcd.port), timeout=timeout) as connection:
+                source = connection.getsockname()[0].split("%")[0].removeprefix("::ffff:")
+        except (OSError, UnicodeError):
+            source = None  # unreachable: the etcd check says so
+    return AdvertisedFacts(local_addr=local_addr, addresses=resolved,
+                           interface=holder.name if holder else None, kind=holder.kind if holder else None,
+                           local_only=bool(holder and holder.local_only),
+                           etcd_endpoint=str(etcd) if etcd is not None else None, etcd_source=source)
 
 
 def gather_port(addr: str = "0.0.0.0") -> Check:

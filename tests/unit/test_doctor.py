@@ -7,13 +7,26 @@ tests/contract/test_doctor_clock.py, tests/process/test_doctor_cli.py.
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticctl import doctor
 from elasticctl.doctor import Report, checks, gather
-from elasticctl.doctor.checks import Check, DateSample, EtcdMember, Gpu, InterfaceFacts, RemoteNode, Status
+from elasticctl.doctor.checks import (
+    AdvertisedFacts,
+    Check,
+    DateSample,
+    EtcdMember,
+    Gpu,
+    InterfaceFacts,
+    RemoteNode,
+    Status,
+)
+from elasticctl.etcd.client import Endpoint
 from elasticctl.job.registry import NODE_FIELDS, typed_record
 
 
@@ -112,6 +125,53 @@ ETH0 = InterfaceFacts(local_addr="10.0.0.1", interface="eth0", addresses=("10.0.
 def test_interface(facts, status, needle):
     check = checks.decide_interface(facts)
     assert check.status is status and needle in check.detail, check
+
+
+ON_ETH0 = AdvertisedFacts(local_addr="10.0.0.5", addresses=("10.0.0.5",), interface="eth0", kind="physical",
+                          etcd_endpoint="10.0.0.2:2379", etcd_source="10.0.0.5")
+ON_DOCKER0 = AdvertisedFacts(local_addr="172.17.0.1", addresses=("172.17.0.1",), interface="docker0",
+                             kind="bridge", local_only=True, etcd_endpoint="10.0.0.2:2379", etcd_source="172.17.0.1")
+
+
+@pytest.mark.parametrize(("facts", "status", "needles"), [
+    (ON_ETH0, PASS, ["advertising 10.0.0.5 on eth0 (physical), the address etcd sees this host connect from"]),
+    (dataclasses.replace(ON_ETH0, etcd_source=None, etcd_endpoint=None), PASS, ["advertising 10.0.0.5 on eth0"]),
+    # A pod's eth0 (a veth, no device behind it) is its way out: no warning.
+    (dataclasses.replace(ON_ETH0, kind="virtual"), PASS, ["on eth0 (virtual)"]),
+    (ON_DOCKER0, WARN, ["the advertised address 172.17.0.1 is on docker0, a bridge interface that other hosts "
+                        "usually cannot reach"]),
+    (dataclasses.replace(ON_ETH0, etcd_source="192.168.1.5"), WARN,
+     ["etcd at 10.0.0.2:2379 sees this host connect from 192.168.1.5, not from the advertised 10.0.0.5"]),
+    # Both at once: one sentence each, in one warning.
+    (dataclasses.replace(ON_DOCKER0, etcd_source="10.0.0.5"), WARN,
+     ["is on docker0, a bridge interface", "sees this host connect from 10.0.0.5, not from the advertised 172.17.0.1"]),
+    # A name: compared by what it resolves to.
+    (dataclasses.replace(ON_ETH0, local_addr="node-a", addresses=("10.0.0.5",)), PASS, ["advertising node-a"]),
+    # A loopback job: etcd sees ::1 or 127.0.0.1, either is this host.
+    (AdvertisedFacts(local_addr="127.0.0.1", addresses=("127.0.0.1",), interface="lo", kind="virtual",
+                     etcd_endpoint="localhost:2379", etcd_source="::1"), PASS, ["advertising 127.0.0.1 on lo"]),
+    # An address no interface holds (behind NAT): the interface check speaks of that; etcd's view still counts.
+    (AdvertisedFacts(local_addr="203.0.113.7", addresses=("203.0.113.7",), etcd_endpoint="10.0.0.2:2379",
+                     etcd_source="10.0.0.5"), WARN, ["connect from 10.0.0.5, not from the advertised 203.0.113.7"]),
+])
+def test_advertised_address(facts, status, needles):
+    check = checks.decide_advertised(facts)
+    assert check.status is status and all(n in check.detail for n in needles), check
+    assert check.name == "address"
+    if status is WARN:
+        assert "--local-addr" in check.fix and check.fix.endswith(".")
+
+
+def test_advertised_facts_from_a_real_connection_on_loopback():
+    # Any TCP listener stands for etcd here: what counts is the local end of the connection.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        facts = gather.gather_advertised("127.0.0.1", Endpoint("127.0.0.1", port))
+    assert (facts.interface, facts.etcd_source, facts.local_only) == ("lo", "127.0.0.1", False), facts
+    assert checks.decide_advertised(facts).status is PASS
+    # Nothing listens: the source is unknown (the etcd check reports the failure), no warning.
+    facts = gather.gather_advertised("127.0.0.1", Endpoint("127.0.0.1", port))
+    assert facts.etcd_source is None and checks.decide_advertised(facts).status is PASS
 
 
 @pytest.mark.parametrize(("published", "remote"), [
