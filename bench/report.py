@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from bench import reconfigure as reconfigure_bench
+from bench import shapes as shapes_bench
 from bench import stragglers as straggler_bench
 from bench import trust as trust_bench
 from elasticctl.train.timeline import PHASE_NAMES
@@ -962,6 +963,7 @@ def markdown(results: dict, png: str | None) -> str:
         *([hot_targets(results), ""] if _ran_hot(results) else []),
         *recovery_phase_section(results),
         *reconfigure_bench.section(results, _cell, _ratio),
+        *shapes_bench.section(results, _cell),
         *straggler_bench.section(results),
         *trust_bench.section(results),
         ("Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
