@@ -145,7 +145,7 @@ def fit(args: argparse.Namespace, model: nn.Module, train_set: Dataset, test_set
 
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    sampler = ResumableSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
+    sampler = ResumableSampler(train_set, seed=args.seed)
     # epoch_loss: this rank's loss sum and batch count over the epoch so far
     state = elastic.State(model, optimizer, scaler=torch.amp.GradScaler(device.type, enabled=amp), sampler=sampler,
                           global_batch=args.global_batch, epoch_loss=[0.0, 0])

@@ -286,7 +286,7 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
     task = make_task(args, device)
     optimizer, dataset = task.optimizer, task.dataset
     sharded = task.run_options.get("sharded", False)
-    sampler = elastic.ResumableSampler(dataset, num_replicas=1, rank=0, seed=args.seed)
+    sampler = elastic.ResumableSampler(dataset, seed=args.seed)
     # global_batch: chosen at the first start (or by the flag), then fixed across world sizes.
     state = elastic.State(task.model, optimizer, sampler=sampler, samples_seen=0, global_batch=args.global_batch,
                           **task.state_options)

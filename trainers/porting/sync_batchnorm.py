@@ -94,8 +94,7 @@ def main(args):
         print("sync_batchnorm.py: no GPU: SyncBatchNorm runs on GPUs only, training with BatchNorm", flush=True)
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    # num_replicas/rank: the runtime sets them for each generation
-    state = elastic.State(model, optimizer, sampler=elastic.ResumableSampler(dataset, num_replicas=1, rank=0))
+    state = elastic.State(model, optimizer, sampler=elastic.ResumableSampler(dataset))
 
     def train(state, group):  # re-entered for every generation of workers
         while state.step < args.steps:
