@@ -25,6 +25,7 @@ import psutil
 
 # Kinds of interfaces, from what sysfs says of them (and their names, where it says nothing).
 PHYSICAL = "physical"
+LOOPBACK = "loopback"
 BOND = "bond"          # virtual in sysfs, but stacked on physical NICs: often a server's uplink
 VLAN = "vlan"          # likewise
 BRIDGE = "bridge"
@@ -51,10 +52,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def interface_kind(name: str, *, has_device: bool, bridge: bool = False, tuntap: bool = False,
-                   bond: bool = False, vlan: bool = False) -> str:
-    """What sort of interface ``name`` is: what sysfs shows first (a bridge, a tun/tap, a device
-    behind it), then a bond or VLAN, then what its name says."""
+def interface_kind(name: str, *, has_device: bool, loopback: bool = False, bridge: bool = False,
+                   tuntap: bool = False, bond: bool = False, vlan: bool = False) -> str:
+    """What sort of interface ``name`` is: loopback, then what sysfs shows (a bridge, a tun/tap,
+    a device behind it), then a bond or VLAN, then what its name says."""
+    if loopback:
+        return LOOPBACK
     if bridge:
         return BRIDGE
     if tuntap:
@@ -169,16 +172,19 @@ def gather_interfaces() -> tuple[NetInterface, ...]:
     found = []
     for name, entries in psutil.net_if_addrs().items():
         addresses = tuple(a.address.split("%")[0] for a in entries if a.family in (socket.AF_INET, socket.AF_INET6))
+        stat = stats.get(name)
+        loopback = "loopback" in getattr(stat, "flags", "").split(",") or (
+            bool(addresses) and all(is_loopback(a) for a in addresses))
         kind = interface_kind(
             name,
             has_device=os.path.exists(_sys_net(name, "device")),
+            loopback=loopback,
             bridge=os.path.isdir(_sys_net(name, "bridge")),
             tuntap=os.path.exists(_sys_net(name, "tun_flags")),
             bond=os.path.isdir(_sys_net(name, "bonding")),
             vlan=os.path.exists(os.path.join("/proc/net/vlan", name)),
         )
-        loopback = bool(addresses) and all(is_loopback(a) for a in addresses)
-        found.append(NetInterface(name, bool(stats.get(name) and stats[name].isup), addresses, kind, loopback))
+        found.append(NetInterface(name, bool(stat and stat.isup), addresses, kind, loopback))
     return tuple(sorted(found, key=lambda i: i.name))
 
 

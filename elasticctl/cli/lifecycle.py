@@ -138,7 +138,9 @@ def admission_options(command):
 @click.option("--legacy-local-rank", is_flag=True, help="Hand each worker --local_rank=N, as torch.distributed.launch did.")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
-@click.option("--local-addr", default=None, callback=_not_empty, help="This node's address as other nodes see it.")
+@click.option("--local-addr", default=None, callback=_not_empty,
+              help="This node's address as other nodes see it (default: the source of this host's route to etcd; "
+                   "with the embedded etcd, of its default route).")
 @click.option("--etcd-listen", default="0.0.0.0", show_default=True, help="Embedded etcd: address to listen on.")
 @click.option("--etcd-port", type=_PORT, default=2379, show_default=True,
               help="Embedded etcd: client port (0: a free port).")
@@ -363,7 +365,9 @@ def _start_embedded(server, job: str) -> None:
               help="Wait this long for the job to be published (nodes started before `up`).")
 @click.option("--node-id", default=None, callback=_checked_name("node id"),
               help="This node's id in the job (default: the host name, made unique).")
-@click.option("--local-addr", default=None, callback=_not_empty, help="This node's address as other nodes see it.")
+@click.option("--local-addr", default=None, callback=_not_empty,
+              help="This node's address as other nodes see it (default: the source of this host's route to etcd; "
+                   "with the embedded etcd, of its default route).")
 @admission_options
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and exit.")
 @worker_log_options

@@ -10,6 +10,7 @@ from elasticctl.addressing import (
     BOND,
     BRIDGE,
     CONTAINER,
+    LOOPBACK,
     PHYSICAL,
     TUNTAP,
     VIRTUAL,
@@ -20,7 +21,7 @@ from elasticctl.addressing import (
     parse_default_gateway,
 )
 
-LO = NetInterface("lo", True, ("127.0.0.1", "::1"), VIRTUAL, loopback=True)
+LO = NetInterface("lo", True, ("127.0.0.1", "::1"), LOOPBACK, loopback=True)
 DOCKER0 = NetInterface("docker0", True, ("172.17.0.1",), BRIDGE)
 ETH0 = NetInterface("eth0", True, ("10.0.0.5", "fe80::1"), PHYSICAL)
 VETH = NetInterface("veth1a2b", True, ("169.254.3.1",), CONTAINER)
@@ -76,7 +77,7 @@ def test_the_address_and_why(given, etcd_host, source, interfaces, address, reas
     ("cni0", {"has_device": False}, CONTAINER),
     ("flannel.1", {"has_device": False}, CONTAINER),
     ("eth0", {"has_device": False}, VIRTUAL),                        # a pod's or a namespace's veth
-    ("lo", {"has_device": False}, VIRTUAL),
+    ("lo", {"has_device": False, "loopback": True}, LOOPBACK),
 ])
 def test_interface_kind(name, facts, kind):
     assert interface_kind(name, **facts) == kind
@@ -114,7 +115,8 @@ def test_the_readers_on_this_host():
     assert addressing.gather_route_source("127.0.0.1") == "127.0.0.1"
     assert addressing.gather_route_source("no-such-host.invalid") is None
     interfaces = {i.name: i for i in addressing.gather_interfaces()}
-    assert interfaces["lo"].loopback and interfaces["lo"].up and "127.0.0.1" in interfaces["lo"].addresses
+    assert interfaces["lo"].loopback and interfaces["lo"].kind == LOOPBACK and interfaces["lo"].up
+    assert "127.0.0.1" in interfaces["lo"].addresses
     assert addressing.gather_default_route_source("/no/such/route/file") is None
     # The readers and the rule together: the loopback job reads nothing, a given address wins.
     assert addressing.advertised_address(None, "127.0.0.1").address == "127.0.0.1"

@@ -148,7 +148,7 @@ ON_DOCKER0 = AdvertisedFacts(local_addr="172.17.0.1", addresses=("172.17.0.1",),
     # A name: compared by what it resolves to.
     (dataclasses.replace(ON_ETH0, local_addr="node-a", addresses=("10.0.0.5",)), PASS, ["advertising node-a"]),
     # A loopback job: etcd sees ::1 or 127.0.0.1, either is this host.
-    (AdvertisedFacts(local_addr="127.0.0.1", addresses=("127.0.0.1",), interface="lo", kind="virtual",
+    (AdvertisedFacts(local_addr="127.0.0.1", addresses=("127.0.0.1",), interface="lo", kind="loopback",
                      etcd_endpoint="localhost:2379", etcd_source="::1"), PASS, ["advertising 127.0.0.1 on lo"]),
     # An address no interface holds (behind NAT): the interface check speaks of that; etcd's view still counts.
     (AdvertisedFacts(local_addr="203.0.113.7", addresses=("203.0.113.7",), etcd_endpoint="10.0.0.2:2379",
