@@ -33,6 +33,7 @@ from elasticctl.etcd.client import EtcdClient
 SHAPES = ((3, 1), (4, 1), (5, 1), (8, 1), (3, 2), (4, 2))
 COMPARED = ((3, 1), (5, 1))  # shapes at which restart mode and plain torchrun run too
 TARGET_S = 0.5  # hot mode: SIGKILL -> first step at the smaller world, every run, at every shape
+FREEZE_MARGIN_S = 0.3  # hot mode: SIGSTOP -> first step at the smaller world within the node TTL + this
 # "[d.0] generation 4 ends at step 30: RuntimeError: ... Timed out waiting 2000ms for recv operation ..."
 _TIMED_OUT = re.compile(r"generation \d+ ends at step \d+: .*Timed out waiting \d+ ?ms")
 
@@ -65,9 +66,11 @@ def summarize(seconds: list[float | None]) -> dict:
 
 
 def kill_rounds(system: str, nodes: int, per_node: int, repeats: int, workdir: Path, etcd: EtcdClient,
-                cap: float) -> dict:
+                cap: float, freezes: int = 0) -> dict:
     """One job of ``system`` at ``nodes`` x ``per_node``; ``repeats`` kills, each of another node
-    replaced by a fresh one before the next. {"runs": [{"seconds", "timed_out"}...], **summarize}"""
+    replaced by a fresh one before the next. {"runs": [{"seconds", "timed_out"}...], **summarize};
+    then ``freezes`` SIGSTOPs of a node (``"freezes"``: seconds to the smaller world each, the
+    frozen node SIGCONTed and back at the full world before the next)."""
     names = [chr(ord("a") + i) for i in range(nodes)]
     up_args = ("--nproc-per-node", str(per_node)) if per_node > 1 and system != "torchrun" else ()
     cluster = Cluster(system, workdir, list(EVENT_TRAINING), etcd, nnodes=f"1:{nodes}", up_args=up_args,
@@ -96,7 +99,7 @@ def kill_rounds(system: str, nodes: int, per_node: int, repeats: int, workdir: P
                     if cluster.nodes[n].log_path.exists()}
             runs.append({"seconds": None if reached is None else round(reached - killed, 3),
                          "victim": victim, "timed_out": timed_out_lines(logs, lines_before)})
-            if reached is None or repeat == repeats - 1:
+            if reached is None or (repeat == repeats - 1 and not freezes):
                 break
             replacement = f"{victim}{repeat + 1}"
             members = [replacement if n == victim else n for n in members]
@@ -105,14 +108,38 @@ def kill_rounds(system: str, nodes: int, per_node: int, repeats: int, workdir: P
             if cluster.wait_world(nodes * per_node, set(members), back, cap * 2) is None:
                 runs[-1]["after"] = f"the replacement did not bring back world {nodes * per_node} within {cap * 2:g} s"
                 break
+        frozen = freeze_rounds(cluster, members, nodes, per_node, freezes, cap) if freezes and len(runs) == repeats \
+            and runs[-1]["seconds"] is not None and "after" not in runs[-1] else []
     finally:
         cluster.close()
-    return {"runs": runs, **summarize([r["seconds"] for r in runs] + [None] * (repeats - len(runs)))}
+    return {"runs": runs, **summarize([r["seconds"] for r in runs] + [None] * (repeats - len(runs))),
+            **({"freezes": frozen} if freezes else {})}
+
+
+def freeze_rounds(cluster: Cluster, members: list[str], nodes: int, per_node: int, freezes: int,
+                  cap: float) -> list[float | None]:
+    """SIGSTOP a node other than the first ``freezes`` times: seconds to the survivors' first step at
+    the smaller world each (None: not within ``cap``); SIGCONT, and the full world back, between."""
+    seconds: list[float | None] = []
+    for repeat in range(freezes):
+        time.sleep(1.0)
+        victim = members[1 + repeat % (len(members) - 1)]
+        survivors = set(members) - {victim}
+        frozen = cluster.clock()
+        cluster.nodes[victim].signal_tree(signal.SIGSTOP)
+        reached = cluster.wait_world((nodes - 1) * per_node, survivors, frozen, cap)
+        seconds.append(None if reached is None else round(reached - frozen, 3))
+        thawed = cluster.clock()
+        cluster.nodes[victim].signal_tree(signal.SIGCONT)
+        if reached is None or cluster.wait_world(nodes * per_node, set(members), thawed, cap * 2) is None:
+            break
+    return seconds
 
 
 def run(repeats: int, root: Path, etcd: EtcdClient, cap: float, shapes=SHAPES, compared=COMPARED,
-        systems=("elasticctl-hot", "elasticctl", "torchrun"), report=lambda line: None) -> dict:
-    """{shape name: {system: kill_rounds' result}}: hot mode at every shape, the others at ``compared``."""
+        systems=("elasticctl-hot", "elasticctl", "torchrun"), report=lambda line: None, freezes: int = 1) -> dict:
+    """{shape name: {system: kill_rounds' result}}: hot mode at every shape (and ``freezes`` SIGSTOPs
+    after its kills), the others at ``compared``."""
     out: dict = {}
     for nodes, per_node in shapes:
         name = shape_name(nodes, per_node)
@@ -120,7 +147,8 @@ def run(repeats: int, root: Path, etcd: EtcdClient, cap: float, shapes=SHAPES, c
             if system != "elasticctl-hot" and ((nodes, per_node) not in compared or
                                                (system == "torchrun" and per_node > 1)):
                 continue
-            result = kill_rounds(system, nodes, per_node, repeats, root / f"shape-{name}-{system}", etcd, cap)
+            result = kill_rounds(system, nodes, per_node, repeats, root / f"shape-{name}-{system}", etcd, cap,
+                                 freezes=freezes if system == "elasticctl-hot" else 0)
             out.setdefault(name, {})[system] = result
             report(f"kill at {name}, {system}: {json.dumps({k: v for k, v in result.items() if k != 'runs'})}; "
                    f"runs {[r['seconds'] for r in result['runs']]}"
@@ -149,6 +177,21 @@ def verdict(entry: dict) -> str:
             + ")")
 
 
+def freeze_verdict(entry: dict, node_ttl: float) -> str:
+    """Hot mode's freeze target at every shape it froze a node: the node TTL + FREEZE_MARGIN_S."""
+    target = node_ttl + FREEZE_MARGIN_S
+    frozen = {shape: systems["elasticctl-hot"]["freezes"] for shape, systems in entry.items()
+              if systems.get("elasticctl-hot", {}).get("freezes")}
+    if not frozen:
+        return f"a freeze → first step ≤ node TTL + {FREEZE_MARGIN_S:g} s: not measured"
+    over = [f"{shape} ({max(v for v in values if v is not None):.2f} s)" if any(v is not None for v in values)
+            else f"{shape} (no value)" for shape, values in frozen.items()
+            if None in values or max(values) > target]
+    return (f"a freeze → first step ≤ node TTL + {FREEZE_MARGIN_S:g} s ({target:g} s) at every shape: "
+            + ("met" if not over else "missed") + f" ({len(frozen)} shapes"
+            + (f"; over: {', '.join(over)}" if over else "") + ")")
+
+
 def section(results: dict, cell) -> list[str]:
     """BENCHMARKS.md's table of this bench (``cell``: bench/report.py's formatting); empty for
     results without it."""
@@ -170,8 +213,10 @@ def section(results: dict, cell) -> list[str]:
         hot = systems.get("elasticctl-hot") or {}
         timed_out = sum(bool(r.get("timed_out")) for r in hot.get("runs", []))
         maximum = hot.get("max_s")
+        frozen = cell(hot["freezes"], None, digits=3) if hot.get("freezes") else "—"
         rows.append(f"| {shape.replace('x', ' × ')} | {' | '.join(cells)} | "
-                    f"{'—' if maximum is None else f'{maximum:.3f}'} | {timed_out} of {len(hot.get('runs', []))} |")
+                    f"{'—' if maximum is None else f'{maximum:.3f}'} | {timed_out} of {len(hot.get('runs', []))} "
+                    f"| {frozen} |")
     return [
         "### A crash at every shape: SIGKILL of one node → first step at the smaller world",
         "",
@@ -180,16 +225,17 @@ def section(results: dict, cell) -> list[str]:
          "shape and system: a node other than the first is SIGKILLed (its whole process tree), the "
          "survivors are timed from the signal to the latest of their first steps at the smaller world, "
          "and a fresh node takes the killed one's place before the next repeat. Restart mode and plain "
-         "torchrun run at 3 × 1 and 5 × 1 for comparison. Cells: median (min–max, n). The last column "
-         "counts the hot repeats in which some survivor's generation ended by its collective's timeout "
-         "(the node TTL) rather than by a peer's closed connection."),
+         "torchrun run at 3 × 1 and 5 × 1 for comparison. Cells: median (min–max, n). \"Ended by a "
+         "timeout\" counts the hot repeats in which some survivor's generation ended by its collective's "
+         "timeout (the node TTL) rather than by a peer's closed connection. After its kills, each hot job "
+         "SIGSTOPs a node (noticed by its lease, at the node TTL) and SIGCONTs it."),
         "",
         "| nodes × workers | " + " | ".join(label for _, label in SYSTEM_COLUMNS)
-        + " | hot: max (s) | hot: ended by a timeout |",
-        "|---|---|---|---|---|---|",
+        + " | hot: max (s) | hot: ended by a timeout | hot: SIGSTOP → smaller world (s) |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"Target: {verdict(entry)}.",
+        f"Targets: {verdict(entry)}; {freeze_verdict(entry, results['settings'].get('node_ttl_s', 2))}.",
         "",
     ]
 

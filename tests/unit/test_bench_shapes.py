@@ -77,16 +77,29 @@ def test_the_target_holds_at_every_shape_and_every_run(entry, expected):
 
 
 def test_the_table_has_a_row_per_shape_with_the_systems_compared_where_they_ran():
-    entry = {"3x1": {"elasticctl-hot": _hot(0.1, 0.2, 0.15), "elasticctl": _hot(9.0), "torchrun": _hot(17.0)},
+    entry = {"3x1": {"elasticctl-hot": {**_hot(0.1, 0.2, 0.15), "freezes": [2.1]}, "elasticctl": _hot(9.0),
+                     "torchrun": _hot(17.0)},
              "3x2": {"elasticctl-hot": _hot(0.3, 0.6, timed_out=(1,))}}
     text = "\n".join(shapes.section(_results(entry), report._cell))
     assert "| 3 × 1 | 0.150 (0.100–0.200, n=3) | 9.000 (9.000–9.000, n=1) | 17.000 (17.000–17.000, n=1) | 0.200 " \
-           "| 0 of 3 |" in text
-    assert "| 3 × 2 | 0.450 (0.300–0.600, n=2) | — | — | 0.600 | 1 of 2 |" in text
-    assert "Target: hot mode SIGKILL → first step ≤ 0.5 s at every shape, every run: missed" in text
+           "| 0 of 3 | 2.100 (2.100–2.100, n=1) |" in text
+    assert "| 3 × 2 | 0.450 (0.300–0.600, n=2) | — | — | 0.600 | 1 of 2 | — |" in text
+    assert "Targets: hot mode SIGKILL → first step ≤ 0.5 s at every shape, every run: missed" in text
+    assert "a freeze → first step ≤ node TTL + 0.3 s (2.3 s) at every shape: met (1 shapes)" in text
     assert shapes.section({"scenarios": {}}, report._cell) == []
 
 
 def test_bench_run_has_the_section_and_its_repeats():
     assert "kill_shapes" in run.ALL
     assert run.PLANS["quick"].kill_shape_repeats == 5
+
+
+@pytest.mark.parametrize("freezes, expected", [
+    ({"3x1": [2.1], "5x1": [2.2]}, "met (2 shapes)"),
+    ({"3x1": [2.1], "5x1": [2.4]}, "missed (2 shapes; over: 5x1 (2.40 s))"),
+    ({"4x2": [None]}, "missed (1 shapes; over: 4x2 (no value))"),
+    ({}, "not measured"),
+])
+def test_a_freeze_costs_the_node_ttl_and_little_more_at_every_shape(freezes, expected):
+    entry = {shape: {"elasticctl-hot": {**_hot(0.1), "freezes": values}} for shape, values in freezes.items()}
+    assert shapes.freeze_verdict(entry, 2).endswith(expected)
