@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,21 @@ def write_failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
+def process_rank(group_rank: int | None, environ: Mapping[str, str]) -> int:
+    """This process's rank: its process group's (``group_rank``, None while there is none), else
+    the ``RANK`` torchrun hands every worker, which its group will have once the script calls
+    ``init_process_group`` (a Checkpointer built at module level, before it: not every worker a
+    writer); 0 outside any launcher or with a ``RANK`` that is no number."""
+    if group_rank is not None:
+        return group_rank
+    try:
+        return max(int(environ.get("RANK", "0")), 0)
+    except ValueError:
+        return 0
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return process_rank(dist.get_rank() if dist.is_available() and dist.is_initialized() else None, os.environ)
 
 
 def _fsync_dir(path: Path) -> None:
