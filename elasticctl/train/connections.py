@@ -15,8 +15,10 @@ fails, and does the same, so the failure crosses the whole world in a few round 
 training group and the gloo side group of an NCCL job alike. The descriptors stay gloo's: it
 closes them when the group goes.
 
-Which connections: those this process opened while it built the generation's groups (recorded
-around the build on the training thread), less the ports of etcd and the generation's store,
+Which connections: those this process opened while it built the generation's gloo groups
+(recorded around the build on the training thread: the training group where it is gloo alone,
+else only the gloo side group of the step boundaries, since an NCCL group's own sockets are
+its abort's business), less the ports of etcd and the generation's store,
 and only while each is still the same socket (a descriptor number reused for another socket is
 never touched). Connections a kept group brought over from an earlier generation stay recorded
 while they live. The choice is :func:`to_sever` (pure, table-tested); :class:`GenerationConnections`

@@ -83,7 +83,7 @@ from elasticctl.train import lifecycle
 from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary
 from elasticctl.train.lifecycle import Command, WorkerState, on_stop_request, transition
 from elasticctl.train.connections import GenerationConnections
-from elasticctl.train.loss_abort import LossAbort
+from elasticctl.train.loss_abort import LossAbort, backend_aborts
 from elasticctl.train.membership import HotMembership, Membership, RestartMembership
 from elasticctl.train.peer_copies import PeerCopies
 from elasticctl.train.phase import Phase
@@ -404,7 +404,10 @@ class Runtime:
         except JoinCancelled:
             return lifecycle.JoinCancelled()
         self.mark_recovery("sealed")
-        connections_before = self._connections.current() if self._connections is not None else None
+        # Only gloo's connections (train/connections.py): an NCCL group's own sockets are its
+        # abort's business, so with NCCL only the gloo side group's are recorded.
+        records_training_group = self._connections is not None and not backend_aborts(self.backend)
+        connections_before = self._connections.current() if records_training_group else None
         try:
             if not sealed.groups_ready:
                 if self.group_choice.strategy is GroupStrategy.RECONFIGURE:
@@ -416,6 +419,8 @@ class Runtime:
                 else:
                     self.store = build_generation_group(sealed.generation, sealed.rank, self.backend,
                                                         self.pg_timeout, self.device)
+            if self._connections is not None and connections_before is None:
+                connections_before = self._connections.current()
             self.control_group = build_control_group(self.backend, self.pg_timeout)
             if connections_before is not None:
                 self._connections.record_build(connections_before, sealed.generation.master_port)
