@@ -8,6 +8,7 @@ at once (nobody else to blame), so each failure's charge is known when the call 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from elasticctl.job import environment
 from elasticctl.job.events import EventLog
 from elasticctl.job.records import EventKind, FailureCause, MemberState
 from elasticctl.job.registry import Registry
+from elasticctl.job.worker_failure import WorkerFailure
 
 
 @pytest.fixture
@@ -153,6 +155,52 @@ def test_an_unrecoverable_worker_stops_the_node_without_spending_a_restart(handl
     assert members["a"]["cause"] == FailureCause.STOPPED
     assert [e.reason for e in events if e.kind is EventKind.WORKERS_FAILED] == ["the disk is full"]
     assert handler.restarts_spent == 0
+
+
+IMPORT_ERROR = WorkerFailure(kind="ZeroDivisionError", message="division by zero", file="/job/train.py", line=2,
+                             in_script=True, trained=False)
+
+
+def failed_with(record: str) -> None:
+    """The workers of the current round ended, local rank 0 leaving ``record`` of its failure."""
+    workers_ended()
+    Path(os.environ[environment.WORKER_MARKS], "failure-0").write_text(record)
+
+
+def test_the_same_failure_before_a_first_step_twice_stops_the_node(handler_for, records):
+    handler = handler_for(max_restarts=5, quarantine_after=5)
+    handler.next_rendezvous()
+    failed_with(IMPORT_ERROR.to_json())
+    handler.next_rendezvous()  # the first one: restarted, as any failure
+    assert handler.restarts_spent == 1
+    failed_with(IMPORT_ERROR.to_json())
+    with pytest.raises(SystemExit) as stop:
+        handler.next_rendezvous()
+    assert stop.value.code == 1
+    handler.shutdown()
+    members, events = records()
+    reason = ("its script failed the same way twice before its first step, ZeroDivisionError at line 2 of "
+              "/job/train.py (division by zero), which every restart would repeat.")
+    assert (members["a"]["state"], members["a"]["cause"], members["a"]["reason"]) == (
+        "failed", FailureCause.STOPPED, reason)
+    assert reason in [e.reason for e in events if e.kind is EventKind.WORKERS_FAILED]
+    assert handler.restarts_spent == 1  # the second one spends nothing: the node stops on it
+
+
+@pytest.mark.parametrize("second", [
+    dataclasses.replace(IMPORT_ERROR, line=3).to_json(),          # another failure
+    dataclasses.replace(IMPORT_ERROR, trained=True).to_json(),    # after training began
+    '{"kind": "ZeroDivisionError", "line": "2"}',                 # not a record: nothing to compare
+    "x" * 10000,
+], ids=["another-line", "after-a-step", "malformed", "oversized"])
+def test_anything_but_the_same_failure_before_a_first_step_keeps_the_budget(handler_for, second):
+    handler = handler_for(max_restarts=5, quarantine_after=5)
+    handler.next_rendezvous()
+    failed_with(IMPORT_ERROR.to_json())
+    handler.next_rendezvous()
+    failed_with(second)
+    handler.next_rendezvous()  # restarted again, charged
+    assert handler.restarts_spent == 2
 
 
 def test_repeated_own_failures_sit_out_a_quarantine_then_train_again(handler_for, records):
