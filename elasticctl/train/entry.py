@@ -147,24 +147,24 @@ def _library_dirs() -> list[str]:
 def _note_failure(error: BaseException) -> None:
     """Leave the ``failure`` mark of ``error`` for the node (never raises: the script's own
     exception is what the worker ends with)."""
-    from elasticctl.job import worker_failure
-
     try:
-        frames = [(os.path.abspath(f.filename) if not f.filename.startswith("<") else f.filename, f.lineno or 0)
+        from elasticctl.errors import ConfigError
+        from elasticctl.job import worker_failure
+
+        frames = [(f.filename if f.filename.startswith("<") else os.path.abspath(f.filename), f.lineno or 0)
                   for f in traceback.extract_tb(error.__traceback__)]
+        # Loaded by then if the script used torch.distributed; if not, its error is none of it.
         distributed = sys.modules.get("torch.distributed")
         dist_error = getattr(distributed, "DistError", None)
-        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        from elasticctl.errors import ConfigError
-
-        syntax_at = None
-        if isinstance(error, SyntaxError) and error.filename:
-            syntax_at = (os.path.abspath(error.filename), error.lineno or 0)
         involved = worker_failure.peers_involved(
-            frames[-1][0] if frames else "", distributed_error=dist_error is not None and isinstance(error, dist_error),
+            frames[-1][0] if frames else "",
+            distributed_error=dist_error is not None and isinstance(error, dist_error),
             config_error=isinstance(error, ConfigError),
             distributed_dir=os.path.dirname(distributed.__file__) if getattr(distributed, "__file__", None) else "",
-            package_dir=package)
+            package_dir=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # A SyntaxError's frames are its compiler's caller's: its own file and line are the place.
+        syntax_at = ((os.path.abspath(error.filename), error.lineno or 0)
+                     if isinstance(error, SyntaxError) and error.filename else None)
         record = worker_failure.describe(type(error).__name__, str(error), frames, library=_library_dirs(),
                                          peers_involved=involved, trained=_trained(), syntax_at=syntax_at)
         if record is not None:
