@@ -3,6 +3,10 @@
 Every wait in elasticctl that a deadline bounds goes through :func:`retry` or :func:`poll`: a
 pause never outlasts the deadline (the last attempt happens at it, not a pause after it), and
 each caller keeps its own one-sentence error for when time runs out.
+
+Each takes the clock it reads and the sleep it pauses with (``clock``, ``sleep``; the monotonic
+clock and ``time.sleep`` by default), so that a test can drive them on a clock of its own and
+check the exact schedule of pauses, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -16,21 +20,23 @@ _T = TypeVar("_T")
 
 
 class Deadline:
-    """A moment ``seconds`` from now on the monotonic clock."""
+    """A moment ``seconds`` from now on ``clock`` (the monotonic clock), slept towards with ``sleep``."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], object] = time.sleep) -> None:
         self.seconds = seconds
-        self._at = time.monotonic() + seconds
+        self._clock, self._sleep = clock, sleep
+        self._at = clock() + seconds
 
     def remaining(self) -> float:
-        return max(0.0, self._at - time.monotonic())
+        return max(0.0, self._at - self._clock())
 
     def passed(self) -> bool:
-        return time.monotonic() >= self._at
+        return self._clock() >= self._at
 
     def sleep(self, seconds: float) -> None:
         """Sleep ``seconds``, or until the deadline if that comes first."""
-        time.sleep(min(seconds, self.remaining()))
+        self._sleep(min(seconds, self.remaining()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +55,11 @@ class Backoff:
 
 
 def retry(attempt: Callable[[], _T], retry_on: type[BaseException] | tuple[type[BaseException], ...],
-          timeout: float, backoff: Backoff, on_retry: Callable[[BaseException], None] | None = None) -> _T:
+          timeout: float, backoff: Backoff, on_retry: Callable[[BaseException], None] | None = None, *,
+          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] = time.sleep) -> _T:
     """``attempt()``'s result, calling it again after a ``retry_on`` error until ``timeout``
     seconds have passed; then that error is raised."""
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout, clock=clock, sleep=sleep)
     for pause in backoff.pauses():
         try:
             return attempt()
@@ -66,10 +73,11 @@ def retry(attempt: Callable[[], _T], retry_on: type[BaseException] | tuple[type[
 
 
 def poll(read: Callable[[], _T], timeout: float, backoff: Backoff,
-         until: Callable[[_T], object] = bool) -> _T:
+         until: Callable[[_T], object] = bool, *,
+         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] = time.sleep) -> _T:
     """The first result of ``read()`` that ``until`` accepts (by default: a true one), or its
     last result once ``timeout`` seconds have passed."""
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout, clock=clock, sleep=sleep)
     for pause in backoff.pauses():
         result = read()
         if until(result) or deadline.passed():

@@ -6,9 +6,8 @@ tests/contract/test_etcd.py.
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from support.clock import FakeClock
 
 from elasticctl.errors import ConfigError, EtcdServerError, EtcdUnavailableError
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, parse_endpoints
@@ -51,25 +50,90 @@ def test_a_missing_etcd_binary_is_a_clear_error(tmp_path, monkeypatch):
         find_etcd_binary()
 
 
-def test_retry_raises_the_last_error_at_the_deadline_and_never_sleeps_past_it():
+# Schedules in binary fractions (1/8 s and its multiples): the fake clock adds them exactly, so
+# the times and pauses below are equalities, not windows.
+@pytest.mark.parametrize("timeout, backoff, attempt_takes, attempted_at, pauses", [
+    # 1/8, 1/4, 1/2, then the next 1/2 cut to the deadline: the last attempt is at it, no pause after
+    (1.0, Backoff(0.125, 0.5), 0.0, [0, 0.125, 0.375, 0.875, 1.0], [0.125, 0.25, 0.5, 0.125]),
+    # a fixed pause
+    (0.5, Backoff(0.25), 0.0, [0, 0.25, 0.5], [0.25, 0.25]),
+    # no pause at all: attempts back to back, the one that ends at the deadline is the last
+    (0.5, Backoff(0.0), 0.25, [0, 0.25], [0.0]),
+    # an attempt that takes a while: the pause is cut to what is left, and one that ends past
+    # the deadline is the last
+    (1.0, Backoff(0.5), 0.375, [0, 0.875], [0.5]),
+    # a timeout of 0: one attempt, no pause
+    (0.0, Backoff(1.0), 0.0, [0], []),
+])
+def test_retry_raises_the_last_error_at_the_deadline_and_never_sleeps_past_it(
+        timeout, backoff, attempt_takes, attempted_at, pauses):
+    clock = FakeClock()
+    began = clock.now
     calls = []
 
     def failing():
-        calls.append(time.monotonic())
+        calls.append(clock.now - began)
+        clock.advance(attempt_takes)
         raise EtcdUnavailableError(f"attempt {len(calls)}")
 
-    began = time.monotonic()
-    with pytest.raises(EtcdUnavailableError, match=r"attempt \d+"):
-        retry(failing, EtcdUnavailableError, 0.5, Backoff(0.05, 0.4))
-    assert 0.5 <= time.monotonic() - began < 0.7
-    assert 4 <= len(calls) <= 6  # pauses of 0.05, 0.1, 0.2, then 0.4 cut to the deadline
-    with pytest.raises(ConfigError):  # an error not retried goes through at once
-        retry(lambda: (_ for _ in ()).throw(ConfigError("bad")), EtcdUnavailableError, 5, Backoff(1))
+    with pytest.raises(EtcdUnavailableError, match=rf"attempt {len(attempted_at)}$"):
+        retry(failing, EtcdUnavailableError, timeout, backoff, clock=clock, sleep=clock.sleep)
+    assert calls == attempted_at
+    assert clock.pauses == pauses
 
 
-def test_poll_returns_the_first_accepted_value_or_the_last_one_at_the_deadline():
-    values = iter(range(100))
-    assert poll(lambda: next(values), 5, Backoff(0.0), until=lambda v: v == 3) == 3
-    began = time.monotonic()
-    assert poll(lambda: None, 0.3, Backoff(0.1)) is None
-    assert 0.3 <= time.monotonic() - began < 0.5
+def test_retry_returns_the_first_success_and_reports_each_retry():
+    clock = FakeClock()
+    outcomes = iter([EtcdUnavailableError("one"), EtcdUnavailableError("two"), "value"])
+    retried = []
+
+    def attempt():
+        outcome = next(outcomes)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    assert retry(attempt, EtcdUnavailableError, 5, Backoff(0.125, 1.0), on_retry=lambda e: retried.append(str(e)),
+                 clock=clock, sleep=clock.sleep) == "value"
+    assert retried == ["one", "two"] and clock.pauses == [0.125, 0.25]
+
+
+def test_retry_lets_an_error_it_does_not_retry_through_at_once():
+    clock = FakeClock()
+    with pytest.raises(ConfigError):
+        retry(lambda: (_ for _ in ()).throw(ConfigError("bad")), EtcdUnavailableError, 5, Backoff(1),
+              clock=clock, sleep=clock.sleep)
+    assert clock.pauses == []
+
+
+@pytest.mark.parametrize("timeout, backoff, accept_at, read_at, pauses, result", [
+    # never accepted: the last read is at the deadline, and its result is returned
+    (0.75, Backoff(0.25), None, [0, 0.25, 0.5, 0.75], [0.25, 0.25, 0.25], None),
+    # doubling, the last pause cut to the deadline
+    (1.0, Backoff(0.125, 0.5), None, [0, 0.125, 0.375, 0.875, 1.0], [0.125, 0.25, 0.5, 0.125], None),
+    # accepted at the third read: no pause after it
+    (5.0, Backoff(0.25), 2, [0, 0.25, 0.5], [0.25, 0.25], 2),
+    # accepted at once
+    (5.0, Backoff(0.25), 0, [0], [], 0),
+])
+def test_poll_returns_the_first_accepted_value_or_the_last_one_at_the_deadline(
+        timeout, backoff, accept_at, read_at, pauses, result):
+    clock = FakeClock()
+    began = clock.now
+    reads = []
+
+    def read():
+        reads.append(clock.now - began)
+        return len(reads) - 1
+
+    until = (lambda v: False) if accept_at is None else (lambda v: v == accept_at)
+    got = poll(read, timeout, backoff, until=until, clock=clock, sleep=clock.sleep)
+    assert reads == read_at and clock.pauses == pauses
+    assert got == (len(read_at) - 1 if result is None else result)  # never accepted: the last one read
+
+
+def test_poll_by_default_accepts_a_true_value():
+    clock = FakeClock()
+    values = iter([None, 0, "", "found"])
+    assert poll(lambda: next(values), 5, Backoff(0.5), clock=clock, sleep=clock.sleep) == "found"
+    assert clock.pauses == [0.5, 0.5, 0.5]
