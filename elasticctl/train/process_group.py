@@ -13,6 +13,7 @@ import enum
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -99,19 +100,23 @@ def generation_store(generation: Round, rank: int, timeout: datetime.timedelta) 
 LISTEN_POLL_S = 0.002  # a refused connect on a live host costs microseconds: poll briskly
 
 
-def wait_until_listening(host: str, port: int, timeout: float) -> bool:
+def wait_until_listening(host: str, port: int, timeout: float, *, clock: Callable[[], float] = time.monotonic,
+                         sleep: Callable[[float], object] = time.sleep,
+                         connect: Callable[..., socket.socket] = socket.create_connection) -> bool:
     """Whether something accepts connections at ``host:port`` within ``timeout`` seconds (polled;
-    each attempt bounded by what is left, so an unreachable host costs at most ``timeout``)."""
-    deadline = time.monotonic() + timeout
+    each attempt bounded by what is left, so an unreachable host costs at most ``timeout``).
+    ``clock``, ``sleep`` and ``connect`` are injectable so that a test can check that bound on a
+    clock of its own."""
+    deadline = clock() + timeout
     while True:
-        left = deadline - time.monotonic()
+        left = deadline - clock()
         try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))):
+            with connect((host, port), timeout=max(0.05, min(1.0, left))):
                 return True
         except OSError:
             if left <= 0:
                 return False
-            time.sleep(LISTEN_POLL_S)
+            sleep(LISTEN_POLL_S)
 
 
 def reset_group_counter() -> None:
