@@ -378,18 +378,36 @@ def test_a_custom_check_runs_without_a_shell(tmp_path):
 
 
 def test_a_custom_check_that_hangs_is_killed_with_its_children(tmp_path):
-    import time
+    import psutil
 
+    # The script and the child it leaves behind both carry a mark of this test's own on their
+    # command line, so that what is left of either afterwards can be found among the machine's
+    # processes. Whether the child was ever started (a loaded machine may take the whole second to
+    # start Python) the answer is the same: nothing of the check outlives it.
+    mark = str(tmp_path / "hang-mark")
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        subprocess.Popen([{sys.executable!r}, "-c", "import time; time.sleep(60)"])
+        subprocess.Popen([{sys.executable!r}, "-c", "import time; time.sleep(60)", {mark!r}])
         time.sleep(60)
     """))
-    began = time.monotonic()
-    check = gather.gather_custom(f"{sys.executable} {script}", timeout=1.0)
+    check = gather.gather_custom(f"{sys.executable} {script} {mark}", timeout=1.0)
+    # Not finished after 60 s of sleep: the timeout ended it (a check that ran on would have passed)
     assert check.status is FAIL and "did not finish within 1 s" in check.detail, check
-    assert time.monotonic() - began < 5
+
+    def left_running() -> list[int]:
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if mark in process.cmdline() and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass  # ended meanwhile, or not ours
+        return found
+
+    # gather_custom kills the check's whole session and then waits for its output pipe to close,
+    # that is for every holder of it to end: a child left running is a kill that missed it
+    assert left_running() == []
 
 
 def test_the_budget_bounds_the_custom_checks():
