@@ -4,24 +4,27 @@
     python -m bench.run --full --only goodput     # W 180 s, a kill every 30 s: ~16 min
     python -m bench.goodput --window 45 --kill-every 15 --healthy 8 --systems elasticctl-hot-spare
                                                   # a shortened run of its own: its own etcd, the table
+    python -m bench.goodput --nodes 3 5 ...       # the same at 3 and at 5 training nodes (default: 3)
 
 Four systems, one after another in the same run (their order rotated per repeat): plain torchrun
 (c10d, ``--max-restarts`` large enough never to run out), elasticctl restart mode, hot mode, and
-hot mode with ``--spares 1`` and a 4th node started as the spare. Each job: 3 training nodes x 1
-worker, ``--nnodes 1:3``, trainers/mlp.py with the event scenarios' training (bench/scenarios.py,
-~15 steps/s), checkpoints every K steps, ``--record``.
+hot mode with ``--spares 1`` and the node after the training nodes started as the spare. Each job: N
+training nodes x 1 worker (N = 3 unless told; bench/run.py runs 3 and 5), ``--nnodes 1:N``,
+trainers/mlp.py with the event scenarios' training (bench/scenarios.py, ~15 steps/s), checkpoints
+every K steps, ``--record``. A crash cost that depends on the job's shape (hot mode once waited the
+node TTL beyond 3 workers) stays hidden at one shape: hence more than one.
 
-Per system, in one job:
+Per shape and system, in one job (at 3 nodes: a, b, c, the spare d; at 5: a to e, the spare f):
 
-1. cold start of a, b, c (with the spare: then d, until it waits as a spare);
+1. cold start of the training nodes, a first (with the spare: then the spare, until it waits as one);
 2. a warm-up, then a healthy phase of H s: the system's own healthy samples/s are the samples
    of the steps trained in it ÷ H (no fault yet, so nothing in it is trained twice);
 3. the window of W s (:func:`kill_schedule`): at 0, K, 2K, ... one training node other than a
    (the first: `up`, torchrun's c10d store host) is SIGKILLed with its whole process tree, and
    T s later the same node is started again (``elasticctl join``, torchrun's same line; with
    the spare it becomes the next spare). The victim is the training node that has trained
-   longest since its last start (:func:`choose_victim`): b and c alternate, and with the spare
-   each kill takes a different node of b, c, d.
+   longest since its last start (:func:`choose_victim`): the nodes other than a take turns (at 3
+   nodes b and c alternate), and with the spare each kill takes the next of them and the spare.
 4. goodput = samples whose last execution falls in the window ÷ (healthy samples/s x W). A
    step's last execution is its newest record line (:func:`last_executions`): a step trained
    again after a restart from a checkpoint counts once, where it was trained last.
@@ -54,14 +57,15 @@ from pathlib import Path
 
 from bench import accounting
 from bench.cluster import Cluster, wait_for
-from bench.scenarios import EVENT_TRAINING, FIRST_NODES, Caps, _spare_waiting, _start_world3
+from bench.scenarios import EVENT_TRAINING, FIRST_NODES, Caps, _spare_waiting
 from elasticctl.embedded_etcd import EmbeddedEtcd
 from elasticctl.etcd.client import EtcdClient
 
 KILL, START = "kill", "start"
 FIRST_NODE = FIRST_NODES[0]
-SPARE_NODE = "d"
-FULL_WORLD = len(FIRST_NODES)
+# Training nodes of a job unless told: the shape of the other job scenarios (bench/scenarios.py).
+DEFAULT_NODES = len(FIRST_NODES)
+MIN_NODES = 3  # two nodes would leave a world of one after each kill: no survivors to re-form
 DATASET_SIZE = 4096  # samples per epoch (mlp's default, named here for the sample check)
 TORCHRUN_MAX_RESTARTS = 1000  # each kill and each return costs torchrun's survivors a restart
 TRAINING_LOOKBACK_S = 2.0  # a node with a step line this recent counts as training
@@ -94,6 +98,34 @@ class Action:
 
 
 # -- the arithmetic: pure functions ------------------------------------------------------------
+
+
+def node_names(nodes: int, spares: int = 0) -> tuple[list[str], list[str]]:
+    """The training nodes (a, b, ... in start order, a first: the one never killed) and the spares,
+    named by the letters after them."""
+    if not MIN_NODES <= nodes or nodes + spares > 26:
+        raise ValueError(f"{nodes} training nodes and {spares} spare(s): the benchmark runs {MIN_NODES} to "
+                         f"{26 - spares} training nodes (one letter each)")
+    names = [chr(ord("a") + index) for index in range(nodes + spares)]
+    return names[:nodes], names[nodes:]
+
+
+def shape_key(nodes: int) -> str:
+    """The results' key of a job shape: ``"5x1"`` for 5 nodes x 1 worker (bench/shapes.py's names)."""
+    return f"{nodes}x1"
+
+
+def plan_jobs(shapes: tuple[int, ...], systems: list[str], repeats: int) -> list[tuple[int, int, str]]:
+    """(training nodes, repeat, system) of every job, in the order they run: one shape after another
+    (a shape's jobs side by side in time, where the machine's load is most alike), each shape's
+    repeats with the systems' order rotated. ValueError for a shape given twice or one that cannot
+    run (:func:`node_names`, with the systems' spares), before any job starts."""
+    if len(set(shapes)) != len(shapes):
+        raise ValueError(f"a shape is given twice in {list(shapes)}")
+    for nodes in shapes:
+        node_names(nodes, max((SYSTEMS[system][1] for system in systems), default=0))
+    return [(nodes, repeat, system) for nodes in shapes for repeat in range(repeats)
+            for system in rotated(systems, repeat)]
 
 
 def kill_schedule(window_s: float, kill_every_s: float, back_after_s: float) -> list[Action]:
@@ -168,7 +200,7 @@ def goodput(samples_in_window: int, healthy_samples_per_s: float | None, window_
 
 
 def goodput_bound_without_spare(back_after_s: float, cold_start_s: float, kill_every_s: float,
-                                full_world: int = FULL_WORLD) -> float | None:
+                                full_world: int = DEFAULT_NODES) -> float | None:
     """The most goodput a job without a spare can keep when one worker of ``full_world`` is away
     for the ``back_after_s`` s before its node returns, then for the ``cold_start_s`` s its new
     worker needs before it can train, once every ``kill_every_s`` s (supposing a world one
@@ -198,13 +230,13 @@ def torch_cold_start_s(repeats: int = COLD_START_REPEATS) -> float:
 
 
 def back_to_full_world(lines: list[dict], killed_at: float, until: float, since: float,
-                       full_world: int = FULL_WORLD) -> float | None:
+                       full_world: int = DEFAULT_NODES) -> float | None:
     """Seconds from ``killed_at`` to the first step at ``full_world`` again, before ``until``
     (the next kill, or the window's end); None if none.
 
     The first step of a new full world is the first full-world line of a worker (node, pid) that
-    did not train at full world between ``since`` (the previous kill) and the kill: a new world
-    of 3 has one, the returning node's or the promoted spare's (restart mode and torchrun: every
+    did not train at full world between ``since`` (the previous kill) and the kill: a new full
+    world has one, the returning node's or the promoted spare's (restart mode and torchrun: every
     worker is new). This leaves out lines of the old world written after the signal (a step in
     flight)."""
     def worker(r: dict) -> tuple[str, int]:
@@ -248,24 +280,38 @@ def _training_nodes(cluster: Cluster) -> set[str]:
     return {r["node"] for r in cluster.record.steps(time.time() - TRAINING_LOOKBACK_S)}
 
 
-def measure(system: str, workdir: Path, etcd: EtcdClient, schedule: Schedule, caps: Caps) -> dict:
-    """One job of ``system`` (a key of :data:`SYSTEMS`) through the healthy phase and the window."""
+def _start_world(cluster: Cluster, names: list[str], caps: Caps) -> float | None:
+    """Start ``names`` (the first first); seconds from the first start to all of them training
+    together at a world of their number."""
+    started = time.time()
+    for name in names:
+        cluster.start(name, timeout=caps.start)
+    reached = cluster.wait_world(len(names), set(names), started, caps.start)
+    return reached - started if reached else None
+
+
+def measure(system: str, workdir: Path, etcd: EtcdClient, schedule: Schedule, caps: Caps,
+            nodes: int = DEFAULT_NODES) -> dict:
+    """One job of ``system`` (a key of :data:`SYSTEMS`) at ``nodes`` training nodes x 1 worker
+    through the healthy phase and the window."""
     cluster_system, spares = SYSTEMS[system]
+    names, spare_names = node_names(nodes, spares)
     trainer = [*EVENT_TRAINING, "--dataset-size", str(DATASET_SIZE), "--checkpoint-dir", str(workdir / "checkpoints"),
                "--checkpoint-every", str(caps.checkpoint_every)]
-    cluster = Cluster(cluster_system, workdir, trainer, etcd, up_args=("--spares", str(spares)) if spares else (),
-                      max_restarts=TORCHRUN_MAX_RESTARTS)
-    result: dict = {"system": system, "load_1min_before": os.getloadavg()[0]}
+    # --nnodes 1:N: the spare is the node beyond N, which the job admits only in a lost node's place
+    cluster = Cluster(cluster_system, workdir, trainer, etcd, nnodes=f"1:{nodes}",
+                      up_args=("--spares", str(spares)) if spares else (), max_restarts=TORCHRUN_MAX_RESTARTS)
+    result: dict = {"system": system, "nodes": nodes, "load_1min_before": os.getloadavg()[0]}
     try:
-        result["cold_start_s"] = _start_world3(cluster, caps)
+        result["cold_start_s"] = _start_world(cluster, names, caps)
         if result["cold_start_s"] is None:
-            result["error"] = f"no world of {FULL_WORLD} within {caps.start:g} s"
+            result["error"] = f"no world of {nodes} within {caps.start:g} s"
             return result
-        if spares:
+        for spare in spare_names:
             added = time.time()
-            cluster.start(SPARE_NODE)
-            if not wait_for(lambda: _spare_waiting(cluster, SPARE_NODE, added), caps.start):
-                result["error"] = f"node {SPARE_NODE} did not wait as a spare within {caps.start:g} s"
+            cluster.start(spare)
+            if not wait_for(lambda node=spare: _spare_waiting(cluster, node, added), caps.start):
+                result["error"] = f"node {spare} did not wait as a spare within {caps.start:g} s"
                 return result
         time.sleep(schedule.warmup_s)  # an intended pause before the healthy phase, not a synchronisation
         healthy_start = time.time()
@@ -276,12 +322,12 @@ def measure(system: str, workdir: Path, etcd: EtcdClient, schedule: Schedule, ca
     finally:
         cluster.close()
         result["load_1min_after"] = os.getloadavg()[0]
-    return {**result, **_outcome(cluster.record.steps(), schedule, healthy_start, window_start, kills)}
+    return {**result, **_outcome(cluster.record.steps(), schedule, healthy_start, window_start, kills, nodes)}
 
 
 def _apply_schedule(cluster: Cluster, schedule: Schedule, window_start: float) -> list[dict]:
     """The kills and returns of the window (wall-clock times); each kill's node, time and return."""
-    start_order = {name: order for order, name in enumerate(cluster.nodes)}  # a, b, c (, d): as started
+    start_order = {name: order for order, name in enumerate(cluster.nodes)}  # a, b, ... (, the spare): as started
     kills: list[dict] = []
     for action in kill_schedule(schedule.window_s, schedule.kill_every_s, schedule.back_after_s):
         _sleep_until(window_start + action.offset_s)
@@ -302,7 +348,7 @@ def _apply_schedule(cluster: Cluster, schedule: Schedule, window_start: float) -
 
 
 def _outcome(lines: list[dict], schedule: Schedule, healthy_start: float, window_start: float,
-             kills: list[dict]) -> dict:
+             kills: list[dict], full_world: int = DEFAULT_NODES) -> dict:
     """The measurements from the record: times relative to the window's start."""
     window_end = window_start + schedule.window_s
     healthy_samples = samples_trained(lines, healthy_start, window_start)
@@ -312,7 +358,7 @@ def _outcome(lines: list[dict], schedule: Schedule, healthy_start: float, window
     for number, kill in enumerate(kills):
         since = kills[number - 1]["at"] if number else healthy_start
         until = kills[number + 1]["at"] if number + 1 < len(kills) else window_end
-        back = back_to_full_world(lines, kill["at"], until, since)
+        back = back_to_full_world(lines, kill["at"], until, since, full_world)
         # from the node's new start to the job's first step at full world again (no spare: its cold start)
         returned = back - (kill["back_at"] - kill["at"]) if back is not None and "back_at" in kill else None
         described.append({"node": kill["node"], "at_s": round(kill["at"] - window_start, 3),
@@ -333,27 +379,38 @@ def _outcome(lines: list[dict], schedule: Schedule, healthy_start: float, window
             "samples_lost": lost is not None, "sample_check": lost or "no sample lost or trained twice"}
 
 
-def run(schedule: Schedule, repeats: int, root: Path, etcd: EtcdClient, caps: Caps,
-        report: Callable[[str], None] = print, systems: tuple[str, ...] = tuple(SYSTEMS)) -> dict:
-    """Every system ``repeats`` times, one job after another, the order rotated per repeat
-    (bench/run.py's `goodput` scenario); ``root``: the run's directory (job names hold its name)."""
-    samples: dict[str, list[dict]] = {system: [] for system in systems}
-    cold_start = torch_cold_start_s()
-    report(f"goodput: torch's own cold start here {cold_start:.2f} s (median of {COLD_START_REPEATS})")
-    for repeat in range(repeats):
-        for system in rotated(list(systems), repeat):
-            try:
-                sample = measure(system, root / f"goodput-{system}-{repeat}", etcd, schedule, caps)
-            except Exception as exc:  # noqa: BLE001 - one system's broken job must not cost the others
-                sample = {"system": system, "error": f"{type(exc).__name__}: {exc}"}
-            samples[system].append(sample)
-            report(f"goodput {system} #{repeat + 1}: " + ", ".join(
-                f"{key} {sample.get(key)}" for key in ("goodput", "healthy_samples_per_s", "samples_in_window",
-                                                       "kill_count", "full_world_after_s_median", "samples_lost",
-                                                       "error") if key in sample))
+def empty_entry(schedule: Schedule, repeats: int, shapes: tuple[int, ...], systems: tuple[str, ...]) -> dict:
+    """The results' layout before any job: what every shape shares at the top, then per shape
+    (:func:`shape_key`) its node count and a list of samples per system."""
     return {"schedule": dataclasses.asdict(schedule), "repeats": repeats,
-            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS, "torch_cold_start_s": cold_start,
-            "torch_cold_start_repeats": COLD_START_REPEATS, "systems": samples}
+            "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS,
+            "shapes": {shape_key(nodes): {"nodes": nodes, "per_node": 1,
+                                          "systems": {system: [] for system in systems}} for nodes in shapes}}
+
+
+def run(schedule: Schedule, repeats: int, root: Path, etcd: EtcdClient, caps: Caps,
+        report: Callable[[str], None] = print, systems: tuple[str, ...] = tuple(SYSTEMS),
+        nodes: tuple[int, ...] = (DEFAULT_NODES,)) -> dict:
+    """Every system ``repeats`` times at each number of training nodes in ``nodes``, one job after
+    another (:func:`plan_jobs`; bench/run.py's `goodput` scenario); ``root``: the run's directory
+    (job names hold its name). The layout: :func:`empty_entry`, with torch's cold start."""
+    jobs = plan_jobs(tuple(nodes), list(systems), repeats)
+    entry = empty_entry(schedule, repeats, tuple(nodes), systems)
+    cold_start = torch_cold_start_s()
+    entry.update(torch_cold_start_s=cold_start, torch_cold_start_repeats=COLD_START_REPEATS)
+    report(f"goodput: torch's own cold start here {cold_start:.2f} s (median of {COLD_START_REPEATS})")
+    for shape, repeat, system in jobs:
+        key = shape_key(shape)
+        try:
+            sample = measure(system, root / f"goodput-{key}-{system}-{repeat}", etcd, schedule, caps, shape)
+        except Exception as exc:  # noqa: BLE001 - one system's broken job must not cost the others
+            sample = {"system": system, "nodes": shape, "error": f"{type(exc).__name__}: {exc}"}
+        entry["shapes"][key]["systems"][system].append(sample)
+        report(f"goodput {key} {system} #{repeat + 1}: " + ", ".join(
+            f"{name} {sample.get(name)}" for name in ("goodput", "healthy_samples_per_s", "samples_in_window",
+                                                      "kill_count", "full_world_after_s_median", "samples_lost",
+                                                      "error") if name in sample))
+    return entry
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -369,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds from a kill to the same node's start")
     parser.add_argument("--healthy", type=float, default=default.healthy_s, help="seconds of the healthy phase")
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--nodes", type=int, nargs="+", default=[DEFAULT_NODES],
+                        help="training nodes x 1 worker of each job; several: one shape after another")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", type=Path, default=None, help="write the samples as JSON here")
     args = parser.parse_args(argv)
@@ -376,13 +435,15 @@ def main(argv: list[str] | None = None) -> None:
                         healthy_s=args.healthy)
     try:
         kill_schedule(schedule.window_s, schedule.kill_every_s, schedule.back_after_s)
+        plan_jobs(tuple(args.nodes), args.systems, args.repeats)
     except ValueError as exc:
         parser.error(str(exc))
     root = Path(tempfile.mkdtemp(prefix="goodput-"))
     try:
         with EmbeddedEtcd(data_dir=str(root / "etcd"), client_port=0, peer_port=0) as server, \
                 EtcdClient(server.client_settings()) as etcd:
-            entry = run(schedule, args.repeats, root, etcd, Caps(), systems=tuple(args.systems))
+            entry = run(schedule, args.repeats, root, etcd, Caps(), systems=tuple(args.systems),
+                        nodes=tuple(args.nodes))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.output:

@@ -168,10 +168,39 @@ GOODPUT_LABELS = {"torchrun": "plain torchrun", "elasticctl": "elasticctl restar
                   "elasticctl-hot-spare": "elasticctl hot + 1 spare"}
 
 
+OLD_GOODPUT_NODES = 3  # results from before the goodput bench ran more than one shape ran this one
+
+
+def goodput_shapes(entry: dict | None) -> list[tuple[int, dict]]:
+    """(training nodes, {"systems": {system: [samples]}}) per job shape of a goodput entry, fewest
+    nodes first. Reads both layouts: ``"shapes"`` keyed by shape (bench/goodput.py's
+    ``empty_entry``), and the older one, ``"systems"`` at the top, which ran 3 nodes only."""
+    if not entry:
+        return []
+    if "shapes" in entry:
+        return sorted(((shape.get("nodes", OLD_GOODPUT_NODES), shape) for shape in entry["shapes"].values()),
+                      key=lambda pair: pair[0])
+    if "systems" in entry:
+        return [(entry.get("nodes", OLD_GOODPUT_NODES), entry)]
+    return []
+
+
+def goodput_shape_label(nodes: int) -> str:
+    return f"{nodes} nodes × 1 worker"
+
+
 def goodput_rows(results: dict) -> list[tuple[str, ...]]:
-    """(system, goodput, healthy samples/s, samples in the window, kills, kill → full world again,
-    samples lost, load before → after) per system of bench/goodput.py, in :data:`GOODPUT_LABELS`' order."""
-    systems = (results["scenarios"].get("goodput") or {}).get("systems") or {}
+    """(shape, system, goodput, healthy samples/s, samples in the window, kills, kill → full world
+    again, samples lost, load before → after) per shape of bench/goodput.py (fewest nodes first) and
+    per system, in :data:`GOODPUT_LABELS`' order."""
+    out = []
+    for nodes, shape in goodput_shapes(results["scenarios"].get("goodput")):
+        out += [(goodput_shape_label(nodes), *row) for row in _goodput_system_rows(shape.get("systems") or {})]
+    return out
+
+
+def _goodput_system_rows(systems: dict) -> list[tuple[str, ...]]:
+    """The rows of one shape, without the shape."""
     out = []
     for system, label in GOODPUT_LABELS.items():
         runs = systems.get(system, [])
@@ -206,28 +235,31 @@ def goodput_section(results: dict) -> list[str]:
         return []
     schedule = entry.get("schedule", {})
     window, every, back = (schedule.get(key) for key in ("window_s", "kill_every_s", "back_after_s"))
+    shapes = " and ".join(goodput_shape_label(nodes) for nodes, _ in goodput_shapes(entry)) or "no shape"
     return [
         (f"**Goodput under repeated node loss** (`bench/goodput.py`): for {window:g} s a training node other "
          f"than the first is SIGKILLed every {every:g} s with its whole process tree (the launcher and its "
          f"workers), and {back:g} s later the same node is started again (`elasticctl join`; torchrun: its "
-         "same line); the victim alternates among the nodes training (b and c; with the spare each of b, c, "
-         "d in turn), node a (`up`, torchrun's c10d store host) is never killed. 3 training nodes × 1 worker, "
-         "`--nnodes 1:3`, the event scenarios' trainer and checkpoints (below); torchrun with "
-         f"`--max-restarts={entry.get('torchrun_max_restarts', '?')}`; hot + 1 spare: `--spares 1` and a 4th "
-         "node started as the spare. Goodput = samples whose last execution (a step's newest record line: "
-         "a step re-done after a restart counts once, where it was trained last) falls in the window ÷ "
-         f"(that system's own healthy samples/s × {window:g} s); healthy samples/s: the same job's "
-         f"{schedule.get('healthy_s', 0):g} s at world 3 right before the first kill, after a "
-         f"{schedule.get('warmup_s', 0):g} s warm-up. The systems ran one after another in this run "
-         f"({entry.get('repeats', 1)} repeat(s), the order rotated per repeat). \"kill → full world\": "
-         "seconds from each kill to the first step at world 3 again (median over the kills; without a "
-         f"spare it includes the {back:g} s the node is away). \"samples lost\": the last executions do "
-         "not tile every epoch (`bench/accounting.py`). Load: the 1-minute load average before and after "
-         "each system's job."),
+         "same line); the victim is the training node that has trained longest since its start (at 3 nodes "
+         "b and c alternate; with the spare each kill takes the next of the others and the spare), node a "
+         f"(`up`, torchrun's c10d store host) is never killed. Job shapes: {shapes} (the first column), "
+         "N training nodes with `--nnodes 1:N`, the event scenarios' trainer and checkpoints (below); "
+         f"torchrun with `--max-restarts={entry.get('torchrun_max_restarts', '?')}`; hot + 1 spare: "
+         "`--spares 1` and the node after the training nodes started as the spare. Goodput = samples whose "
+         "last execution (a step's newest record line: a step re-done after a restart counts once, where it "
+         f"was trained last) falls in the window ÷ (that system's own healthy samples/s at that shape × "
+         f"{window:g} s); healthy samples/s: the same job's {schedule.get('healthy_s', 0):g} s at its full "
+         f"world right before the first kill, after a {schedule.get('warmup_s', 0):g} s warm-up. The jobs "
+         f"ran one after another in this run{', one shape after the other' if len(goodput_shapes(entry)) > 1 else ''} "
+         f"({entry.get('repeats', 1)} repeat(s) each, the systems' order rotated per repeat). \"kill → full world\": seconds from each kill to "
+         "the first step at the shape's full world again (median over the kills; without a spare it "
+         f"includes the {back:g} s the node is away). \"samples lost\": the last executions do not tile "
+         "every epoch (`bench/accounting.py`). Load: the 1-minute load average before and after each "
+         "system's job."),
         "",
-        ("| system | goodput | healthy samples/s | samples in the window | kills | kill → full world again (s) "
-         "| samples lost | load before → after |"),
-        "|---|---|---|---|---|---|---|---|",
+        ("| shape | system | goodput | healthy samples/s | samples in the window | kills "
+         "| kill → full world again (s) | samples lost | load before → after |"),
+        "|---|---|---|---|---|---|---|---|---|",
         *("| " + " | ".join(row) + " |" for row in goodput_rows(results)),
         "",
         *goodput_floor(entry),
@@ -235,32 +267,39 @@ def goodput_section(results: dict) -> list[str]:
 
 
 def goodput_floor(entry: dict) -> list[str]:
-    """What bounds goodput without a spare: the returning node's cold start, and how much of it is
-    torch's own start in a new process (bench/goodput.py measures both); empty when not measured."""
+    """What bounds goodput without a spare, per shape: the returning node's cold start, and how much
+    of it is torch's own start in a new process (bench/goodput.py measures both); empty when not
+    measured."""
     floor = entry.get("torch_cold_start_s")
     schedule = entry.get("schedule", {})
-    if floor is None or not schedule:
+    shapes = goodput_shapes(entry)
+    if floor is None or not schedule or not shapes:
         return []
-    from bench.goodput import FULL_WORLD, goodput_bound_without_spare  # imports no report: no cycle
+    from bench.goodput import goodput_bound_without_spare  # imports no report: no cycle
 
     every, back = schedule.get("kill_every_s", 0), schedule.get("back_after_s", 0)
-    runs = [run for run in (entry.get("systems") or {}).get("elasticctl-hot", []) if "error" not in run]
-    starts = [kill.get("start_to_full_world_s") for run in runs for kill in run.get("kills", [])]
-    measured = _median([value for value in starts if value is not None])
-    bound = goodput_bound_without_spare(back, floor, every)
-    hot = (f"In hot mode without a spare a returning node took {measured:.1f} s (median) from its start to its "
-           "first step at world 3. " if measured is not None else "")
+    returns, bounds = [], []
+    for nodes, shape in shapes:
+        runs = [run for run in (shape.get("systems") or {}).get("elasticctl-hot", []) if "error" not in run]
+        starts = [kill.get("start_to_full_world_s") for run in runs for kill in run.get("kills", [])]
+        measured = _median([value for value in starts if value is not None])
+        if measured is not None:
+            returns.append(f"{measured:.1f} s" + ("" if returns else " (median) from its start to its first step at "
+                                                  "the full world") + f" at {goodput_shape_label(nodes)}")
+        bound = goodput_bound_without_spare(back, floor, every, nodes)
+        bounds.append(f"1 − ({back:g} + {floor:.1f}) / ({nodes} × {every:g}) = "
+                      + ("—" if bound is None else f"{bound:.2f}")
+                      + f" at {goodput_shape_label(nodes)} (if a world of {nodes - 1} trains its "
+                      f"{nodes - 1}/{nodes} of the samples)")
+    hot = "In hot mode without a spare a returning node took " + ", ".join(returns) + ". " if returns else ""
     return [
-        (f"What bounds goodput without a spare: each kill leaves one worker of {FULL_WORLD} away for the {back:g} s "
-         f"before its node returns, then for the returning node's cold start. {hot}A new worker process "
-         f"starts torch before anything else runs: `import torch` and its first optimizer (which imports "
-         f"`torch._dynamo`) took {floor:.1f} s here (median of {entry.get('torch_cold_start_repeats', 3)}, "
-         "`bench.goodput.torch_cold_start_s`), under "
-         "any launcher. With that floor alone, a kill every "
-         f"{every:g} s allows at most 1 − ({back:g} + {floor:.1f}) / ({FULL_WORLD} × {every:g}) = "
-         + ("—" if bound is None else f"{bound:.2f}")
-         + " goodput (if a world of 2 trains its 2/3 of the samples); a spare, whose worker is already "
-         "started, is what removes it."),
+        (f"What bounds goodput without a spare: each kill leaves one worker of the full world away for the "
+         f"{back:g} s before its node returns, then for the returning node's cold start. {hot}A new worker "
+         "process starts torch before anything else runs: `import torch` and its first optimizer (which "
+         f"imports `torch._dynamo`) took {floor:.1f} s here (median of "
+         f"{entry.get('torch_cold_start_repeats', 3)}, `bench.goodput.torch_cold_start_s`), under any "
+         f"launcher. With that floor alone, a kill every {every:g} s allows a goodput of at most "
+         + "; ".join(bounds) + "; a spare, whose worker is already started, is what removes it."),
         "",
     ]
 
@@ -1104,7 +1143,7 @@ def phase_table(intro: str, columns: list[tuple[str, list[dict | None]]]) -> lis
 def text_table(results: dict) -> str:
     goodput_names = ("goodput", "healthy samples/s", "samples in the window", "kills", "kill → full world again (s)",
                      "samples lost", "load before → after")
-    lines = [f"Goodput, {row[0]}: " + ", ".join(f"{name} {value}" for name, value in zip(goodput_names, row[1:]))
+    lines = [f"Goodput, {row[1]}, {row[0]}: " + ", ".join(f"{name} {value}" for name, value in zip(goodput_names, row[2:]))
              for row in goodput_rows(results)]
     names = ("elasticctl restart", "elasticctl hot", "torchrun", "ratio hot/torchrun", "ratio hot/restart")
     lines += [row[0] + "".join(f"\n    {name + ':':20s}{value}" for name, value in zip(names, row[1:]))

@@ -6,8 +6,8 @@
 
 (The sharded-model sections add about 15 minutes to --quick: state transfer up to 2 GB
 ~3 min, HSDP and FSDP2 ~2-7 min, the HSDP chaos soak of 20 events ~5 min, twice as long if its
-joins fail. The goodput section adds about 8 minutes to --quick and 16 to --full: four jobs of 60 s or 180 s
-under faults, each after its cold start and healthy phase.)
+joins fail. The goodput section adds about 16 minutes to --quick and 32 to --full: four jobs of 60 s or 180 s
+under faults at each of 3 and 5 nodes, each after its cold start and healthy phase.)
 
 3 nodes x 1 worker on 127.0.0.1, CPU, gloo, trainers/mlp.py. Three systems run every
 job scenario in the same invocation, their order rotated per repeat: elasticctl
@@ -18,9 +18,9 @@ state from them; the same trainer and node TTL) and plain torchrun. Writes bench
 
 ``goodput`` (bench/goodput.py, run first, the first table of BENCHMARKS.md): one training node
 SIGKILLed every 30 s (``--quick``: 20 s) and back 10 s later over 180 s (``--quick``: 60 s),
-applied to plain torchrun, restart mode, hot mode and hot mode with one spare in turn;
-goodput = samples whose last execution falls in the window ÷ (that system's healthy samples/s
-x the window).
+applied to plain torchrun, restart mode, hot mode and hot mode with one spare in turn, at 3 and
+then at 5 training nodes x 1 worker (``Plan.goodput_shapes``); goodput = samples whose last
+execution falls in the window ÷ (that system's healthy samples/s at that shape x the window).
 
 The sharded-model sections, each selectable with ``--only``: ``state_transfer`` (64 MB,
 512 MB, 2 GB; bench/state_transfer.py), ``hsdp`` and ``fsdp`` (bench/hsdp_recovery.py: 3 nodes x 2 workers of
@@ -85,6 +85,8 @@ class Plan:
     # bench/goodput.py: a node SIGKILLed every K s and back 10 s later, over a window, 4 systems in turn
     goodput_schedule: goodput.Schedule = goodput.Schedule()
     goodput_repeats: int = 1
+    # training nodes x 1 worker of the goodput jobs: a cost that grows with the shape hides at one
+    goodput_shapes: tuple[int, ...] = (3, 5)
     reconfigure_repeats: int = 3  # bench/reconfigure.py: a join, a leave and a kill per job and variant
     kill_shape_repeats: int = 5  # bench/shapes.py: kills per job, one job per shape and system
 
@@ -389,7 +391,7 @@ def main() -> None:
                 EtcdClient(etcd.client_settings()) as client:
             if "goodput" in args.only:  # first: the row BENCHMARKS.md opens with
                 results["scenarios"]["goodput"] = goodput.run(plan.goodput_schedule, plan.goodput_repeats, root, client,
-                                                              plan.caps, report=log)
+                                                              plan.caps, report=log, nodes=plan.goodput_shapes)
             jobs = [name for name in JOB_SCENARIOS if name in args.only]
             results["scenarios"].update(run_jobs(jobs, plan, root, client))
             if "kill_shapes" in args.only:  # a crash at 3 x 1 up to 8 x 1 and 4 x 2 (bench/shapes.py)

@@ -169,6 +169,9 @@ def test_goodput_rows_one_per_system_in_the_schedules_order():
                         "torchrun": [_sample("torchrun", 0.41, [25.0, None, 24.0], lost=True)],
                         "elasticctl": [], "elasticctl-hot": [{"system": "elasticctl-hot", "error": "boom"}]})
     rows = report.goodput_rows(results)
+    # the results' older layout (one shape, its systems at the top) reads as 3 nodes x 1 worker
+    assert {row[0] for row in rows} == {"3 nodes × 1 worker"}
+    rows = [row[1:] for row in rows]
     assert [row[0] for row in rows] == ["plain torchrun", "elasticctl restart", "elasticctl hot",
                                        "elasticctl hot + 1 spare"]
     torchrun, restart, hot, spare = rows
@@ -230,3 +233,201 @@ def test_a_kills_start_to_full_world_is_counted_from_the_nodes_new_start():
     outcome = goodput._outcome([line], schedule, 99.0, 100.0, kills)
     assert outcome["kills"][0]["full_world_after_s"] == pytest.approx(18.5)
     assert outcome["kills"][0]["start_to_full_world_s"] == pytest.approx(8.5)
+
+
+# -- more than one job shape -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("nodes", "spares", "training", "spare_names"), [
+    (3, 0, ["a", "b", "c"], []),
+    (3, 1, ["a", "b", "c"], ["d"]),                   # the spare: the node after the training nodes
+    (5, 0, ["a", "b", "c", "d", "e"], []),
+    (5, 1, ["a", "b", "c", "d", "e"], ["f"]),
+    (25, 1, [chr(ord("a") + i) for i in range(25)], ["z"]),
+])
+def test_node_names(nodes, spares, training, spare_names):
+    assert goodput.node_names(nodes, spares) == (training, spare_names)
+
+
+@pytest.mark.parametrize(("nodes", "spares"), [(2, 0), (1, 1), (0, 0), (26, 1), (27, 0)])
+def test_node_names_refuses_a_shape_it_cannot_run(nodes, spares):
+    with pytest.raises(ValueError):
+        goodput.node_names(nodes, spares)
+
+
+@pytest.mark.parametrize(("nodes", "key"), [(3, "3x1"), (5, "5x1"), (12, "12x1")])
+def test_shape_key(nodes, key):
+    assert goodput.shape_key(nodes) == key
+
+
+@pytest.mark.parametrize(("shapes", "systems", "repeats", "jobs"), [
+    ((3,), ["torchrun", "elasticctl"], 1, [(3, 0, "torchrun"), (3, 0, "elasticctl")]),
+    # one shape after the other, each shape's repeats rotated as before
+    ((3, 5), ["torchrun", "elasticctl"], 2,
+     [(3, 0, "torchrun"), (3, 0, "elasticctl"), (3, 1, "elasticctl"), (3, 1, "torchrun"),
+      (5, 0, "torchrun"), (5, 0, "elasticctl"), (5, 1, "elasticctl"), (5, 1, "torchrun")]),
+    ((5, 3), ["elasticctl-hot-spare"], 1, [(5, 0, "elasticctl-hot-spare"), (3, 0, "elasticctl-hot-spare")]),
+    ((3, 5), ["torchrun"], 0, []),
+    ((26,), ["torchrun"], 1, [(26, 0, "torchrun")]),   # a to z, no spare
+])
+def test_plan_jobs(shapes, systems, repeats, jobs):
+    assert goodput.plan_jobs(shapes, systems, repeats) == jobs
+
+
+@pytest.mark.parametrize(("shapes", "systems"), [
+    ((3, 3), ["torchrun"]),                          # a shape twice
+    ((2,), ["torchrun"]),                            # too few nodes
+    ((27,), ["torchrun"]),                           # more than the letters
+    ((3, 26), ["torchrun", "elasticctl-hot-spare"]),  # 26 leave no letter for the spare
+])
+def test_plan_jobs_refuses_before_any_job(shapes, systems):
+    with pytest.raises(ValueError):
+        goodput.plan_jobs(shapes, systems, 1)
+
+
+def _kill_in_turn(start_order: dict[str, int], training: set[str], spare: str | None, kills: int) -> list[str]:
+    """The victims of ``kills`` kills as _apply_schedule picks them, each node back before the next
+    kill: without a spare it trains again; with one it waits as the spare, which took its place."""
+    start_order, training, victims = dict(start_order), set(training), []
+    for _ in range(kills):
+        victim = goodput.choose_victim(start_order, "a", training)
+        victims.append(victim)
+        start_order[victim] = max(start_order.values()) + 1
+        if spare is not None:
+            training = training - {victim} | {spare}
+            spare = victim
+    return victims
+
+
+@pytest.mark.parametrize(("nodes", "spare", "victims"), [
+    (3, None, ["b", "c", "b", "c", "b", "c"]),
+    (3, "d", ["b", "c", "d", "b", "c", "d"]),
+    (5, None, ["b", "c", "d", "e", "b", "c"]),                 # every node but a in turn
+    (5, "f", ["b", "c", "d", "e", "f", "b", "c"]),             # the spare's turn comes once it trains
+])
+def test_choose_victim_takes_every_other_node_in_turn_at_each_shape(nodes, spare, victims):
+    training, _ = goodput.node_names(nodes)
+    order = {name: rank for rank, name in enumerate(training + ([spare] if spare else []))}
+    assert _kill_in_turn(order, set(training), spare, len(victims)) == victims
+
+
+@pytest.mark.parametrize(("start_order", "training", "victim"), [
+    ({"a": 0, "b": 1, "c": 2, "d": 3, "e": 4, "f": 5}, {"a", "b", "c", "d", "e"}, "b"),  # f waits as the spare
+    ({"a": 0, "b": 1, "c": 2, "d": 3, "e": 4, "f": 5}, set(), "b"),   # between worlds: never the spare
+    ({"a": 0, "b": 6, "c": 2, "d": 3, "e": 4, "f": 5}, {"a", "c", "d", "e", "f"}, "c"),
+    ({"a": 0, "b": 5, "c": 6, "d": 7, "e": 8}, {"a", "b", "c", "d", "e"}, "b"),
+])
+def test_choose_victim_at_5_nodes(start_order, training, victim):
+    assert goodput.choose_victim(start_order, "a", training) == victim
+
+
+def _world(t: float, step: int, pids: dict[str, int]) -> list[dict]:
+    return [_line(t, step, world=len(pids), node=node, pid=pid, rank=rank)
+            for rank, (node, pid) in enumerate(pids.items())]
+
+
+FIVE = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}
+
+
+@pytest.mark.parametrize(("case", "lines", "full_world", "expected"), [
+    # hot mode at 5: b killed at 10.0, 4 survivors, b back at world 5 at 21.0
+    ("hot", _world(9.9, 99, FIVE) + _world(10.2, 100, {"a": 1, "c": 3, "d": 4, "e": 5})
+     + _world(21.0, 150, {**FIVE, "b": 9}), 5, 11.0),
+    # a new world of 3 is not the full world of 5
+    ("smaller", _world(9.9, 99, FIVE) + _world(12.0, 100, {"a": 1, "c": 3, "d": 4}), 5, None),
+    # ... where at 3 nodes it would be
+    ("at 3", _world(9.9, 99, {"a": 1, "b": 2, "c": 3}) + _world(12.0, 100, {"a": 1, "c": 3, "d": 4}), 3, 2.0),
+    # with the spare f promoted at 10.3
+    ("spare", _world(9.9, 99, FIVE) + _world(10.3, 100, {"a": 1, "c": 3, "d": 4, "e": 5, "f": 6}), 5, 0.3),
+])
+def test_back_to_full_world_at_a_shape(case, lines, full_world, expected):
+    value = goodput.back_to_full_world(lines, killed_at=10.0, until=30.0, since=0.0, full_world=full_world)
+    assert value == (pytest.approx(expected) if expected is not None else None), case
+
+
+def test_outcome_counts_the_full_world_of_its_shape():
+    schedule = goodput.Schedule(window_s=30.0, kill_every_s=30.0, back_after_s=10.0, healthy_s=1.0)
+    kills = [{"node": "c", "at": 100.0, "back_at": 110.0, "training": ["a", "b", "c", "d", "e"]}]
+    lines = _world(99.5, 10, FIVE) + _world(100.5, 11, {"a": 1, "b": 2, "d": 4, "e": 5}) \
+        + _world(112.0, 40, {**FIVE, "c": 8})
+    at_5 = goodput._outcome(lines, schedule, 99.0, 100.0, kills, full_world=5)
+    assert at_5["kills"][0]["full_world_after_s"] == pytest.approx(12.0)
+    assert at_5["kills"][0]["start_to_full_world_s"] == pytest.approx(2.0)
+    assert at_5["healthy_world_sizes"] == [5]
+    # read at the default shape's 3 the world of 4 and 5 never make a world of 3
+    assert goodput._outcome(lines, schedule, 99.0, 100.0, kills)["not_full_again"] == 1
+
+
+def test_the_empty_entry_keys_each_shape_and_its_systems():
+    entry = goodput.empty_entry(goodput.Schedule(window_s=60.0), 2, (3, 5), ("torchrun", "elasticctl-hot"))
+    assert entry["schedule"]["window_s"] == 60.0 and entry["repeats"] == 2 and "systems" not in entry
+    assert entry["shapes"] == {"3x1": {"nodes": 3, "per_node": 1, "systems": {"torchrun": [], "elasticctl-hot": []}},
+                               "5x1": {"nodes": 5, "per_node": 1, "systems": {"torchrun": [], "elasticctl-hot": []}}}
+
+
+def _shaped(per_shape: dict[int, dict], cold_start: float | None = 5.0) -> dict:
+    """Results in the per-shape layout (bench/goodput.py's empty_entry), the shapes in the given order."""
+    results = _results({})
+    entry = results["scenarios"]["goodput"]
+    del entry["systems"]
+    entry["shapes"] = {goodput.shape_key(nodes): {"nodes": nodes, "per_node": 1, "systems": systems}
+                       for nodes, systems in per_shape.items()}
+    if cold_start is not None:
+        entry["torch_cold_start_s"] = cold_start
+    return results
+
+
+@pytest.mark.parametrize(("entry", "nodes"), [
+    (None, []),
+    ({}, []),
+    ({"schedule": {}}, []),                                                # neither layout: nothing to show
+    ({"systems": {"torchrun": []}}, [3]),                                  # the older layout: 3 nodes
+    ({"shapes": {"5x1": {"nodes": 5, "systems": {}}, "3x1": {"nodes": 3, "systems": {}}}}, [3, 5]),
+    ({"shapes": {"12x1": {"nodes": 12, "systems": {}}, "5x1": {"nodes": 5, "systems": {}}}}, [5, 12]),
+    ({"shapes": {}}, []),
+])
+def test_goodput_shapes_reads_both_layouts_fewest_nodes_first(entry, nodes):
+    assert [n for n, _ in report.goodput_shapes(entry)] == nodes
+
+
+def test_goodput_rows_a_group_per_shape():
+    results = _shaped({5: {"elasticctl-hot": [_sample("elasticctl-hot", 0.80, [11.0])]},
+                       3: {"elasticctl-hot": [_sample("elasticctl-hot", 0.85, [10.5])],
+                           "torchrun": [{"system": "torchrun", "error": "boom"}]}})
+    rows = report.goodput_rows(results)
+    assert [row[:2] for row in rows] == [
+        ("3 nodes × 1 worker", "plain torchrun"), ("3 nodes × 1 worker", "elasticctl restart"),
+        ("3 nodes × 1 worker", "elasticctl hot"), ("3 nodes × 1 worker", "elasticctl hot + 1 spare"),
+        ("5 nodes × 1 worker", "plain torchrun"), ("5 nodes × 1 worker", "elasticctl restart"),
+        ("5 nodes × 1 worker", "elasticctl hot"), ("5 nodes × 1 worker", "elasticctl hot + 1 spare")]
+    assert rows[0][2].startswith("failed: boom") and rows[4][2] == "not measured"
+    assert rows[2][2].startswith("0.85") and rows[6][2].startswith("0.80") and rows[6][6].startswith("11.00")
+
+
+def test_goodput_section_says_each_shape_and_its_bound():
+    results = _shaped({3: {"elasticctl-hot": [{**_sample("elasticctl-hot", 0.85, [18.5]),
+                                               "kills": [{"full_world_after_s": 18.5, "start_to_full_world_s": 8.5}]}]},
+                       5: {"elasticctl-hot": [{**_sample("elasticctl-hot", 0.80, [19.5]),
+                                               "kills": [{"full_world_after_s": 19.5, "start_to_full_world_s": 9.5}]}]}})
+    lines = report.goodput_section(results)
+    header = next(line for line in lines if line.startswith("| shape |"))
+    table = [line for line in lines if line.startswith("| ") and line != header]
+    assert len(table) == 8 and all(line.count(" | ") == header.count(" | ") for line in table)
+    assert table[0].startswith("| 3 nodes × 1 worker |") and table[4].startswith("| 5 nodes × 1 worker |")
+    text = " ".join(lines)
+    assert "Job shapes: 3 nodes × 1 worker and 5 nodes × 1 worker" in text
+    assert "one shape after the other" in text
+    assert "took 8.5 s (median) from its start to its first step at the full world at 3 nodes × 1 worker, " \
+           "9.5 s at 5 nodes × 1 worker" in text
+    assert "1 − (10 + 5.0) / (3 × 20) = 0.75 at 3 nodes × 1 worker" in text
+    assert "1 − (10 + 5.0) / (5 × 20) = 0.85 at 5 nodes × 1 worker (if a world of 4 trains its 4/5" in text
+    assert "What bounds goodput" not in " ".join(report.goodput_section(_shaped({3: {}}, cold_start=None)))
+
+
+def test_the_text_table_names_each_rows_shape():
+    results = _shaped({3: {"elasticctl-hot": [_sample("elasticctl-hot", 0.85, [10.5])]},
+                       5: {"elasticctl-hot": [_sample("elasticctl-hot", 0.80, [11.0])]}})
+    results["settings"] = {"checkpoint_every": 20}
+    goodput_lines = [line for line in report.text_table(results).splitlines() if line.startswith("Goodput")]
+    assert "Goodput, elasticctl hot, 3 nodes × 1 worker: goodput 0.85" in "\n".join(goodput_lines)
+    assert "Goodput, elasticctl hot, 5 nodes × 1 worker: goodput 0.80" in "\n".join(goodput_lines)
