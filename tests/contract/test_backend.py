@@ -7,9 +7,9 @@ tests/unit/test_backend_unreachable.py.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from support.helpers import wait_for
 from support.rendezvous import torch_state
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
@@ -184,10 +184,7 @@ def test_runs_are_isolated(etcd_client, run_id):
 def test_abandoned_run_keys_expire(etcd_client, run_id):
     backend = EtcdRendezvousBackend(etcd_client, run_id, lease=RunLease(etcd_client, ttl=2))
     backend.set_state(S1)
-    deadline = time.monotonic() + 15
-    while etcd_client.get(backend.key) is not None:
-        assert time.monotonic() < deadline, "the state key outlived its lease"
-        time.sleep(0.2)
+    wait_for(lambda: etcd_client.get(backend.key) is None, 15, "the state key to expire with its lease")
 
 
 def test_concurrent_compare_and_swap_loses_no_update(etcd_client, run_id):
