@@ -6,6 +6,9 @@
   ``../BENCHMARKS.md``) becomes a link to that file's source at ``repo_url``,
   once the file is found to exist; a link to a file that does not exist is a warning, which
   ``mkdocs build --strict`` turns into a failure, like any other broken link.
+* The CLI reference (docs/reference/cli.md) shows each command's ``--help`` through the
+  ``mkdocs-click`` extension; its table of environment variables, one row per flag, is written
+  here from the same click commands, where the page holds ``ENVIRONMENT_MARKER``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,42 @@ ROOT = Path(__file__).resolve().parents[1]
 INCLUDED = {"security.md": "SECURITY.md", "architecture.md": "ARCHITECTURE.md"}
 # [text](target) and ![alt](target); a target with a scheme or a bare #anchor is left alone
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s#]+)(#[^)\s]*)?(\))")
+ENVIRONMENT_MARKER = "<!-- the environment variables of every flag, written by scripts/mkdocs_hooks.py -->"
+
+
+def environment_variables() -> list[tuple[str, str, list[str]]]:
+    """(variable, flag, commands) for every option of every ``elasticctl`` command: the variable
+    click reads for it (an explicit ``envvar``, else ``auto_envvar_prefix`` and the option's name)."""
+    import click
+
+    from elasticctl.cli import cli
+
+    rows: dict[tuple[str, str], list[str]] = {}
+    root = click.Context(cli, info_name="elasticctl", **(cli.context_settings or {}))
+    commands = [("elasticctl", cli, root)] + [
+        (name, cli.commands[name], click.Context(cli.commands[name], info_name=name, parent=root,
+                                                 **(cli.commands[name].context_settings or {})))
+        for name in sorted(cli.commands)]
+    for name, command, context in commands:
+        for param in command.params:
+            # --help and --version end the command before anything is read: no variable of theirs
+            if not isinstance(param, click.Option) or param.name in ("help", "version"):
+                continue
+            variable = param.envvar or (f"{context.auto_envvar_prefix}_{param.name.upper()}"
+                                        if context.auto_envvar_prefix and param.allow_from_autoenv else None)
+            if isinstance(variable, (list, tuple)):
+                variable = variable[0]
+            if variable:
+                flag = max(param.opts, key=len)
+                rows.setdefault((variable, flag), []).append(name)
+    return [(variable, flag, commands) for (variable, flag), commands in sorted(rows.items())]
+
+
+def environment_table() -> str:
+    lines = ["| variable | flag | commands |", "|---|---|---|"]
+    for variable, flag, commands in environment_variables():
+        lines.append(f"| `{variable}` | `{flag}` | {', '.join(f'`{c}`' for c in commands)} |")
+    return "\n".join(lines)
 
 
 def on_files(files, config):
@@ -55,6 +94,8 @@ def _repository_path(page_src: str, target: str) -> PurePosixPath | None:
 def on_page_markdown(markdown, page, config, files):
     repo = config["repo_url"].rstrip("/")
     src = page.file.src_uri
+    if ENVIRONMENT_MARKER in markdown:
+        markdown = markdown.replace(ENVIRONMENT_MARKER, environment_table())
 
     def rewrite(match: re.Match) -> str:
         opening, target, anchor, closing = match.groups()

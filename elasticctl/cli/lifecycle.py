@@ -506,7 +506,8 @@ def _run_node(client, registry, spec, local_addr, node_id, hosts_etcd: bool, wor
               help="Seconds to wait for the node to go.")
 @click.option("--no-wait", is_flag=True, help="Ask the node to leave and return at once.")
 def leave(job, node_id, timeout, no_wait, **etcd_params) -> None:
-    """Scale down by one node: it checkpoints, stops, and the others continue without a restart."""
+    """Scale down by one node: it checkpoints and stops; the others go on without it, in restart mode
+    from that checkpoint (restarted, spending no restart), in hot mode in their own processes."""
     # Short retries: the leaving node may be the one whose embedded etcd we talk to.
     client = connect(dataclasses.replace(_settings(etcd_params), retry_timeout=5.0))
     job = resolve_job(client, job, etcd_params["key_prefix"])

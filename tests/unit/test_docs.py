@@ -9,6 +9,8 @@
 * The trainer's shape on the "Writing a trainer" page is the part below the marker of
   ``docs/examples/train.py``, a file tests/process/test_guide_example.py runs: the page cannot
   show code that no longer runs.
+* The CLI reference (docs/reference/cli.md, written at build time by mkdocs-click and the hook's
+  table of environment variables) names every flag of every command, and the variable of each.
 * The README stays a short user README: at most 300 lines, its links name files that exist, and
   the two commands CI runs from it (the one-line main command, the test command) are there.
 
@@ -76,19 +78,79 @@ def run_elasticctl(argv: list[str]) -> subprocess.CompletedProcess:
 # -- the guide builds strictly -----------------------------------------------------------------
 
 
-def test_the_guide_builds_with_mkdocs_strict(tmp_path):
-    if importlib.util.find_spec("mkdocs") is None:
-        pytest.skip("mkdocs is not installed (pip install -e '.[test]' brings it)")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The guide, built once with ``mkdocs build --strict`` (its HTML pages)."""
+    for module in ("mkdocs", "mkdocs_click"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install -e '.[test]' brings it)")
+    site = tmp_path_factory.mktemp("guide") / "site"
     build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                            str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                            str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-4000:]
     assert "WARNING" not in build.stderr, build.stderr[-4000:]
-    site = tmp_path / "site"
-    for page in ("getting-started", "porting", "hot-recovery", "spares-and-stragglers", "operations",
-                 "troubleshooting", "glossary", "exit-codes", "protocol", "security", "benchmarks",
-                 "architecture", "testing", "reference/options"):
+    return site
+
+
+def test_the_guide_builds_with_mkdocs_strict(site):
+    for page in ("getting-started", "porting", "migrating", "hot-recovery", "spares-and-stragglers",
+                 "operations", "troubleshooting", "glossary", "exit-codes", "compatibility", "protocol",
+                 "security", "benchmarks", "architecture", "testing", "reference/options", "reference/cli"):
         assert (site / page / "index.html").is_file(), page
+
+
+def page_text(site: Path, page: str) -> str:
+    """A built page's text, tags dropped and entities decoded."""
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", (site / page / "index.html").read_text()))
+
+
+def test_the_cli_reference_names_every_flag_of_every_command(site):
+    import click
+
+    from elasticctl.cli import cli
+
+    text = page_text(site, "reference/cli")
+    assert "Usage:" in text and "elasticctl up [OPTIONS]" in text, "mkdocs-click wrote no commands"
+    missing = []
+    for name, command in [("elasticctl", cli), *sorted(cli.commands.items())]:
+        if name != "elasticctl":
+            assert f"elasticctl {name} [OPTIONS]" in text, name
+        for param in command.params:
+            if isinstance(param, click.Option):
+                missing += [f"{name} {flag}" for flag in (*param.opts, *param.secondary_opts)
+                            if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
+    assert missing == [], missing
+
+
+def test_the_cli_reference_names_the_variable_of_every_flag(site):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    rows = mkdocs_hooks.environment_variables()
+    assert len(rows) >= 50 and ("ELASTICCTL_NODE_TTL", "--node-ttl", ["up"]) in rows, rows
+    text = page_text(site, "reference/cli")
+    assert [variable for variable, _, _ in rows if variable not in text] == []
+    assert mkdocs_hooks.ENVIRONMENT_MARKER not in (site / "reference" / "cli" / "index.html").read_text()
+
+
+def test_the_variable_the_reference_names_is_the_one_click_reads():
+    # `join --wait`'s variable follows its parameter's name, not the flag's: the page says so
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import mkdocs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    rows = {(variable, flag): commands for variable, flag, commands in mkdocs_hooks.environment_variables()}
+    assert rows[("ELASTICCTL_WAIT_SECONDS", "--wait")] == ["join"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICCTL_")}
+    result = subprocess.run([sys.executable, "-m", "elasticctl", "join"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**env, "ELASTICCTL_WAIT_SECONDS": "-1"})
+    assert result.returncode == 2 and "'--wait'" in result.stderr, result.stderr
 
 
 def test_every_page_of_docs_is_in_the_navigation():
