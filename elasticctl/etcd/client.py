@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -32,7 +33,7 @@ from elasticctl.errors import (
     LeaseNotFoundError,
     quote,
 )
-from elasticctl.etcd.retry import Backoff, Deadline, retry
+from elasticctl.etcd.retry import Attempts, Backoff, Deadline, retry, retry_until
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,37 @@ DEFAULT_PORT = 2379
 
 _T = TypeVar("_T")
 
-# Errors after which the same request may succeed on another member or a moment later.
+# pyetcd's errors after which the same request may succeed on another member or a moment later
+# (for one it raised from a grpc error, that error's status decides: see transient()).
 _TRANSIENT_ERRORS = (
     etcd_exc.ConnectionFailedError,
     etcd_exc.ConnectionTimeoutError,
     etcd_exc.NoServerAvailableError,
     etcd_exc.InternalServerError,
+)
+
+# grpc codes of a request that may succeed a moment later: the member is down or restarting, the
+# answer came later than this client waited, or the connection broke mid-call.
+_TRANSIENT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+})
+
+# What etcd says when it could not serve a request now but may a moment later, whatever code it
+# sends it with (FAILED_PRECONDITION for "not leader"; RESOURCE_EXHAUSTED for "too many requests",
+# a code grpc also uses for a message too large: the text tells them apart).
+_TRANSIENT_DETAILS = (
+    "etcdserver: request timed out",  # also "..., possibly due to previous leader failure"
+    "etcdserver: leader changed",
+    "etcdserver: no leader",
+    "etcdserver: not leader",
+    "etcdserver: too many requests",
+    "etcdserver: server stopped",
+    "etcdserver: unhealthy cluster",
+    # Go's own deadline error, which etcd's LeaseKeepAlive returns as it is, so that grpc sends it
+    # as UNKNOWN: etcd answered late, under load; it did not refuse.
+    "context deadline exceeded",
 )
 
 # Pauses between the attempts of one request: short at first, for a leader change.
@@ -250,7 +276,12 @@ class EtcdClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _call(self, what: str, op: Callable[[pyetcd.MultiEndpointEtcd3Client], _T]) -> _T:
+    def _call(self, what: str, op: Callable[[pyetcd.MultiEndpointEtcd3Client], _T], *,
+              until: float | None = None, give_up: Callable[[Attempts], ElasticctlError] | None = None) -> _T:
+        """``op`` on the current connection, retried after a transient failure until the monotonic
+        clock reads ``until`` (default: ``retry_timeout`` from now); then ``give_up`` (default: an
+        :class:`EtcdUnavailableError` naming the window) is raised. A refusal raises at once."""
+
         def attempt() -> _T:
             try:
                 return op(self._connect())
@@ -264,18 +295,25 @@ class EtcdClient:
                     # Raised from the constructor's login, outside pyetcd's error mapping.
                     self._reset()
                     raise
+                if transient(exc):
+                    raise
                 refused = LeaseNotFoundError if _LEASE_NOT_FOUND in (details or "") else EtcdRequestError
                 raise refused(f"etcd at {self.settings.describe()} refused to {what}: {details}.") from exc
 
-        try:
-            return retry(attempt, (*_TRANSIENT_ERRORS, grpc.RpcError), self.settings.retry_timeout,
-                         _BACKOFF, on_retry=lambda exc: log.debug("etcd %s failed (%s); retrying", what,
-                                                                  _describe(exc)))
-        except (*_TRANSIENT_ERRORS, grpc.RpcError) as exc:
-            raise EtcdUnavailableError(
+        def unavailable(attempts: Attempts) -> ElasticctlError:
+            return EtcdUnavailableError(
                 f"etcd at {self.settings.describe()} did not answer ({what}) within "
-                f"{self.settings.retry_timeout:g} s: {_describe(exc)}."
-            ) from exc
+                f"{self.settings.retry_timeout:g} s: {_describe(attempts.last)}."
+            )
+
+        # A grpc error that leaves attempt() unconverted is one to retry: transient, or a login
+        # to do again.
+        return retry_until(
+            attempt, lambda exc: isinstance(exc, grpc.RpcError) or transient(exc),
+            time.monotonic() + self.settings.retry_timeout if until is None else until,
+            _BACKOFF, give_up or unavailable,
+            on_retry=lambda exc: log.debug("etcd %s failed (%s); retrying", what, _describe(exc)),
+        )
 
     # -- key/value --------------------------------------------------------------------
 
@@ -376,14 +414,25 @@ class EtcdClient:
     def grant_lease(self, ttl: int) -> int:
         return self._call("grant a lease", lambda c: c.lease(ttl).id)
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """Renew a lease; returns its new TTL, or 0 when it has already expired."""
+    def refresh_lease(self, lease_id: int, *, until: float | None = None, name: str = "lease") -> int:
+        """Renew a lease; returns its new TTL, or 0 when it has already expired.
+
+        With ``until`` (on the monotonic clock: when the lease, called ``name`` in errors, ends
+        as its holder knows it), a renewal that fails transiently is tried again until then,
+        whatever ``retry_timeout`` says: a late answer must not end the holder while the lease
+        lives, and past its end a renewal cannot help. Then :class:`LeaseExpiredError`.
+        """
 
         def refresh(c: pyetcd.MultiEndpointEtcd3Client) -> int:
             responses = list(c.refresh_lease(lease_id))
             return max((r.TTL for r in responses), default=0)
 
-        return self._streaming(lambda: self._call("renew a lease", refresh))
+        give_up = None
+        if until is not None:
+            def give_up(attempts: Attempts) -> ElasticctlError:
+                return LeaseExpiredError(lease_expired_message(name, lease_id, self.settings.describe(), attempts))
+
+        return self._streaming(lambda: self._call("renew a lease", refresh, until=until, give_up=give_up))
 
     def lease_ttl(self, lease_id: int) -> tuple[int, int]:
         """A lease's remaining and granted TTL in seconds; (-1, 0) when it has expired."""
@@ -474,9 +523,40 @@ def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
-        return f"{exc.code().name.lower()}: {exc.details()}"
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The grpc code and details behind ``exc``: its own, or those of the grpc error pyetcd raised
+    it from (pyetcd's exceptions keep neither), else None."""
+    error = exc.__context__ if isinstance(exc, etcd_exc.Etcd3Exception) else exc
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return error.code(), error.details() or ""
+    return None
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether the request that failed with ``exc`` may succeed if sent again a moment later: etcd
+    (or the way to it) was down, slow or between leaders, as opposed to a refusal (a lease it no
+    longer knows, a permission, a bad argument), which would only be refused again."""
+    status = grpc_status(exc)
+    if status is not None:
+        code, details = status
+        return code in _TRANSIENT_CODES or any(text in details for text in _TRANSIENT_DETAILS)
+    return isinstance(exc, _TRANSIENT_ERRORS)
+
+
+class LeaseExpiredError(EtcdUnavailableError):
+    """A lease ended, as its holder knows it, while etcd left its renewals unanswered."""
+
+
+def lease_expired_message(name: str, lease_id: int, endpoints: str, attempts: Attempts) -> str:
+    return (f"The {name} {lease_id:x} expired before etcd at {endpoints} answered a renewal: "
+            f"{attempts.count} attempt{'s' if attempts.count != 1 else ''} over {attempts.seconds:.1f} s, "
+            f"the last: {_describe(attempts.last)}.")
+
+
+def _describe(exc: BaseException) -> str:
+    status = grpc_status(exc)
+    if status is not None:
+        return f"{status[0].name.lower()}: {status[1]}"
     return str(exc) or type(exc).__name__
 
 

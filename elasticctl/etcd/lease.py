@@ -27,6 +27,11 @@ _T = TypeVar("_T")
 # Tries to put a lease id at a shared key while other processes race to put theirs.
 _FIND_OR_GRANT_ATTEMPTS = 5
 
+# A renewal is last sent this long before the lease ends as this process knows it: the time the
+# request itself takes to reach etcd and be applied. A renewal that etcd answers late is tried
+# again until then (EtcdClient.refresh_lease), not given up at the first late answer.
+RENEWAL_MARGIN = 0.5
+
 
 class Lease:
     """A lease of ``ttl`` seconds, private to this process or shared through its id at ``key``.
@@ -47,6 +52,9 @@ class Lease:
         self._lock = threading.Lock()  # held across etcd calls: two users never grant two leases
         self._id: int | None = None
         self._renewed_at = 0.0
+        # When the lease ends unless renewed, on the monotonic clock: the last renewal's sending
+        # plus the TTL etcd gave (an upper bound on the real end, as etcd counts from receiving).
+        self._expires_at = 0.0
         self._regranted: list[Callable[[int], None]] = []
         self._stopped = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -128,12 +136,14 @@ class Lease:
             now = time.monotonic()
             lost = None
             if self._id is not None and now - self._renewed_at >= renew_after:
-                if self._client.refresh_lease(self._id) <= 0:
+                ttl = self._client.refresh_lease(self._id, until=self._expires_at - RENEWAL_MARGIN,
+                                                 name=self._name)
+                if ttl <= 0:
                     lost, self._id = self._id, None
-                self._renewed_at = now
+                self._renewed_at, self._expires_at = now, now + ttl
             if self._id is None:
                 self._id = self._find_or_grant()
-                self._renewed_at = now
+                self._renewed_at, self._expires_at = now, now + self._ttl
             return self._id, lost
 
     def _replace(self, lost: int) -> int:
@@ -144,6 +154,7 @@ class Lease:
             if replaced:
                 self._id = self._find_or_grant()
                 self._renewed_at = time.monotonic()
+                self._expires_at = self._renewed_at + self._ttl
             lease = self._id
         if replaced:
             self._announce(lost, lease)

@@ -1,7 +1,7 @@
 """Deadlines, and the two ways elasticctl waits on etcd: retrying a call, polling a value.
 
-Every wait in elasticctl that a deadline bounds goes through :func:`retry` or :func:`poll`: a
-pause never outlasts the deadline (the last attempt happens at it, not a pause after it), and
+Every wait in elasticctl that a deadline bounds goes through :func:`retry`, :func:`retry_until` or
+:func:`poll`: a pause never outlasts the deadline (the last attempt happens at it, not a pause after it), and
 each caller keeps its own one-sentence error for when time runs out.
 
 Each takes the clock it reads and the sleep it pauses with (``clock``, ``sleep``; the monotonic
@@ -69,6 +69,46 @@ def retry(attempt: Callable[[], _T], retry_on: type[BaseException] | tuple[type[
             if on_retry is not None:
                 on_retry(exc)
         deadline.sleep(pause)
+    raise AssertionError("unreachable: Backoff.pauses() never ends")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempts:
+    """What a retry that ran out of time did: ``count`` attempts over ``seconds``, the last of
+    them failing with ``last``."""
+
+    count: int
+    seconds: float
+    last: BaseException
+
+
+def retry_until(attempt: Callable[[], _T], transient: Callable[[BaseException], bool], until: float,
+                backoff: Backoff, give_up: Callable[[Attempts], BaseException],
+                on_retry: Callable[[BaseException], None] | None = None, *,
+                clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], object] = time.sleep) -> _T:
+    """``attempt()``'s result, calling it again after an error that ``transient`` accepts until
+    ``clock()`` reads ``until``; then ``give_up(Attempts(...))`` is raised from the last error.
+    An error ``transient`` refuses goes through at once.
+
+    One attempt is always made, even past ``until``: a caller's deadline is an estimate (a lease's
+    end as this process saw it), and only the answer says whether it was right. A pause is cut to
+    what is left, so the last attempt starts at ``until`` at the latest.
+    """
+    began = clock()
+    count = 0
+    for pause in backoff.pauses():
+        count += 1
+        try:
+            return attempt()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            now = clock()
+            if now >= until:
+                raise give_up(Attempts(count, now - began, exc)) from exc
+            if on_retry is not None:
+                on_retry(exc)
+        sleep(min(pause, max(0.0, until - clock())))
     raise AssertionError("unreachable: Backoff.pauses() never ends")
 
 
