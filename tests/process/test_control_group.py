@@ -119,7 +119,7 @@ def test_on_gpus_hot_mode_runs_its_boundaries_on_a_gloo_side_group_beside_nccl(
 # -- freeze detection: a lost member aborts the pending collective where the backend can -----------
 
 ABORTING = "lost while it may wait in a collective: aborting its training group"
-NO_ABORT = "has no abort: a pending collective ends by its timeout"
+NO_ABORT = "has no abort: a collective pending on a frozen member ends by its timeout"
 
 
 @pytest.mark.parametrize("backend", ["gloo", RENAMED])
