@@ -70,6 +70,19 @@ def main() -> None:
         # No collective at the wrap: a joiner wraps alone, the survivors keep theirs.
         return DistributedDataParallel(layer, init_sync=False)
 
+    def collective_after_death(victim: str, tensor: torch.Tensor) -> dict:
+        """``victim`` dies at once; the others all-reduce ``tensor``: whether and when it raised."""
+        if name == victim:
+            coord.set(f"{victim}/dying", "1")
+            os.kill(os.getpid(), signal.SIGKILL)
+        coord.get(f"{victim}/dying")
+        began = time.monotonic()
+        try:
+            dist.all_reduce(tensor)
+            return {"raised": False, "seconds": time.monotonic() - began}
+        except RuntimeError as exc:
+            return {"raised": True, "seconds": time.monotonic() - began, "error": str(exc)[:200]}
+
     if scenario == "churn":
         # a, b, c form on c's store; c leaves (nothing pending: a boundary every member agreed on)
         # and exits, taking its store along; a and b shrink on b's; newcomer d joins them on a's.
@@ -93,16 +106,7 @@ def main() -> None:
     elif scenario == "failure":
         # a, b, c form; c dies at once; a and b start a collective with it.
         generation(1, ["a", "b", "c"], host="a")
-        if name == "c":
-            coord.set("c/dying", "1")
-            os.kill(os.getpid(), signal.SIGKILL)
-        coord.get("c/dying")
-        began = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(1))
-            result("lost_peer", {"raised": False, "seconds": time.monotonic() - began})
-        except RuntimeError as exc:
-            result("lost_peer", {"raised": True, "seconds": time.monotonic() - began, "error": str(exc)[:200]})
+        result("lost_peer", collective_after_death("c", torch.ones(1)))
         group.revoke()
         generation(2, ["a", "b"], host="a")
         ones = torch.ones(1)
@@ -115,18 +119,8 @@ def main() -> None:
         generation(1, ["a", "b", "c", "d"], host="a")
         connections = GenerationConnections(name, other_ports={port})
         connections.record_build(before, store_port=None)
-        if name == "d":
-            coord.set("d/dying", "1")
-            os.kill(os.getpid(), signal.SIGKILL)
-        coord.get("d/dying")
-        began = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(1000))
-            result("lost_peer", {"raised": False, "seconds": time.monotonic() - began})
-        except RuntimeError as exc:
-            severed = connections.sever()
-            result("lost_peer", {"raised": True, "seconds": time.monotonic() - began, "error": str(exc)[:200],
-                                 "severed": severed})
+        outcome = collective_after_death("d", torch.ones(1000))
+        result("lost_peer", {**outcome, "severed": connections.sever() if outcome["raised"] else 0})
         group.destroy()  # a group whose connections were shut down still comes down cleanly
         return
     elif scenario == "freeze":
