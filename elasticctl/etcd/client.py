@@ -418,9 +418,11 @@ class EtcdClient:
         """Renew a lease; returns its new TTL, or 0 when it has already expired.
 
         With ``until`` (on the monotonic clock: when the lease, called ``name`` in errors, ends
-        as its holder knows it), a renewal that fails transiently is tried again until then,
-        whatever ``retry_timeout`` says: a late answer must not end the holder while the lease
-        lives, and past its end a renewal cannot help. Then :class:`LeaseExpiredError`.
+        as its holder knows it, less the time a request takes), a renewal that fails transiently
+        is tried again until then, and then raises :class:`LeaseExpiredError`: a late answer must
+        not end the holder while its lease lives, and past the lease's end a renewal cannot help.
+        ``retry_timeout`` still bounds the whole, as it does every request: a lease of hours
+        (the run's, the history's) must not hold its caller that long while etcd is away.
         """
 
         def refresh(c: pyetcd.MultiEndpointEtcd3Client) -> int:
@@ -428,9 +430,11 @@ class EtcdClient:
             return max((r.TTL for r in responses), default=0)
 
         give_up = None
-        if until is not None:
+        if until is not None and until <= time.monotonic() + self.settings.retry_timeout:
             def give_up(attempts: Attempts) -> ElasticctlError:
                 return LeaseExpiredError(lease_expired_message(name, lease_id, self.settings.describe(), attempts))
+        else:
+            until = None  # retry_timeout ends it first: the usual error says so
 
         return self._streaming(lambda: self._call("renew a lease", refresh, until=until, give_up=give_up))
 

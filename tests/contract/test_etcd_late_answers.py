@@ -1,0 +1,109 @@
+"""etcd answering late: a lease holder rides it out while its lease lives, and fails in one
+sentence once the lease has ended unanswered.
+
+Layer tests/contract: a real etcd, reached through a proxy on loopback that holds its bytes back
+(tests/support/tcp_proxy.py), no training processes. The other tests of this subject:
+tests/unit/test_etcd_transient.py (which failures are retried, and the schedule on a fake clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+
+import pytest
+from support.helpers import wait_for
+from support.tcp_proxy import SlowProxy
+
+from elasticctl.etcd.client import EtcdClient, EtcdSettings, LeaseExpiredError
+from elasticctl.etcd.lease import Lease
+
+# The client's own per-request timeout: an answer held back longer than this is a failed attempt.
+READ_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def proxy(etcd_server):
+    with SlowProxy("127.0.0.1", etcd_server.client_port) as proxy:
+        yield proxy
+
+
+def through(proxy: SlowProxy, etcd_server, **options) -> EtcdClient:
+    settings = etcd_server.client_settings(read_timeout=READ_TIMEOUT, **options)
+    return EtcdClient(dataclasses.replace(settings, endpoints=EtcdSettings.from_string(proxy.endpoint).endpoints))
+
+
+def test_late_answers_do_not_end_a_lease_holder_while_its_lease_lives(etcd_server, etcd_client, proxy, caplog,
+                                                                      run_id):
+    # etcd holds its answers back 1.5 s (3 times the client's timeout: every request in that
+    # while fails) for 3 s, well inside the leases' 10 s.
+    ttl, holders = 10, 3
+    client = through(proxy, etcd_server, retry_timeout=30.0)
+    # renew_every 0: each id() renews, as a rendezvous write does once a renewal is due
+    leases = [Lease(client, ttl, renew_every=0.0, name="rendezvous lease") for _ in range(holders)]
+    for i, lease in enumerate(leases):
+        lease.put(f"/{run_id}/late/{i}", b"declared")
+    ids = [lease.id() for lease in leases]
+    caplog.set_level(logging.DEBUG, logger="elasticctl.etcd.client")
+    failures: list[BaseException] = []
+    renewed: list[int] = []
+
+    def hold(lease: Lease) -> None:
+        # id() is what the rendezvous calls before each write bound to the lease
+        try:
+            renewed.append(lease.id())
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            failures.append(exc)
+
+    try:
+        proxy.delay = 1.5
+        threads = [threading.Thread(target=hold, args=(lease,)) for lease in leases]
+        for thread in threads:
+            thread.start()
+        time.sleep(3.0)
+        proxy.delay = 0.0
+        for thread in threads:
+            thread.join(timeout=ttl)
+        assert failures == [] and sorted(renewed) == sorted(ids)
+        # the slowness was felt: renewals failed and were tried again
+        assert any("renew a lease failed" in r.getMessage() for r in caplog.records)
+        # and the leases live on, their keys with them, renewed during or after the slow while
+        for i, lease_id in enumerate(ids):
+            assert etcd_client.get(f"/{run_id}/late/{i}").lease == lease_id
+            remaining, granted = etcd_client.lease_ttl(lease_id)
+            assert granted == ttl and remaining >= ttl - 2
+    finally:
+        for lease in leases:
+            lease.stop(revoke=True)
+        client.close()
+
+
+def test_a_lease_that_ends_unanswered_fails_in_one_sentence(etcd_server, etcd_client, proxy, run_id):
+    # etcd answers nothing for longer than the lease lives: the renewal gives up at the lease's
+    # end, long before retry_timeout's 30 s, and says so.
+    ttl = 3
+    client = through(proxy, etcd_server, retry_timeout=30.0)
+    lease = Lease(client, ttl, renew_every=0.0, name="rendezvous lease")
+    key = f"/{run_id}/late/gone"
+    lease.put(key, b"declared")
+    lease_id = lease.id()
+    began = time.monotonic()
+    try:
+        proxy.delay = 60.0
+        with pytest.raises(LeaseExpiredError) as info:
+            lease.id()
+        took = time.monotonic() - began
+        message = str(info.value)
+        assert re.fullmatch(
+            rf"The rendezvous lease {lease_id:x} expired before etcd at {re.escape(proxy.endpoint)} answered a "
+            r"renewal: \d+ attempts over \d+\.\d s, the last: [^\n]+\.", message), message
+        assert took < ttl + 2 * READ_TIMEOUT + 1, f"it gave up {took:.1f} s after the last renewal"
+        # it had indeed ended: etcd dropped the key bound to it
+        wait_for(lambda: etcd_client.get(key) is None, 10, f"etcd to drop {key} with its lease")
+    finally:
+        proxy.delay = 0.0
+        lease.stop()
+        client.close(timeout=1.0)
