@@ -6,6 +6,8 @@
   ``../BENCHMARKS.md``) becomes a link to that file's source at ``repo_url``,
   once the file is found to exist; a link to a file that does not exist is a warning, which
   ``mkdocs build --strict`` turns into a failure, like any other broken link.
+* The table of event kinds (docs/operations.md, where the page holds ``EVENT_KINDS_MARKER``) is
+  written from ``EventKind`` in elasticctl/job/records.py: each kind with the comment beside it.
 * The CLI reference (docs/reference/cli.md) shows each command's ``--help`` through the
   ``mkdocs-click`` extension; its table of environment variables, one row per flag, is written
   here from the same click commands, where the page holds ``ENVIRONMENT_MARKER``.
@@ -57,6 +59,28 @@ def environment_variables() -> list[tuple[str, str, list[str]]]:
     return [(variable, flag, commands) for (variable, flag), commands in sorted(rows.items())]
 
 
+EVENT_KINDS_MARKER = "<!-- the event kinds, written by scripts/mkdocs_hooks.py -->"
+
+
+def event_kinds() -> list[tuple[str, str]]:
+    """(kind, what it means) for every member of ``EventKind``, from the comment beside it."""
+    import inspect
+
+    from elasticctl.job.records import EventKind
+
+    described = dict(re.findall(r'^\s+[A-Z_]+ = "(\w+)"\s+# (.+)$', inspect.getsource(EventKind), flags=re.MULTILINE))
+    missing = [kind.value for kind in EventKind if kind.value not in described]
+    if missing:
+        raise ValueError(f"EventKind members without a comment to describe them: {missing}")
+    return [(kind.value, described[kind.value].strip()) for kind in EventKind]
+
+
+def event_kinds_table() -> str:
+    lines = ["| kind | what happened |", "|---|---|"]
+    lines += [f"| `{kind}` | {text.replace('|', chr(92) + '|')} |" for kind, text in event_kinds()]
+    return "\n".join(lines)
+
+
 def environment_table() -> str:
     lines = ["| variable | flag | commands |", "|---|---|---|"]
     for variable, flag, commands in environment_variables():
@@ -96,6 +120,8 @@ def on_page_markdown(markdown, page, config, files):
     src = page.file.src_uri
     if ENVIRONMENT_MARKER in markdown:
         markdown = markdown.replace(ENVIRONMENT_MARKER, environment_table())
+    if EVENT_KINDS_MARKER in markdown:
+        markdown = markdown.replace(EVENT_KINDS_MARKER, event_kinds_table())
 
     def rewrite(match: re.Match) -> str:
         opening, target, anchor, closing = match.groups()

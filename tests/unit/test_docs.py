@@ -11,6 +11,7 @@
   show code that no longer runs.
 * The CLI reference (docs/reference/cli.md, written at build time by mkdocs-click and the hook's
   table of environment variables) names every flag of every command, and the variable of each.
+* The operations page lists every event kind (the hook writes the table from ``EventKind``).
 * The README stays a short user README: at most 300 lines, its links name files that exist, and
   the two commands CI runs from it (the one-line main command, the test command) are there.
 
@@ -136,6 +137,13 @@ def test_the_cli_reference_names_the_variable_of_every_flag(site):
     text = page_text(site, "reference/cli")
     assert [variable for variable, _, _ in rows if variable not in text] == []
     assert mkdocs_hooks.ENVIRONMENT_MARKER not in (site / "reference" / "cli" / "index.html").read_text()
+
+
+def test_the_operations_page_lists_every_event_kind(site):
+    from elasticctl.job.records import EventKind
+
+    table = page_text(site, "operations").split("Every kind of event", 1)[1]
+    assert [kind.value for kind in EventKind if not re.search(rf"(?<!\w){kind.value}\s", table)] == []
 
 
 def test_the_variable_the_reference_names_is_the_one_click_reads():
