@@ -53,7 +53,7 @@ class Lease:
         self._id: int | None = None
         self._renewed_at = 0.0
         # When the lease ends unless renewed, on the monotonic clock: the last renewal's sending
-        # plus the TTL etcd gave (an upper bound on the real end, as etcd counts from receiving).
+        # plus the TTL etcd gave (never after the real end, as etcd counts from its receiving).
         self._expires_at = 0.0
         self._regranted: list[Callable[[int], None]] = []
         self._stopped = threading.Event()

@@ -1,8 +1,8 @@
 """Deadlines, and the two ways elasticctl waits on etcd: retrying a call, polling a value.
 
-Every wait in elasticctl that a deadline bounds goes through :func:`retry`, :func:`retry_until` or
-:func:`poll`: a pause never outlasts the deadline (the last attempt happens at it, not a pause after it), and
-each caller keeps its own one-sentence error for when time runs out.
+Every wait in elasticctl that a deadline bounds goes through :func:`retry`, :func:`retry_until`
+or :func:`poll`: a pause never outlasts the deadline (the last attempt happens at it, not a pause
+after it), and each caller keeps its own one-sentence error for when time runs out.
 
 Each takes the clock it reads and the sleep it pauses with (``clock``, ``sleep``; the monotonic
 clock and ``time.sleep`` by default), so that a test can drive them on a clock of its own and
