@@ -49,6 +49,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import psutil
 import torch.distributed as dist
@@ -90,6 +92,7 @@ from elasticctl.rendezvous.view import RoundView
 from elasticctl.job.registry import Registry, now, request_for
 
 log = logging.getLogger(__name__)
+_Mark = TypeVar("_Mark")  # what a worker's mark is read into
 
 BACKEND_NAME = "etcd3"
 
@@ -392,27 +395,28 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _unrecoverable(self) -> str | None:
         """Why a worker of this round failed in a way a restart would only repeat, if one did."""
-        try:
-            names = sorted(n for n in os.listdir(self._marks) if n.startswith("unrecoverable-")) if self._marks else []
-            for name in names:
-                with open(os.path.join(self._marks, name), encoding="utf-8", errors="replace") as mark:
-                    reason = " ".join(mark.read(2048).split())
-                if reason:
-                    return reason
-        except OSError:
-            return None
-        return None
+        return self._first_mark("unrecoverable-", 2048, lambda text: " ".join(text.split()) or None)
 
     def _worker_failure(self) -> WorkerFailure | None:
         """What a worker of this round that raised said of it (the lowest local rank's readable
         record; elasticctl/job/worker_failure.py validates it), or None."""
+        return self._first_mark("failure-", MAX_FAILURE_BYTES + 1, WorkerFailure.parse)
+
+    def _first_mark(self, prefix: str, limit: int, read: Callable[[str], _Mark | None]) -> _Mark | None:
+        """``read`` of the first of this round's ``<prefix><LOCAL_RANK>`` marks, lowest local rank
+        first, that it accepts (its first ``limit`` characters); None when none is accepted."""
+        def local_rank(name: str) -> tuple[int, str]:
+            suffix = name[len(prefix):]
+            return (int(suffix), "") if suffix.isdigit() else (1 << 30, suffix)
+
         try:
-            names = sorted(n for n in os.listdir(self._marks) if n.startswith("failure-")) if self._marks else []
+            names = sorted((n for n in os.listdir(self._marks) if n.startswith(prefix)), key=local_rank) \
+                if self._marks else []
             for name in names:
                 with open(os.path.join(self._marks, name), encoding="utf-8", errors="replace") as mark:
-                    failure = WorkerFailure.parse(mark.read(MAX_FAILURE_BYTES + 1))
-                if failure is not None:
-                    return failure
+                    found = read(mark.read(limit))
+                if found is not None:
+                    return found
         except OSError:
             return None
         return None
