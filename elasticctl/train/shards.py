@@ -339,7 +339,7 @@ class ShardedModel:
         """Pay torch's one-time cost of a sharded step now, on a throwaway: a copy of the model on
         the meta device (no memory) wrapped over ``group`` (this worker alone, before its first
         generation), given zero gradients and stepped once by a copy of the optimizer; then its
-        mesh's groups destroyed and torch's DTensor caches emptied.
+        mesh's groups destroyed. torch's DTensor caches are emptied before and after.
 
         Why: the first ``fully_shard`` and the first optimizer step over DTensors of a process run
         FSDP2's and DTensor's first-use code (about 0.15 s and 0.4 s on this CPU, against 0.03 s
@@ -349,6 +349,9 @@ class ShardedModel:
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
+        # Before any DTensor op: a cache holding an equal mesh of an earlier wrap would hand the
+        # throwaway's parameters that mesh, whose groups may be gone (see the module docstring).
+        forget_earlier_meshes()
         throwaway = self._wrap(meta_copy(state.model), group)
         meshes = {id(p.device_mesh): p.device_mesh for p in throwaway.parameters() if isinstance(p, DTensor)}
         try:

@@ -133,3 +133,25 @@ def test_a_warm_up_touches_neither_the_model_nor_its_optimizer_and_leaves_no_gro
         ShardedModel(shard).rewrap(candidate, group())
         train(candidate, 2)
     assert all(torch.equal(a, b) for a, b in zip(local(state.model), local(reference.model), strict=True))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_warm_up_after_an_earlier_wrap_whose_groups_are_gone_builds_on_its_own_mesh():
+    """torch's DTensor caches key on mesh equality: an earlier wrap on an equal mesh, whose groups
+    were destroyed since, must not hand the warm-up's throwaway that mesh (the groups would not
+    resolve: "Could not resolve the process group registered under the name N")."""
+    import torch.distributed as dist
+
+    earlier = make_state()
+    earlier.live = True
+    ShardedModel(shard).rewrap(earlier, group())
+    train(earlier, 1)
+    earlier_mesh = next(earlier.model.parameters()).device_mesh
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+    for dim in range(earlier_mesh.ndim):
+        dist.destroy_process_group(earlier_mesh.get_group(dim))
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before - 2
+
+    ShardedModel(shard).warm_up(make_state(), group())
+
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before - 2, "the throwaway's own groups are destroyed"
