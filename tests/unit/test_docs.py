@@ -82,7 +82,7 @@ def run_elasticctl(argv: list[str]) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The guide, built once with ``mkdocs build --strict`` (its HTML pages)."""
-    for module in ("mkdocs", "mkdocs_click"):
+    for module in ("mkdocs", "mkdocs_click", "mkdocstrings"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (pip install -e '.[test]' brings it)")
     site = tmp_path_factory.mktemp("guide") / "site"
@@ -97,7 +97,8 @@ def site(tmp_path_factory) -> Path:
 def test_the_guide_builds_with_mkdocs_strict(site):
     for page in ("getting-started", "porting", "migrating", "hot-recovery", "spares-and-stragglers",
                  "operations", "troubleshooting", "glossary", "exit-codes", "compatibility", "protocol",
-                 "security", "benchmarks", "architecture", "testing", "reference/options", "reference/cli"):
+                 "security", "benchmarks", "architecture", "testing", "reference/options", "reference/cli",
+                 "reference/api"):
         assert (site / page / "index.html").is_file(), page
 
 
@@ -124,6 +125,23 @@ def test_the_cli_reference_names_every_flag_of_every_command(site):
                 missing += [f"{name} {flag}" for flag in (*param.opts, *param.secondary_opts)
                             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
     assert missing == [], missing
+
+
+def test_the_api_reference_documents_every_name_a_script_imports_from_its_docstring(site):
+    """docs/reference/api.md is written by mkdocstrings from the code: each name of
+    ``elasticctl.train`` has its entry, and the entry shows the docstring the code has now."""
+    import elasticctl.train as elastic
+
+    html_text = (site / "reference/api/index.html").read_text()
+    text = " ".join(page_text(site, "reference/api").split())
+    for name in elastic.__all__:
+        module = elastic._EXPORTS[name]
+        assert f'id="{module}.{name}"' in html_text, f"{module}.{name} has no entry in the API reference"
+        first_line = (getattr(elastic, name).__doc__ or "").strip().splitlines()[0]
+        assert first_line, f"{name} has no docstring to show"
+        # the words of the first line, without the reST markup mkdocstrings renders differently
+        words = " ".join(re.sub(r"[`*]|:\w+:", "", first_line).split())[:40]
+        assert words in text, (name, words)
 
 
 def test_the_cli_reference_names_the_variable_of_every_flag(site):
