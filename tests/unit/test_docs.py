@@ -98,7 +98,7 @@ def test_the_guide_builds_with_mkdocs_strict(site):
     for page in ("getting-started", "porting", "migrating", "hot-recovery", "spares-and-stragglers",
                  "operations", "troubleshooting", "glossary", "exit-codes", "compatibility", "protocol",
                  "security", "benchmarks", "architecture", "testing", "reference/options", "reference/cli",
-                 "reference/api"):
+                 "reference/api", "changelog"):
         assert (site / page / "index.html").is_file(), page
 
 
