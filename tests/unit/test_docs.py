@@ -310,3 +310,17 @@ def test_the_screenshot_stamp_round_trips_and_replaces_an_older_one():
     assert screenshot.stamp_of(once) == "a" * 64 and screenshot.stamp_of(twice) == "b" * 64
     assert len(twice) == len(once) and twice.endswith(b"IEND\xaeB`\x82")
     assert "](dashboard.png)" in (screenshot.ROOT / "docs" / "operations.md").read_text()
+
+
+def test_the_task_pages_speak_to_a_user_not_of_the_test_files():
+    """The pages a user reads to get a job done name no test file: what the suite proves is said in
+    words, and "How it is tested" (an internals page) maps it to the files."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))["nav"]
+    task_pages = [page for entry in nav for title, page in entry.items()
+                  if isinstance(page, str) and title not in ("Benchmarks", "Changelog")]
+    assert "getting-started.md" in task_pages and "operations.md" in task_pages, task_pages
+    named = [f"{page}: {match}" for page in task_pages
+             for match in re.findall(r"tests/\w+/test_\w+\.py", (ROOT / "docs" / page).read_text(encoding="utf-8"))]
+    assert named == [], named
