@@ -190,16 +190,49 @@ def test_every_page_of_docs_is_in_the_navigation():
 # -- the trainer the guide shows is a file that runs --------------------------------------------
 
 EXAMPLE_MARKER = "# -- the page's code block "
+FRAGMENT_MARKER = "<!-- fragment: "
+# Each whole example a page shows: the page, and the file (under docs/examples/) whose text below
+# its marker line is that code block, character for character.
+EXAMPLE_FILES = {"writing-a-trainer.md": ["train.py", "train_sharded.py"], "porting.md": ["resumable_ddp.py"]}
+
+
+def python_blocks(markdown: str) -> list[tuple[str, bool]]:
+    """Each ```python block of a page, and whether the line above it marks it as a fragment."""
+    return [(body, bool(above)) for above, body in
+            re.findall(rf"^({re.escape(FRAGMENT_MARKER)}[^\n]*\n)?```python\n(.*?)^```", markdown,
+                       flags=re.MULTILINE | re.DOTALL)]
+
+
+def shown_part(example: str) -> str:
+    assert example.count(EXAMPLE_MARKER) == 1, "an example file must have one marker line"
+    return example.split(EXAMPLE_MARKER, 1)[1].split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_every_python_block_is_an_example_file_or_a_marked_fragment_that_parses(page):
+    import ast
+
+    text = (DOCS / page).read_text()
+    files = EXAMPLE_FILES.get(page, [])
+    shown = {name: shown_part((DOCS / "examples" / name).read_text()) for name in files}
+    whole = []
+    for body, fragment in python_blocks(text):
+        ast.parse(body)  # a fragment too is Python
+        if not fragment:
+            matches = [name for name, part in shown.items() if part == body]
+            assert matches, (f"{page} shows a whole script that is no file of docs/examples/ (or the file differs "
+                             f"from the page: change both), or mark it '{FRAGMENT_MARKER}...':\n{body[:300]}")
+            whole += matches
+    assert sorted(whole) == sorted(files), f"{page} no longer shows {sorted(set(files) - set(whole))}"
+    for name in files:
+        assert f"(examples/{name})" in text, f"{page} links to the file it shows, examples/{name}"
 
 
 def test_the_guide_shows_the_trainer_the_example_file_runs():
     page = (DOCS / "writing-a-trainer.md").read_text()
     first = code_blocks(page.split("## The shape of a trainer", 1)[1])[0]
-    example = (DOCS / "examples" / "train.py").read_text()
-    assert example.count(EXAMPLE_MARKER) == 1, "docs/examples/train.py lost its marker line"
-    below = example.split(EXAMPLE_MARKER, 1)[1].split("\n", 1)[1]
-    assert below == first, "the page's code block and docs/examples/train.py differ: change both"
-    assert "(examples/train.py)" in page, "the page links to the file it shows"
+    assert shown_part((DOCS / "examples" / "train.py").read_text()) == first, \
+        "the page's first code block and docs/examples/train.py differ: change both"
 
 
 # -- the commands shown are commands this version accepts --------------------------------------
