@@ -357,3 +357,26 @@ def test_the_task_pages_speak_to_a_user_not_of_the_test_files():
     named = [f"{page}: {match}" for page in task_pages
              for match in re.findall(r"tests/\w+/test_\w+\.py", (ROOT / "docs" / page).read_text(encoding="utf-8"))]
     assert named == [], named
+
+
+# -- the figures the README quotes are BENCHMARKS.md's -----------------------------------------
+
+def test_the_readmes_goodput_and_crash_figures_are_the_ones_benchmarks_md_reports():
+    """One truth per figure: the README's "What it buys" paragraph quotes the goodput table (every
+    system at 3 and at 5 nodes) and the range of the crash-at-every-shape medians of BENCHMARKS.md;
+    a new benchmark run that moves them fails here until the README says the same."""
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    systems = ("plain torchrun", "elasticctl restart", "elasticctl hot", "elasticctl hot + 1 spare")
+    for nodes in (3, 5):
+        goodput = []
+        for system in systems:
+            row = re.search(rf"^\| {nodes} nodes × 1 worker \| {re.escape(system)} \| ([0-9.]+) ", benchmarks, re.MULTILINE)
+            assert row, f"BENCHMARKS.md has no goodput row for {system} at {nodes} nodes"
+            goodput.append(row.group(1))
+        assert re.search(r"\D" + r"\D+".join(map(re.escape, goodput)) + r"\D", readme), \
+            f"the README does not quote the goodput at {nodes} nodes as BENCHMARKS.md has it: {goodput}"
+    medians = [float(m) for m in re.findall(r"^\| \d+ × \d+ \| ([0-9.]+) \(", benchmarks, re.MULTILINE)]
+    assert len(medians) >= 6, medians
+    quoted = f"{min(medians):.2f}–{max(medians):.2f} s"
+    assert quoted in readme, f"the README does not quote the crash medians as BENCHMARKS.md has them: {quoted}"
