@@ -40,8 +40,10 @@ DRY_RUN = {"up"}
 
 
 def code_blocks(markdown: str) -> list[str]:
-    """The bodies of the fenced code blocks of a Markdown text."""
-    return re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
+    """The bodies of the fenced code blocks of a Markdown text, but those of a program's output
+    (```text: what a command printed, not a command)."""
+    return [body for language, body in re.findall(r"^```([^\n]*)\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
+            if language.strip() != "text"]
 
 
 def elasticctl_commands(markdown: str) -> list[list[str]]:
