@@ -100,7 +100,7 @@ def test_the_guide_builds_with_mkdocs_strict(site):
     for page in ("getting-started", "porting", "migrating", "hot-recovery", "spares-and-stragglers",
                  "operations", "troubleshooting", "glossary", "exit-codes", "compatibility", "protocol",
                  "security", "benchmarks", "architecture", "testing", "reference/options", "reference/cli",
-                 "reference/api", "changelog"):
+                 "reference/api", "changelog", "how-hot-recovery-works"):
         assert (site / page / "index.html").is_file(), page
 
 
