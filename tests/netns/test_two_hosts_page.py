@@ -1,4 +1,4 @@
-"""The "Two hosts" section of docs/getting-started.md, run as the page says on two hosts made of
+"""The page "Run on two hosts" (docs/two-hosts.md), run as it says on two hosts made of
 network namespaces, each with a hostname of its own: what each command prints is what the page
 shows.
 
@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("unshare") is None, reason="the 'unshare' binary (util-linux) is not installed"),
 ]
 
-PAGE = REPO / "docs" / "getting-started.md"
+PAGE = REPO / "docs" / "two-hosts.md"
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
 HOSTS = ("host1", "host2")
 # The page's command for a job without shared storage, as written.

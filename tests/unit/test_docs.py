@@ -100,7 +100,7 @@ def test_the_guide_builds_with_mkdocs_strict(site):
     for page in ("getting-started", "porting", "migrating", "hot-recovery", "spares-and-stragglers",
                  "operations", "troubleshooting", "glossary", "exit-codes", "compatibility", "protocol",
                  "security", "benchmarks", "architecture", "testing", "reference/options", "reference/cli",
-                 "reference/api", "changelog", "how-hot-recovery-works"):
+                 "reference/api", "changelog", "how-hot-recovery-works", "two-hosts"):
         assert (site / page / "index.html").is_file(), page
 
 
@@ -239,11 +239,12 @@ def test_the_guide_shows_the_trainer_the_example_file_runs():
 
 # -- the commands shown are commands this version accepts --------------------------------------
 
-GETTING_STARTED = elasticctl_commands((DOCS / "getting-started.md").read_text())
+# Getting started and its sequel across machines, Run on two hosts
+GETTING_STARTED = elasticctl_commands((DOCS / "getting-started.md").read_text() + (DOCS / "two-hosts.md").read_text())
 README_COMMANDS = elasticctl_commands(README.read_text())
 
 
-def test_the_getting_started_page_shows_the_commands_of_a_two_node_job():
+def test_the_getting_started_pages_show_the_commands_of_a_two_node_job():
     names = [argv[0] for argv in GETTING_STARTED if argv]
     for needed in ("up", "join", "status", "events", "leave", "down", "etcd", "dashboard"):
         assert needed in names, needed
