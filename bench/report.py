@@ -37,6 +37,7 @@ WRITES_TARGET = 3.0  # etcd writes per round per agent
 # The simulated agents' targets (bench/rdzv_light.py) on the 2-core machine.
 LIGHT_TARGET = (10000, 10.0, 2.2)  # agents, seconds for one round, etcd writes per agent
 HOT_REFORM_TARGET = (1000, 1.0, 5.0)  # workers, seconds to the next generation, watch events per worker
+REAL_HANDLER_TARGET = (1000, 12.0)  # real torchrun handlers, median seconds of one round (every round complete)
 # Hot mode's targets, 3 nodes x 1 process (seconds unless said).
 HOT_CRASH_TARGET = 0.3       # SIGKILL -> first step at world 2 (tightened from 1.5 s)
 HOT_FREEZE_MARGIN = 0.5      # SIGSTOP -> first step at world 2, beyond the node TTL (tightened from 1.5 s)
@@ -517,6 +518,59 @@ def scale_targets(results: dict) -> str:
                      + (f"; every member following every declaration: {before[0]['events_received'] / workers:.1f} × N"
                         if before and before[0].get("events_received") else ""))
     return "Targets, simulated agents: " + "; ".join(parts) + "."
+
+
+def real_handler_rows(results: dict) -> list[tuple[str, ...]]:
+    """Per size of the real handlers' rounds: (agents, processes, rounds complete, median seconds
+    (min-max), proposals per agent (median), writes per agent (median), agents failed, load)."""
+    rows = results["scenarios"].get("rendezvous_real") or []
+    out = []
+    for agents in sorted({row["agents"] for row in rows}):
+        mine = [row for row in rows if row["agents"] == agents]
+        good = [row for row in mine if row.get("completed") and row.get("correct")]
+        seconds = [row["seconds"] for row in good]
+        loads = [row["load_1min"] for row in mine if row.get("load_1min") is not None]
+        out.append((f"{agents:,}", str(mine[0].get("processes", "—")), f"{len(good)} of {len(mine)}",
+                    f"{statistics.median(seconds):.2f} ({min(seconds):.2f}–{max(seconds):.2f})" if seconds else "no round",
+                    _number(_median([row.get("proposals_per_agent") for row in mine])),
+                    _number(_median([row.get("writes_per_agent") for row in mine])),
+                    str(sum(row.get("agents_failed") or 0 for row in mine)),
+                    f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"))
+    return out
+
+
+def real_handler_targets(results: dict) -> str:
+    agents, seconds = REAL_HANDLER_TARGET
+    mine = [row for row in results["scenarios"].get("rendezvous_real") or [] if row["agents"] == agents]
+    if not mine:
+        return f"Target: one round of {agents:,} real handlers in ≤ {seconds:g} s, every round complete: not measured in this run."
+    good = [row["seconds"] for row in mine if row.get("completed") and row.get("correct")]
+    median = statistics.median(good) if good else None
+    met = len(good) == len(mine) and median is not None and median <= seconds
+    return (f"Target: one round of {agents:,} real handlers in ≤ {seconds:g} s (median), every round complete: "
+            + (f"{median:.2f} s" if median is not None else "no round")
+            + f", {len(good)} of {len(mine)} complete ({'met' if met else 'missed'}).")
+
+
+def real_handler_section(results: dict) -> list[str]:
+    return [
+        "## Rendezvous of real torchrun handlers",
+        "",
+        ("`bench/rendezvous.py --backends etcd3 --processes 8` (`python -m bench.run --only rendezvous_real`): "
+         "elasticctl's etcd3 rendezvous handler, built as torchrun builds it, one per agent, as threads of 8 "
+         "processes on one etcd (a fresh one per round); min = max = N, `last_call_timeout=1`. A round is "
+         "timed from the moment every handler is built and told to go until the last `next_rendezvous()` "
+         "returns; every handler must get world size N and the ranks 0..N−1. Proposals and writes per agent "
+         "are etcd's own counters (its /metrics before and after). The sizes run interleaved, one round "
+         "each per repeat. Cells: median (min–max) of the complete rounds."),
+        "",
+        "| agents | processes | rounds complete | seconds | proposals/agent | writes/agent | agents failed | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|",
+        *[f"| {' | '.join(row)} |" for row in real_handler_rows(results)],
+        "",
+        real_handler_targets(results),
+        "",
+    ]
 
 
 def scale_section(results: dict) -> list[str]:
@@ -1021,6 +1075,7 @@ def markdown(results: dict, png: str | None) -> str:
         *([f"Errors during the run: {'; '.join(results['errors'])}", ""] if results.get("errors") else []),
         *(rendezvous_section(results) if results["scenarios"].get("rendezvous") else []),
         *(scale_section(results) if results["scenarios"].get("rendezvous_scale") else []),
+        *(real_handler_section(results) if results["scenarios"].get("rendezvous_real") else []),
         "## How each system is run",
         "",
         ("- **elasticctl**: one etcd (embedded, own loopback ports, separate from the nodes), "
@@ -1167,6 +1222,11 @@ def text_table(results: dict) -> str:
         lines += [f"rendezvous scale, {row[0]}, N={row[1]}: {row[2]} s, writes/agent {row[3]}, events {row[4]}, "
                   f"etcd CPU {row[5]} s" for row in scale_rows(results)]
         lines.append(scale_targets(results))
+    if results["scenarios"].get("rendezvous_real"):
+        lines += [f"rendezvous real handlers, N={row[0]} over {row[1]} processes: {row[2]} complete, {row[3]} s, "
+                  f"proposals/agent {row[4]}, writes/agent {row[5]}, agents failed {row[6]}"
+                  for row in real_handler_rows(results)]
+        lines.append(real_handler_targets(results))
     return "\n".join(lines)
 
 

@@ -78,6 +78,11 @@ class Plan:
     state_transfer_repeats: int = 2  # below STATE_TRANSFER_ONCE_FROM_MB; once from there on
     light_agents: tuple[int, ...] = (1000, 10000)  # bench/rendezvous.py etcd3-light: one round each
     hot_workers: tuple[int, ...] = (1000,)  # bench/rendezvous.py --hot: both policies each
+    # bench/rendezvous.py etcd3: one round of real torchrun handlers per size and repeat, sizes
+    # interleaved, over a fixed count of processes (threads of one interpreter each beyond it)
+    real_handler_agents: tuple[int, ...] = (256, 1000)
+    real_handler_repeats: int = 5
+    real_handler_processes: int = 8
     hsdp_rounds: int = 1  # bench/hsdp_recovery.py: SIGKILL a node of 3 x 2 HSDP workers, then a node joins
     hsdp_freezes: int = 1  # the same job SIGSTOPs a node, then SIGCONTs it: a fresh job each
     fsdp_repeats: int = 1  # FSDP2 without copies, hot and restart mode each
@@ -113,7 +118,7 @@ JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash
 # The sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
 SHARDED_SCENARIOS = ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies")
 ALL = ("goodput", *JOB_SCENARIOS, "kill_shapes", "reconfigure", "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
-       "rendezvous_scale", "straggler", "trust")
+       "rendezvous_scale", "rendezvous_real", "straggler", "trust")
 NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
 STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
 RENDEZVOUS_TIMEOUT = 120.0  # seconds a rendezvous round may take
@@ -212,6 +217,26 @@ def run_rendezvous_scale(plan: Plan) -> dict:
             hot.append(row)
             log(f"rendezvous hot {workers} workers, {policy}: {describe_hot(row)}")
     return {"light": light, "hot": hot}
+
+
+def run_rendezvous_real(plan: Plan) -> list[dict]:
+    """Rounds of real torchrun handlers (the etcd3 backend) at each of plan.real_handler_agents,
+    over plan.real_handler_processes processes, plan.real_handler_repeats times, the sizes
+    interleaved; each round on a fresh etcd. Every row, a failed round's too."""
+    from bench.rendezvous import ETCD3, describe, measure_round
+
+    rows = []
+    for repeat in range(1, plan.real_handler_repeats + 1):
+        for agents in plan.real_handler_agents:
+            try:
+                row = measure_round(ETCD3, None, agents, processes=plan.real_handler_processes,
+                                    timeout=RENDEZVOUS_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - one broken round must not cost the run
+                row = {"backend": ETCD3, "agents": agents, "processes": plan.real_handler_processes,
+                       "completed": False, "correct": False, "errors": [f"{type(exc).__name__}: {exc}"]}
+            rows.append({**row, "repeat": repeat})
+            log(f"rendezvous real handlers {agents} agents, repeat {repeat}: {describe(row)}")
+    return rows
 
 
 def run_checkpoint(plan: Plan, errors: list[str]) -> list[dict]:
@@ -420,6 +445,8 @@ def main() -> None:
                 results["scenarios"]["rendezvous"] = run_rendezvous(plan)
             if "rendezvous_scale" in args.only:
                 results["scenarios"]["rendezvous_scale"] = run_rendezvous_scale(plan)
+            if "rendezvous_real" in args.only:
+                results["scenarios"]["rendezvous_real"] = run_rendezvous_real(plan)
     except BaseException:  # keep the raw samples gathered so far
         args.output.mkdir(parents=True, exist_ok=True)
         partial = args.output / f"{now:%Y-%m-%d-%H%M}-{args.mode}-partial.json"

@@ -100,3 +100,26 @@ def test_scale_section_reports_light_rounds_and_hot_re_formations_against_their_
     assert "| hot re-formation, every-member | 1,000 |" in "\n".join(report.scale_section(results))
     empty = {"scenarios": {"rendezvous_scale": {}}}
     assert "not measured in this run" in report.scale_targets(empty)
+
+
+def test_real_handler_rounds_are_reported_per_size_against_the_target():
+    """Rounds of real handlers: per size the complete rounds' median (min-max), etcd's counters
+    per agent, failed agents and the load; the target at 1,000 wants every round complete."""
+    def row(agents, seconds, repeat, completed=True, proposals=3.0, failed=0, load=1.0):
+        return {"backend": "etcd3", "agents": agents, "processes": 8, "completed": completed, "correct": completed,
+                "seconds": seconds, "proposals_per_agent": proposals, "writes_per_agent": 2.0,
+                "agents_failed": failed, "load_1min": load, "repeat": repeat}
+
+    rows = [row(256, 0.9, 1), row(1000, 11.0, 1, proposals=5.0), row(256, 0.8, 2, load=2.5),
+            row(1000, 13.0, 2, proposals=5.5), row(1000, None, 3, completed=False, failed=1, proposals=10.0)]
+    results = {"mode": "full", "scenarios": {"rendezvous_real": rows}, "settings": {}}
+    assert report.real_handler_rows(results) == [
+        ("256", "8", "2 of 2", "0.85 (0.80–0.90)", "3.00", "2.00", "0", "1.0–2.5"),
+        ("1,000", "8", "2 of 3", "12.00 (11.00–13.00)", "5.50", "2.00", "1", "1.0–1.0")]
+    target = report.real_handler_targets(results)
+    assert target.endswith("12.00 s, 2 of 3 complete (missed).")
+    met = {"scenarios": {"rendezvous_real": [row(1000, 11.0, 1), row(1000, 11.5, 2)]}}
+    assert report.real_handler_targets(met).endswith("11.25 s, 2 of 2 complete (met).")
+    assert "not measured in this run" in report.real_handler_targets({"scenarios": {}})
+    section = "\n".join(report.real_handler_section(results))
+    assert "| 1,000 | 8 | 2 of 3 | 12.00 (11.00–13.00) | 5.50 |" in section
