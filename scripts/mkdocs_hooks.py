@@ -25,7 +25,8 @@ log = logging.getLogger("mkdocs.hooks.elasticctl")
 
 ROOT = Path(__file__).resolve().parents[1]
 # page in the guide -> the repository's file it is made from
-INCLUDED = {"security.md": "SECURITY.md", "architecture.md": "ARCHITECTURE.md", "changelog.md": "CHANGELOG.md"}
+INCLUDED = {"security.md": "SECURITY.md", "architecture.md": "ARCHITECTURE.md", "changelog.md": "CHANGELOG.md",
+            "benchmarks.md": "BENCHMARKS.md"}
 # [text](target) and ![alt](target); a target with a scheme or a bare #anchor is left alone
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s#]+)(#[^)\s]*)?(\))")
 ENVIRONMENT_MARKER = "<!-- the environment variables of every flag, written by scripts/mkdocs_hooks.py -->"
