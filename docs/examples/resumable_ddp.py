@@ -53,8 +53,11 @@ def main(args):
     while epoch < args.epochs:
         for x, y in DataLoader(dataset, batch_size=32, sampler=sampler):
             loss = loss_fn(ddp(x.to(ctx.device)), y.to(ctx.device))
-            opt.zero_grad(); loss.backward(); opt.step()
-            sampler.advance(len(x)); step += 1
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sampler.advance(len(x))
+            step += 1
             if step % args.checkpoint_every == 0:
                 ckpt.save(step, epoch, model=model, optimizer=opt, sampler=sampler)
             if stop.agreed(ctx.device):

@@ -70,7 +70,6 @@ def test_plain_torchrun_with_the_etcd3_rendezvous(nodes, default_etcd, run_id, t
     assert final_checkpoint(checkpoints) == {"step": STEPS, "world_size": 2, "sampler": position(2)}
 
 
-
 def sharded_checkpoints(directory) -> list[str]:
     """The complete sharded checkpoints of a run (a step's directory appears only once whole)."""
     return sorted(path.name for path in directory.glob("step-*") if path.is_dir())
