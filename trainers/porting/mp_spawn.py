@@ -6,9 +6,18 @@ already starts one process per worker, and each of them would spawn a job of its
 nodes, all waiting at one address that only rank 0's host serves). So a worker that calls
 ``torch.multiprocessing.spawn`` (or ``start_processes``) ends at once, saying the fix, and its node
 stops instead of restarting it. mp_spawn_converted.py is this script converted.
+
+One line more than the tutorials: each worker leaves with ``os._exit(0)`` once it is done. torch's
+gloo backend can abort a process at interpreter exit ("terminate called without an active
+exception", one run in five on a loaded two-core host): a gloo worker thread frees the last
+gradient all-reduce, which holds a Python object from the backward pass, while Python finalizes, and
+cannot take the GIL. Under elasticctl the worker entry tells such an abort after a finished script
+from a failure; a script started with ``python`` has nobody to.
 """
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,6 +41,8 @@ def worker(rank, world_size, port, steps):
         print(f"trained {steps} steps at world size {world_size}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # see the module's docstring: done, and nothing of Python's teardown is needed
 
 
 if __name__ == "__main__":
