@@ -63,6 +63,12 @@ class Lease:
     def ttl(self) -> int:
         return self._ttl
 
+    @property
+    def held(self) -> int | None:
+        """The lease id in use as this process knows it, without asking etcd (None before the
+        first grant); it changes when the lease is found gone and replaced."""
+        return self._id  # one attribute read: no lock, which etcd calls may hold for seconds
+
     def on_regrant(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(new_lease_id)`` whenever the lease is found gone and replaced."""
         self._regranted.append(callback)

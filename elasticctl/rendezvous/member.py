@@ -129,6 +129,8 @@ class RoundMember:
         # must not slip back into the old round; it re-joins as a newcomer.
         log.warning("[%s] its rendezvous lease expired (frozen or cut off); it will join again", self.node)
         self._lease_lost.set()
+        # A join waiting for its round lost its declaration with the lease: it declares again now.
+        self.view.interrupt()
 
     # -- joining ---------------------------------------------------------------------
 
@@ -157,17 +159,24 @@ class RoundMember:
             declaration = Declaration(self.node, self.addr, target, self.pid, port=get_free_port(),
                                       alive_port=self._alive_port.port, node_workers=self.node_workers,
                                       node_size=self.node_size)
-            self.bound_to_lease(lambda lease, d=declaration: self.view.declare(d, lease))
+            declared_on = self.bound_to_lease(lambda lease, d=declaration: self._declare(d, lease))
             log.info("[%s] wants round %d", self.node, target)
             self._lease_lost.clear()  # the declaration is on the lease in use now
-            sealed = self._await_round(target, deadline)
+            sealed = self._await_round(target, deadline, declared_on)
             if sealed is not None:
                 self.round = sealed
                 return sealed
-            # Sealed without this node (the round was full): want the one after it.
+            # Sealed without this node (the round was full), or its declaration went with its
+            # lease before the seal: declare (again) for the next round to seal.
 
-    def _await_round(self, target: int, deadline: float) -> Round | None:
+    def _declare(self, declaration: Declaration, lease: int) -> int:
+        self.view.declare(declaration, lease)
+        return lease
+
+    def _await_round(self, target: int, deadline: float, declared_on: int) -> Round | None:
         """Wait until round ``target`` is sealed; seal it if this node holds the claim to.
+        None: sealed without this node, or its declaration (bound to lease ``declared_on``) is
+        gone with that lease, so it must declare again.
 
         Every node follows only the ctl/ keys while it waits. When nobody holds a live
         claim to seal ``target``, each waiting node tries once to take it (a compare-and-
@@ -190,6 +199,13 @@ class RoundMember:
                 raise JoinCancelled(f"{self.node} was told to stop while it waited for round {target}.")
             if current is not None and current.number >= target:
                 return current if self.node in current.members else None
+            if self._lease is not None and self._lease.held != declared_on:
+                # Starved or cut off past node_ttl while it waited: etcd deleted the declaration
+                # (and this node's claim to seal, if it held it). Waiting on would wait for a
+                # round that cannot count it: a round of min = max nodes would never fill.
+                log.warning("[%s] its declaration for round %d went with its lease; declaring again",
+                            self.node, target)
+                return None
             counted = counted_by(settings)
             spare = (current is not None and count(current.members, counted) >= settings.max_nodes
                      and self.node not in current.members)

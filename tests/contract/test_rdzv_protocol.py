@@ -63,6 +63,27 @@ def test_a_lost_lease_is_a_change_and_the_survivor_reforms_alone(run):
     assert again.number == 2 and again.members == ("a",)
 
 
+def test_a_lease_lost_while_waiting_for_the_first_round_declares_again(run):
+    from support.helpers import wait_for
+
+    # min = max: a round that did not count the starved node could never fill.
+    r = run(Settings(min_nodes=2, max_nodes=2, last_call=1), node_ttl=2, join_timeout=20)
+    a, b = r.member("a"), r.member("b")
+    results: dict[str, object] = {}
+    waiting = threading.Thread(target=lambda: results.update(a=a.join()))
+    waiting.start()
+    declaration = r.keys.rdzv_node("a")
+    wait_for(lambda: a._client.get(declaration) is not None, 10, "a's declaration")
+    lost = a._lease.held
+    a._client.revoke_lease(lost)  # as etcd does once a starved node's renewals stop: keys go with it
+    wait_for(lambda: a._lease.held not in (None, lost) and a._client.get(declaration) is not None, 10,
+             "a's declaration on its new lease")
+    results["b"] = b.join()
+    waiting.join(30)
+    assert results["a"] == results["b"] and sorted(results["a"].members) == ["a", "b"]
+    assert results["a"].number == 1
+
+
 def test_a_graceful_leave_is_seen_at_once(run):
     r = run(Settings(min_nodes=1, max_nodes=3, last_call=1))
     a, b = r.member("a"), r.member("b")
