@@ -69,7 +69,13 @@ COUNTERS = {
     "etcd_mvcc_range_total": "ranges",
     "process_cpu_seconds_total": "cpu",  # etcd's CPU when there is no pid to ask (external etcd)
     "etcd_debugging_mvcc_events_total": "events",  # watch events sent, one per event per watcher
+    "etcd_debugging_lease_granted_total": "lease_grants",  # a retried grant that had been applied: 2
+    "etcd_debugging_server_lease_expired_total": "lease_expiries",  # renewals that came too late
 }
+# Requests etcd received, by gRPC method (grpc_server_started_total): compare-and-swaps show as
+# Txn requests whether or not their compare held, a failed one still a raft proposal.
+GRPC_METHODS = {"Txn": "txn_requests", "Put": "put_requests", "LeaseGrant": "grant_requests",
+                "Range": "range_requests"}
 
 
 def parse_max_agents(items: list[str]) -> dict[str, int]:
@@ -123,10 +129,15 @@ def etcd_counters(endpoint: str) -> dict[str, float]:
             name, _, value = line.partition(" ")
             if name in COUNTERS:  # these counters carry no labels
                 values[COUNTERS[name]] = float(value)
+            for method, short in GRPC_METHODS.items():
+                if name.startswith("grpc_server_started_total{") and f'grpc_method="{method}"' in name:
+                    values[short] = values.get(short, 0.0) + float(line.rpartition(" ")[2])
     else:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 short = COUNTERS.get(sample.name)
+                if sample.name == "grpc_server_started_total":
+                    short = GRPC_METHODS.get(sample.labels.get("grpc_method", ""))
                 if short:
                     values[short] = values.get(short, 0.0) + sample.value
     return values
@@ -259,12 +270,13 @@ def measure_round(backend: str, etcd: EmbeddedEtcd | str | None, agents: int,
 
 def _counter_deltas(row: dict, before: dict, after: dict, per: int) -> None:
     """etcd's counters over a measurement into ``row``: totals, writes, and per agent (or worker)."""
-    for name in ("proposals", "puts", "deletes", "txns", "ranges", "events"):
+    for name in ("proposals", "puts", "deletes", "txns", "ranges", "events", "lease_grants", "lease_expiries",
+                 *GRPC_METHODS.values()):
         if name in before and name in after:
             row[name] = int(after[name] - before[name])
     if "puts" in row and "deletes" in row:
         row["writes"] = row["puts"] + row["deletes"]
-    for name in ("proposals", "writes", "events"):
+    for name in ("proposals", "writes", "events", "lease_grants", "txn_requests"):
         if name in row:
             row[f"{name}_per_agent"] = round(row[name] / per, 2)
 

@@ -520,9 +520,16 @@ def scale_targets(results: dict) -> str:
     return "Targets, simulated agents: " + "; ".join(parts) + "."
 
 
+def _total(values: list) -> str:
+    """The sum of the values measured ("—" when no round measured any)."""
+    known = [value for value in values if value is not None]
+    return str(int(sum(known))) if known else "—"
+
+
 def real_handler_rows(results: dict) -> list[tuple[str, ...]]:
     """Per size of the real handlers' rounds: (agents, processes, rounds complete, median seconds
-    (min-max), proposals per agent (median), writes per agent (median), agents failed, load)."""
+    (min-max), proposals per agent (median), writes per agent (median), compare-and-swap requests
+    per agent (median), leases that expired (all rounds), agents failed, load)."""
     rows = results["scenarios"].get("rendezvous_real") or []
     out = []
     for agents in sorted({row["agents"] for row in rows}):
@@ -534,6 +541,8 @@ def real_handler_rows(results: dict) -> list[tuple[str, ...]]:
                     f"{statistics.median(seconds):.2f} ({min(seconds):.2f}–{max(seconds):.2f})" if seconds else "no round",
                     _number(_median([row.get("proposals_per_agent") for row in mine])),
                     _number(_median([row.get("writes_per_agent") for row in mine])),
+                    _number(_median([row.get("txn_requests_per_agent") for row in mine])),
+                    _total([row.get("lease_expiries") for row in mine]),
                     str(sum(row.get("agents_failed") or 0 for row in mine)),
                     f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"))
     return out
@@ -561,11 +570,14 @@ def real_handler_section(results: dict) -> list[str]:
          "processes on one etcd (a fresh one per round); min = max = N, `last_call_timeout=1`. A round is "
          "timed from the moment every handler is built and told to go until the last `next_rendezvous()` "
          "returns; every handler must get world size N and the ranks 0..N−1. Proposals and writes per agent "
-         "are etcd's own counters (its /metrics before and after). The sizes run interleaved, one round "
-         "each per repeat. Cells: median (min–max) of the complete rounds."),
+         "are etcd's own counters (its /metrics before and after); CAS/agent counts the Txn requests etcd "
+         "received (claims, seals, compare-and-swaps: a failed compare is still a raft proposal); leases "
+         "expired counts node leases whose renewals came too late, over all rounds of the size. The sizes "
+         "run interleaved, one round each per repeat. Cells: median (min–max) of the complete rounds."),
         "",
-        "| agents | processes | rounds complete | seconds | proposals/agent | writes/agent | agents failed | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|",
+        ("| agents | processes | rounds complete | seconds | proposals/agent | writes/agent | CAS/agent "
+         "| leases expired | agents failed | load (1 min) |"),
+        "|---|---|---|---|---|---|---|---|---|---|",
         *[f"| {' | '.join(row)} |" for row in real_handler_rows(results)],
         "",
         real_handler_targets(results),

@@ -108,14 +108,15 @@ def test_real_handler_rounds_are_reported_per_size_against_the_target():
     def row(agents, seconds, repeat, completed=True, proposals=3.0, failed=0, load=1.0):
         return {"backend": "etcd3", "agents": agents, "processes": 8, "completed": completed, "correct": completed,
                 "seconds": seconds, "proposals_per_agent": proposals, "writes_per_agent": 2.0,
+                "txn_requests_per_agent": 1.5, "lease_expiries": 2 if failed else 0,
                 "agents_failed": failed, "load_1min": load, "repeat": repeat}
 
     rows = [row(256, 0.9, 1), row(1000, 11.0, 1, proposals=5.0), row(256, 0.8, 2, load=2.5),
             row(1000, 13.0, 2, proposals=5.5), row(1000, None, 3, completed=False, failed=1, proposals=10.0)]
     results = {"mode": "full", "scenarios": {"rendezvous_real": rows}, "settings": {}}
     assert report.real_handler_rows(results) == [
-        ("256", "8", "2 of 2", "0.85 (0.80–0.90)", "3.00", "2.00", "0", "1.0–2.5"),
-        ("1,000", "8", "2 of 3", "12.00 (11.00–13.00)", "5.50", "2.00", "1", "1.0–1.0")]
+        ("256", "8", "2 of 2", "0.85 (0.80–0.90)", "3.00", "2.00", "1.50", "0", "0", "1.0–2.5"),
+        ("1,000", "8", "2 of 3", "12.00 (11.00–13.00)", "5.50", "2.00", "1.50", "2", "1", "1.0–1.0")]
     target = report.real_handler_targets(results)
     assert target.endswith("12.00 s, 2 of 3 complete (missed).")
     met = {"scenarios": {"rendezvous_real": [row(1000, 11.0, 1), row(1000, 11.5, 2)]}}
