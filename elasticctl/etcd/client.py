@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +74,10 @@ _TRANSIENT_DETAILS = (
     # as UNKNOWN: etcd answered late, under load; it did not refuse.
     "context deadline exceeded",
 )
+
+# Lease ids this client chooses (etcd's are positive int64s; it refuses an id in use).
+_MAX_LEASE_ID = 2**63 - 1
+_LEASE_EXISTS = "lease already exists"
 
 # Pauses between the attempts of one request: short at first, for a leader change.
 _BACKOFF = Backoff(0.05, 1.0)
@@ -412,7 +417,27 @@ class EtcdClient:
     # -- leases ------------------------------------------------------------------------
 
     def grant_lease(self, ttl: int) -> int:
-        return self._call("grant a lease", lambda c: c.lease(ttl).id)
+        """A new lease of ``ttl`` seconds; its id.
+
+        The id is chosen here, not by etcd, so that trying again is safe: a grant that etcd
+        applied but answered too late (a loaded etcd) is found by its retry ("lease already
+        exists") and taken, where a second grant would leave a lease nobody renews, and cost a
+        raft proposal now and an expiry later, for every such late answer."""
+        lease_id = secrets.randbelow(_MAX_LEASE_ID) + 1
+        attempts = 0
+
+        def grant(c: pyetcd.MultiEndpointEtcd3Client) -> int:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return c.lease(ttl, lease_id=lease_id).id
+            except etcd_exc.PreconditionFailedError as exc:
+                status = grpc_status(exc)
+                if attempts > 1 and status is not None and _LEASE_EXISTS in status[1]:
+                    return lease_id  # an earlier attempt of this grant was applied
+                raise
+
+        return self._call("grant a lease", grant)
 
     def refresh_lease(self, lease_id: int, *, until: float | None = None, name: str = "lease") -> int:
         """Renew a lease; returns its new TTL, or 0 when it has already expired.

@@ -1,5 +1,5 @@
 """etcd answering late: a lease holder rides it out while its lease lives, and fails in one
-sentence once the lease has ended unanswered.
+sentence once the lease has ended unanswered; a grant tried again is not granted twice.
 
 Layer tests/contract: a real etcd, reached through a proxy on loopback that holds its bytes back
 (tests/support/tcp_proxy.py), no training processes. The other tests of this subject:
@@ -107,3 +107,43 @@ def test_a_lease_that_ends_unanswered_fails_in_one_sentence(etcd_server, etcd_cl
         proxy.delay = 0.0
         lease.stop()
         client.close(timeout=1.0)
+
+
+def etcd_metric(etcd_server, pattern: str) -> float:
+    """The value of the one sample of etcd's /metrics that ``pattern`` names (a regex)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{etcd_server.endpoint}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return float(re.search(rf"^{pattern} (\S+)$", text, re.MULTILINE).group(1))
+
+
+LEASES_GRANTED = r"etcd_debugging_lease_granted_total"
+GRANT_REQUESTS = r'grpc_server_started_total\{grpc_method="LeaseGrant"[^}]*\}'
+
+
+def test_a_grant_that_etcd_answered_late_is_taken_by_its_retry_not_granted_again(etcd_server, etcd_client, proxy):
+    client = through(proxy, etcd_server, retry_timeout=30.0)
+    granted_before = etcd_metric(etcd_server, LEASES_GRANTED)
+    requests_before = etcd_metric(etcd_server, GRANT_REQUESTS)
+    granted: list[int] = []
+    client.get("/connected")  # the connection is up: the first attempt is sent at once
+    proxy.delay = 1.5  # the first attempt reaches etcd and is applied; its answer comes too late
+    granting = threading.Thread(target=lambda: granted.append(client.grant_lease(10)))
+    granting.start()
+    try:
+        wait_for(lambda: etcd_metric(etcd_server, GRANT_REQUESTS) - requests_before >= 1, 20,
+                 "the first grant request reaching etcd")
+        proxy.delay = 0.0  # the retry is answered at once
+        granting.join(timeout=30)
+        assert len(granted) == 1
+        assert etcd_metric(etcd_server, GRANT_REQUESTS) - requests_before >= 2, "the grant was not tried again"
+        assert etcd_metric(etcd_server, LEASES_GRANTED) - granted_before == 1, "a retried grant granted again"
+        remaining, ttl = etcd_client.lease_ttl(granted[0])
+        assert ttl == 10 and remaining > 0
+    finally:
+        proxy.delay = 0.0
+        granting.join(timeout=30)
+        for lease_id in granted:
+            etcd_client.revoke_lease(lease_id)
+        client.close()
