@@ -267,7 +267,7 @@ class Agents:
                                         last_call=spec["last_call"])
         self.sealer: asyncio.Task | None = None
         # One claim attempt of this process at a time: its agents share one view of ctl/ and see
-        # each other's attempts at once (real agents each try once they see no claim).
+        # each other's attempts at once (a real agent tries with its declaration, in one transaction).
         self.claiming = False
         self.events_at_go = 0
         # hot mode
@@ -441,7 +441,7 @@ async def serve(spec: dict) -> None:
     emit(ready=len(agents.names), setup_s=time.monotonic() - started, rss=psutil.Process().memory_info().rss,
          base_rss=base_rss, watches=agents.etcd.watches)
     if spec["mode"] == "hot":
-        hot = asyncio.create_task(agents.run_hot())
+        hot = asyncio.create_task(agents.run_hot())  # noqa: F841 - the reference keeps the task from being collected
         line = (await lines.get()).strip()
         agents.events_at_go = agents.etcd.events
         if line == "go":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import io
 import json
 import os
 import platform

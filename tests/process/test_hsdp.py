@@ -110,7 +110,7 @@ def test_hsdp_a_frozen_node_costs_the_survivors_its_ttl_not_the_mesh_groups_defa
                          "all four survivors' recovery timelines")
     assert sorted(r["node"] for r in timelines if "group_reconfigured" in r and "rewrapped" in r) == \
         ["a", "a", "b", "b"], timelines
-    
+
 
 
 def test_hsdp_with_a_spare_each_of_repeated_failures_costs_one_re_formation(job):
