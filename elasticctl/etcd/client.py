@@ -408,6 +408,31 @@ class EtcdClient:
             return False, None, 0
         return False, _kv(*current), current[1].response_header.revision
 
+    def put_and_compare_and_swap(
+        self, key: bytes | str, value: bytes | str, swap_key: bytes | str, swap_value: bytes | str,
+        swap_revision: int, lease: int | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        """Put ``key``, and ``swap_key`` too if its mod revision is ``swap_revision`` (0: only if
+        absent): one transaction, so one raft proposal where a put and a compare-and-swap would
+        be two (etcd proposes a transaction that writes whether or not its compare holds).
+
+        Returns (swapped, ``swap_key`` as it is now: the value written, or the one in the way,
+        None if absent)."""
+        tx = pyetcd.Transactions()
+
+        def txn(c: pyetcd.MultiEndpointEtcd3Client):
+            compare = tx.version(swap_key) == 0 if swap_revision == 0 else tx.mod(swap_key) == swap_revision
+            return c.transaction(compare=[compare],
+                                 success=[tx.put(key, value, lease=lease), tx.put(swap_key, swap_value, lease=lease)],
+                                 failure=[tx.put(key, value, lease=lease), tx.get(swap_key)])
+
+        succeeded, responses = self._call("write a key and compare-and-swap another", txn)
+        if succeeded:
+            revision = responses[1].response_put.header.revision
+            return True, KeyValue(_bytes(swap_key), _bytes(swap_value), revision, lease or 0)
+        current = responses[1][0] if len(responses) > 1 and responses[1] else None
+        return False, None if current is None else _kv(*current)
+
     def delete(self, key: bytes | str) -> bool:
         return self._call("delete a key", lambda c: c.delete(key))
 

@@ -97,6 +97,17 @@ class RoundRecords:
         key = self.keys.rdzv_node(declaration.node)
         return self._client.put(key, declaration.to_json(key, self._secret), lease=lease)
 
+    def declare_and_claim(self, declaration: Declaration, claim: Claim, expected_revision: int,
+                          lease: int) -> tuple[bool, int]:
+        """:meth:`declare`, and :meth:`claim_sealing` in the same transaction (one raft proposal
+        for both). Returns whether the claim was taken, and the mod revision of the claim key
+        then: this claim's, or the one that stood in its way (0: absent)."""
+        key = self.keys.rdzv_node(declaration.node)
+        claimed, current = self._client.put_and_compare_and_swap(
+            key, declaration.to_json(key, self._secret), self.claim_key,
+            claim.to_json(self.claim_key, self._secret), expected_revision, lease)
+        return claimed, 0 if current is None else current.mod_revision
+
     def withdraw(self, node: str) -> None:
         self._client.delete(self.keys.rdzv_node(node))
 

@@ -74,6 +74,7 @@ class RoundView:
         self.closed = False
         self.claim: Claim | None = None  # who seals the next round, if anybody claimed it
         self.claim_revision = 0  # of the claim key as it is in etcd, readable or not
+        self.ctl_revision = 0  # the etcd revision up to which the ctl/ keys above are current
         self.gone_at: dict[str, float] = {}  # node -> when its key vanished (monotonic), for verdicts
         # Of those, the ones known from a re-form record only (this view did not follow the
         # declarations): dropped once the node is in a sealed round again.
@@ -260,6 +261,7 @@ class RoundView:
                 self._ctl_key(kv.key, kv.value, kv.mod_revision, kv.lease, deleted=False)
             if not round_seen:
                 self.round_in_etcd = self.round is None
+            self.ctl_revision = max(self.ctl_revision, revision)
             self._notify()
             missing = self._missing()
         self._report_missing(missing)
@@ -271,6 +273,7 @@ class RoundView:
                 deleted = type(event).__name__ == "DeleteEvent"
                 self._ctl_key(event.key, b"" if deleted else event.value, event.mod_revision,
                               0 if deleted else event.lease, deleted)
+                self.ctl_revision = max(self.ctl_revision, event.mod_revision)
             self._notify()
             missing = self._missing()
         self._report_missing(missing)
@@ -405,6 +408,11 @@ class RoundView:
     def declare(self, declaration: Declaration, lease: int) -> int:
         """Put this node's declaration, bound to its lease; returns the new revision."""
         return self.records.declare(declaration, lease)
+
+    def declare_and_claim(self, declaration: Declaration, claim: Claim, expected_revision: int,
+                          lease: int) -> tuple[bool, int]:
+        """See :meth:`RoundRecords.declare_and_claim`."""
+        return self.records.declare_and_claim(declaration, claim, expected_revision, lease)
 
     def withdraw(self, node: str) -> None:
         self.records.withdraw(node)

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from support.helpers import wait_for
+from support.helpers import etcd_metric, wait_for
 from support.tcp_proxy import SlowProxy
 
 from elasticctl.etcd.client import EtcdClient, EtcdSettings, LeaseExpiredError
@@ -107,15 +107,6 @@ def test_a_lease_that_ends_unanswered_fails_in_one_sentence(etcd_server, etcd_cl
         proxy.delay = 0.0
         lease.stop()
         client.close(timeout=1.0)
-
-
-def etcd_metric(etcd_server, pattern: str) -> float:
-    """The value of the one sample of etcd's /metrics that ``pattern`` names (a regex)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{etcd_server.endpoint}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return float(re.search(rf"^{pattern} (\S+)$", text, re.MULTILINE).group(1))
 
 
 LEASES_GRANTED = r"etcd_debugging_lease_granted_total"

@@ -33,6 +33,24 @@ def test_concurrent_joins_seal_one_round_with_distinct_ranks(run):
     assert elapsed < 15
 
 
+def test_a_round_of_nodes_starting_at_once_costs_two_proposals_a_node(tmp_path, run_id):
+    from support.helpers import etcd_metric
+
+    # An etcd of its own: nothing but this round proposes (no other test's leases expiring).
+    nodes = 12
+    with EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0) as etcd:
+        r = Run(etcd, run_id, Settings(min_nodes=nodes, max_nodes=nodes, last_call=30))
+        members = [r.member(f"n{i}") for i in range(nodes)]
+        before = etcd_metric(etcd, "etcd_server_proposals_committed_total")
+        results = r.join_all(members)
+        proposals = etcd_metric(etcd, "etcd_server_proposals_committed_total") - before
+        r.close()
+    assert len({results[m.node] for m in members}) == 1 and results["n0"].number == 1, results
+    # Each node: its lease, and its declaration with the claim to seal in one transaction (a
+    # claim of its own would be one more, even when its compare fails); then the one seal.
+    assert proposals == 2 * nodes + 1
+
+
 def test_a_round_seals_once_every_live_node_wants_it(run):
     r = run(Settings(min_nodes=1, max_nodes=8, last_call=5))
     a, b = r.member("a"), r.member("b")

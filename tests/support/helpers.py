@@ -128,3 +128,14 @@ def up_dry_run_in_process(*flags: str) -> tuple[int, str, str]:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
     return code, stdout.getvalue(), stderr.getvalue()
+
+
+def etcd_metric(etcd, pattern: str) -> float:
+    """The value of the one sample of ``etcd``'s /metrics (an EmbeddedEtcd) that ``pattern``
+    (a regular expression of the sample's name and labels) names."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{etcd.endpoint}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return float(re.search(rf"^{pattern} (\S+)$", text, re.MULTILINE).group(1))
