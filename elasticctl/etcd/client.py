@@ -34,6 +34,7 @@ from elasticctl.errors import (
     LeaseNotFoundError,
     quote,
 )
+from elasticctl.etcd.keepalive import KeepAliveStream
 from elasticctl.etcd.retry import Attempts, Backoff, Deadline, retry, retry_until
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,8 @@ class EtcdClient:
         # Threads that streaming calls started (pyetcd's watch reader, gRPC's request
         # consumer and channel spinner): close() waits for them, see _streaming.
         self._stream_threads: set[threading.Thread] = set()
+        self._keepalive: KeepAliveStream | None = None  # the renewals' stream, opened at the first
+        self._keepalive_opening = threading.Lock()
 
     # -- connection -----------------------------------------------------------------
 
@@ -244,16 +247,23 @@ class EtcdClient:
     def _reset(self) -> None:
         with self._lock:
             raw, self._raw = self._raw, None
+            keepalive, self._keepalive = self._keepalive, None
+        if keepalive is not None:
+            keepalive.close()
         if raw is not None:
             raw.close()
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the channels, and wait up to ``timeout`` s for the threads this client's streams
         started to end: gRPC aborts a fork() while any thread is inside it."""
+        with self._lock:
+            keepalive = self._keepalive
         self._reset()
+        deadline = Deadline(timeout)
+        if keepalive is not None:
+            keepalive.join(deadline.remaining())
         with self._lock:
             threads, self._stream_threads = self._stream_threads, set()
-        deadline = Deadline(timeout)
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(deadline.remaining())
@@ -476,8 +486,7 @@ class EtcdClient:
         """
 
         def refresh(c: pyetcd.MultiEndpointEtcd3Client) -> int:
-            responses = list(c.refresh_lease(lease_id))
-            return max((r.TTL for r in responses), default=0)
+            return self._keepalive_on(c).renew(lease_id, self.settings.read_timeout)
 
         give_up = None
         if until is not None and until <= time.monotonic() + self.settings.retry_timeout:
@@ -486,7 +495,22 @@ class EtcdClient:
         else:
             until = None  # retry_timeout ends it first: the usual error says so
 
-        return self._streaming(lambda: self._call("renew a lease", refresh, until=until, give_up=give_up))
+        return self._call("renew a lease", refresh, until=until, give_up=give_up)
+
+    def _keepalive_on(self, raw: pyetcd.MultiEndpointEtcd3Client) -> KeepAliveStream:
+        """The renewals' stream on connection ``raw``: the open one, else a new one (see
+        :mod:`elasticctl.etcd.keepalive`)."""
+        with self._keepalive_opening:  # one opens it; the others renew on it
+            with self._lock:
+                current = self._keepalive
+            if current is not None and not current.broken and current.raw is raw:
+                return current
+            opened = self._streaming(lambda: KeepAliveStream(raw))
+            with self._lock:
+                replaced, self._keepalive = self._keepalive, opened
+        if replaced is not None:
+            replaced.close()
+        return opened
 
     def lease_ttl(self, lease_id: int) -> tuple[int, int]:
         """A lease's remaining and granted TTL in seconds; (-1, 0) when it has expired."""

@@ -125,6 +125,35 @@ def test_user_auth_survives_token_expiry_and_names_a_bad_password(tmp_path, run_
             wrong.get("k")
 
 
+def test_a_client_renews_all_its_leases_over_one_stream_and_a_new_one_after_a_reconnect(etcd_server, etcd_client):
+    import threading
+
+    from support.helpers import etcd_metric
+
+    streams = r'grpc_server_started_total\{grpc_method="LeaseKeepAlive"[^}]*\}'
+    leases = [etcd_client.grant_lease(20) for _ in range(3)]
+    before = etcd_metric(etcd_server, streams)
+    answers: list[int] = []
+
+    def renew(lease_id: int) -> None:
+        answers.extend(etcd_client.refresh_lease(lease_id) for _ in range(10))
+
+    threads = [threading.Thread(target=renew, args=(lease_id,)) for lease_id in leases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(answers) == 30 and all(ttl > 15 for ttl in answers)
+    assert etcd_metric(etcd_server, streams) - before == 1  # not one stream per renewal
+    etcd_client.revoke_lease(leases[0])
+    assert etcd_client.refresh_lease(leases[0]) == 0  # gone: answered on the stream as TTL 0
+    etcd_client._reset()  # as after a failed request: a new connection, and a new stream on it
+    assert etcd_client.refresh_lease(leases[1]) > 15
+    assert etcd_metric(etcd_server, streams) - before == 2
+    for lease_id in leases[1:]:
+        etcd_client.revoke_lease(lease_id)
+
+
 def test_a_write_bound_to_a_gone_lease_is_a_lease_not_found_error(default_etcd, run_id):
     with EtcdClient(default_etcd.client_settings()) as client:
         lease = client.grant_lease(30)
