@@ -71,10 +71,24 @@ def etcd_version(binary: str) -> str:
     return first.split(":")[-1].strip() if ":" in first else first.strip()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+# Tries to start etcd on ports chosen here, when another process binds one first.
+_PORT_ATTEMPTS = 3
+
+
+def free_port(host: str = "127.0.0.1", other_than: int = 0) -> int:
+    """A port of ``host`` that nothing listens on now (and not ``other_than``)."""
+    while True:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != other_than:
+            return port
+
+
+def port_taken(error: BaseException) -> bool:
+    """Whether starting etcd failed because one of its ports was in use (said by our check, or by
+    etcd's own log when another process bound the port after the check)."""
+    return "already in use" in str(error)  # ours: "... is already in use; ...", etcd's: "bind: address already in use"
 
 
 def check_listen_host(host: str) -> str:
@@ -234,10 +248,24 @@ class EmbeddedEtcd:
             raise ConfigError(
                 f"The etcd client and peer ports must differ (both are {self.client_port})."
             )
-        if self.client_port == 0:
-            self.client_port = free_port(self.listen_host)
-        if self.peer_port == 0:
-            self.peer_port = free_port(self.listen_host)
+        choose_client, choose_peer = self.client_port == 0, self.peer_port == 0
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            if choose_client:
+                self.client_port = free_port(self.listen_host)
+            if choose_peer:
+                self.peer_port = free_port(self.listen_host, other_than=self.client_port)
+            try:
+                return self._start(timeout, client_settings)
+            except EtcdServerError as exc:
+                # A port chosen here was free when asked, but another process (a connection's
+                # own ephemeral port, another etcd starting) bound it before etcd did: choose
+                # again. A port the caller named stays its, and the error says so.
+                if not (choose_client or choose_peer) or not port_taken(exc) or attempt == _PORT_ATTEMPTS:
+                    raise
+                log.info("a port chosen for etcd was taken before etcd bound it (%s); choosing others", exc)
+        raise AssertionError("unreachable")  # the last attempt returned or raised
+
+    def _start(self, timeout: float, client_settings: EtcdSettings | None) -> EmbeddedEtcd:
         ensure_port_free(self.listen_host, self.client_port, "client")
         ensure_port_free(self.listen_host, self.peer_port, "peer")
         if self.data_dir is None:

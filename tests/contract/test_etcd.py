@@ -29,6 +29,34 @@ def test_embedded_etcd_refuses_a_taken_port(etcd_server):
         EmbeddedEtcd(client_port=etcd_server.client_port, peer_port=0).start()
 
 
+def test_embedded_etcd_chooses_other_ports_when_one_it_chose_is_taken_before_etcd_binds_it(monkeypatch, tmp_path):
+    import socket
+
+    from elasticctl import embedded_etcd
+
+    check = embedded_etcd.ensure_port_free
+    blockers: list[socket.socket] = []
+
+    def taken_right_after_the_check(host, port, what):
+        check(host, port, what)
+        if what == "peer" and not blockers:  # as a connection's ephemeral port or another etcd would
+            blocker = socket.create_server((host, port))
+            blockers.append(blocker)
+
+    monkeypatch.setattr(embedded_etcd, "ensure_port_free", taken_right_after_the_check)
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "data"), client_port=0, peer_port=0)
+    try:
+        server.start()
+        assert blockers and server.peer_port != blockers[0].getsockname()[1]
+        with EtcdClient(server.client_settings()) as client:
+            client.put("/chosen-again", "yes")
+            assert client.get("/chosen-again").value == b"yes"
+    finally:
+        server.stop()
+        for blocker in blockers:
+            blocker.close()
+
+
 def test_embedded_etcd_serves_v3_only(etcd_server):
     version = EtcdClient(etcd_server.client_settings()).server_version()
     assert version.startswith("3.")
