@@ -403,7 +403,7 @@ class EtcdClient:
         tx = pyetcd.Transactions()
 
         def txn(c: pyetcd.MultiEndpointEtcd3Client):
-            compare = tx.version(key) == 0 if mod_revision == 0 else tx.mod(key) == mod_revision
+            compare = _at_revision(tx, key, mod_revision)
             success = [tx.put(key, value, lease=lease)]
             if also_delete is not None:
                 success.append(tx.delete(also_delete))
@@ -431,8 +431,7 @@ class EtcdClient:
         tx = pyetcd.Transactions()
 
         def txn(c: pyetcd.MultiEndpointEtcd3Client):
-            compare = tx.version(swap_key) == 0 if swap_revision == 0 else tx.mod(swap_key) == swap_revision
-            return c.transaction(compare=[compare],
+            return c.transaction(compare=[_at_revision(tx, swap_key, swap_revision)],
                                  success=[tx.put(key, value, lease=lease), tx.put(swap_key, swap_value, lease=lease)],
                                  failure=[tx.put(key, value, lease=lease), tx.get(swap_key)])
 
@@ -599,6 +598,11 @@ def member_versions(client: EtcdClient, timeout: float = 2.0) -> list[MemberVers
 
 def _bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
+
+
+def _at_revision(tx: pyetcd.Transactions, key: bytes | str, mod_revision: int):
+    """The compare of a compare-and-swap: ``key`` is at ``mod_revision`` (0: absent)."""
+    return tx.version(key) == 0 if mod_revision == 0 else tx.mod(key) == mod_revision
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
