@@ -292,10 +292,10 @@ class EtcdClient:
         self.close()
 
     def _call(self, what: str, op: Callable[[pyetcd.MultiEndpointEtcd3Client], _T], *,
-              until: float | None = None, give_up: Callable[[Attempts], ElasticctlError] | None = None) -> _T:
-        """``op`` on the current connection, retried after a transient failure until the monotonic
-        clock reads ``until`` (default: ``retry_timeout`` from now); then ``give_up`` (default: an
-        :class:`EtcdUnavailableError` naming the window) is raised. A refusal raises at once."""
+              give_up: Callable[[Attempts], ElasticctlError] | None = None) -> _T:
+        """``op`` on the current connection, retried after a transient failure for
+        ``retry_timeout``; then ``give_up`` (default: an :class:`EtcdUnavailableError` naming the
+        window) is raised. A refusal raises at once."""
 
         def attempt() -> _T:
             try:
@@ -315,19 +315,19 @@ class EtcdClient:
                 refused = LeaseNotFoundError if _LEASE_NOT_FOUND in (details or "") else EtcdRequestError
                 raise refused(f"etcd at {self.settings.describe()} refused to {what}: {details}.") from exc
 
-        def unavailable(attempts: Attempts) -> ElasticctlError:
-            return EtcdUnavailableError(
-                f"etcd at {self.settings.describe()} did not answer ({what}) within "
-                f"{self.settings.retry_timeout:g} s: {_describe(attempts.last)}."
-            )
-
         # A grpc error that leaves attempt() unconverted is one to retry: transient, or a login
         # to do again.
         return retry_until(
             attempt, lambda exc: isinstance(exc, grpc.RpcError) or transient(exc),
-            time.monotonic() + self.settings.retry_timeout if until is None else until,
-            _BACKOFF, give_up or unavailable,
+            time.monotonic() + self.settings.retry_timeout,
+            _BACKOFF, give_up or (lambda attempts: self._unavailable(what, attempts)),
             on_retry=lambda exc: log.debug("etcd %s failed (%s); retrying", what, _describe(exc)),
+        )
+
+    def _unavailable(self, what: str, attempts: Attempts) -> EtcdUnavailableError:
+        return EtcdUnavailableError(
+            f"etcd at {self.settings.describe()} did not answer ({what}) within "
+            f"{self.settings.retry_timeout:g} s: {_describe(attempts.last)}."
         )
 
     # -- key/value --------------------------------------------------------------------
@@ -476,25 +476,26 @@ class EtcdClient:
     def refresh_lease(self, lease_id: int, *, until: float | None = None, name: str = "lease") -> int:
         """Renew a lease; returns its new TTL, or 0 when it has already expired.
 
-        With ``until`` (on the monotonic clock: when the lease, called ``name`` in errors, ends
-        as its holder knows it, less the time a request takes), a renewal that fails transiently
-        is tried again until then, and then raises :class:`LeaseExpiredError`: a late answer must
-        not end the holder while its lease lives, and past the lease's end a renewal cannot help.
-        ``retry_timeout`` still bounds the whole, as it does every request: a lease of hours
-        (the run's, the history's) must not hold its caller that long while etcd is away.
+        A renewal that fails transiently is tried again for ``retry_timeout``, as every request
+        is, even past the lease's end as its holder knows it (``until``, on the monotonic clock):
+        the answer still says whether etcd kept the lease (a renewal it applied but answered
+        late) or dropped it (0: the holder grants another and writes its keys again). Ending the
+        holder at its lease's end would turn one slow etcd into a lost node. Should etcd stay
+        silent that long, the error is a :class:`LeaseExpiredError` (the lease, called ``name``,
+        ended unanswered) once ``until`` has passed, else the usual one.
         """
 
         def refresh(c: pyetcd.MultiEndpointEtcd3Client) -> int:
             return self._keepalive_on(c).renew(lease_id, self.settings.read_timeout)
 
         give_up = None
-        if until is not None and until <= time.monotonic() + self.settings.retry_timeout:
+        if until is not None:
             def give_up(attempts: Attempts) -> ElasticctlError:
-                return LeaseExpiredError(lease_expired_message(name, lease_id, self.settings.describe(), attempts))
-        else:
-            until = None  # retry_timeout ends it first: the usual error says so
+                if time.monotonic() >= until:
+                    return LeaseExpiredError(lease_expired_message(name, lease_id, self.settings.describe(), attempts))
+                return self._unavailable("renew a lease", attempts)
 
-        return self._call("renew a lease", refresh, until=until, give_up=give_up)
+        return self._call("renew a lease", refresh, give_up=give_up)
 
     def _keepalive_on(self, raw: pyetcd.MultiEndpointEtcd3Client) -> KeepAliveStream:
         """The renewals' stream on connection ``raw``: the open one, else a new one (see

@@ -27,11 +27,6 @@ _T = TypeVar("_T")
 # Tries to put a lease id at a shared key while other processes race to put theirs.
 _FIND_OR_GRANT_ATTEMPTS = 5
 
-# A renewal is last sent this long before the lease ends as this process knows it: the time the
-# request itself takes to reach etcd and be applied. A renewal that etcd answers late is tried
-# again until then (EtcdClient.refresh_lease), not given up at the first late answer.
-RENEWAL_MARGIN = 0.5
-
 
 class Lease:
     """A lease of ``ttl`` seconds, private to this process or shared through its id at ``key``.
@@ -142,8 +137,8 @@ class Lease:
             now = time.monotonic()
             lost = None
             if self._id is not None and now - self._renewed_at >= renew_after:
-                ttl = self._client.refresh_lease(self._id, until=self._expires_at - RENEWAL_MARGIN,
-                                                 name=self._name)
+                # Answered late, even past its end, the renewal still says whether etcd kept it
+                ttl = self._client.refresh_lease(self._id, until=self._expires_at, name=self._name)
                 if ttl <= 0:
                     lost, self._id = self._id, None
                 self._renewed_at, self._expires_at = now, now + ttl

@@ -1,5 +1,6 @@
-"""etcd answering late: a lease holder rides it out while its lease lives, and fails in one
-sentence once the lease has ended unanswered; a grant tried again is not granted twice.
+"""etcd answering late: a lease holder rides it out while its lease lives, replaces it once etcd
+answers that it ended, and fails in one sentence only when etcd stays silent for the client's
+retry_timeout; a grant tried again is not granted twice.
 
 Layer tests/contract: a real etcd, reached through a proxy on loopback that holds its bytes back
 (tests/support/tcp_proxy.py), no training processes. The other tests of this subject:
@@ -81,11 +82,51 @@ def test_late_answers_do_not_end_a_lease_holder_while_its_lease_lives(etcd_serve
         client.close()
 
 
-def test_a_lease_that_ends_unanswered_fails_in_one_sentence(etcd_server, etcd_client, proxy, run_id):
-    # etcd answers nothing for longer than the lease lives: the renewal gives up at the lease's
-    # end, long before retry_timeout's 30 s, and says so.
+def test_a_lease_that_ended_unanswered_is_replaced_once_etcd_answers(etcd_server, etcd_client, proxy, run_id):
+    # etcd answers nothing for longer than the lease lives, then answers again: the holder does
+    # not fail at its lease's end but asks on, learns that the lease is gone, and holds a new one
+    # with its key written again (as the rendezvous writes its declaration again).
     ttl = 3
     client = through(proxy, etcd_server, retry_timeout=30.0)
+    lease = Lease(client, ttl, renew_every=0.0, name="rendezvous lease")
+    key = f"/{run_id}/late/declared"
+    lease.put(key, b"declared")
+    lost = lease.id()
+    regranted: list[int] = []
+    lease.on_regrant(lambda new: (regranted.append(new), client.put(key, b"declared", lease=new)))
+    held: list[int] = []
+    failures: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            held.append(lease.id())
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            failures.append(exc)
+
+    proxy.delay = 2 * ttl
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        # the lease ends at etcd while its renewals go unanswered
+        wait_for(lambda: etcd_client.get(key) is None, 15, f"etcd to drop {key} with its lease")
+        assert holder.is_alive() and failures == [], "the holder gave up at its lease's end"
+        proxy.delay = 0.0
+        holder.join(timeout=30)
+        assert failures == [] and held != [] and held[0] != lost and regranted == held
+        assert etcd_client.get(key).lease == held[0]
+        assert etcd_client.lease_ttl(lost)[0] <= 0  # gone, not kept alive beside the new one
+    finally:
+        proxy.delay = 0.0
+        holder.join(timeout=30)
+        lease.stop(revoke=True)
+        client.close(timeout=1.0)
+
+
+def test_a_lease_unanswered_for_the_retry_timeout_fails_in_one_sentence(etcd_server, etcd_client, proxy, run_id):
+    # etcd answers nothing for longer than the lease lives and than the client retries: the
+    # renewal gives up at retry_timeout and says that the lease ended unanswered.
+    ttl, retry_timeout = 3, 5.0
+    client = through(proxy, etcd_server, retry_timeout=retry_timeout)
     lease = Lease(client, ttl, renew_every=0.0, name="rendezvous lease")
     key = f"/{run_id}/late/gone"
     lease.put(key, b"declared")
@@ -100,7 +141,7 @@ def test_a_lease_that_ends_unanswered_fails_in_one_sentence(etcd_server, etcd_cl
         assert re.fullmatch(
             rf"The rendezvous lease {lease_id:x} expired before etcd at {re.escape(proxy.endpoint)} answered a "
             r"renewal: \d+ attempts over \d+\.\d s, the last: [^\n]+\.", message), message
-        assert took < ttl + 2 * READ_TIMEOUT + 1, f"it gave up {took:.1f} s after the last renewal"
+        assert took < retry_timeout + 2 * READ_TIMEOUT + 1, f"it gave up {took:.1f} s after the last renewal"
         # it had indeed ended: etcd dropped the key bound to it
         wait_for(lambda: etcd_client.get(key) is None, 10, f"etcd to drop {key} with its lease")
     finally:
