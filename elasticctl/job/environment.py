@@ -56,6 +56,9 @@ STATE_DIR = "ELASTICCTL_STATE_DIR"
 # "1": a hot-mode worker builds a new process group per generation even where it could
 # reconfigure its one in place (train/reconfigure.py): the benchmark's baseline, and a way out.
 REBUILD_GROUPS = "ELASTICCTL_REBUILD_GROUPS"
+# A file where the framework integrations (elasticctl.integrations) append, per rank and step,
+# the sample indices trained: an audit that every sample of an epoch was trained once.
+SAMPLE_LEDGER = "ELASTICCTL_SAMPLE_LEDGER"
 
 MAX_RESTARTS = 10**9 - 1
 _RESTARTS_RE = re.compile(r"[0-9]{1,9}")
@@ -207,6 +210,11 @@ def rebuild_groups(environ: Mapping[str, str] = os.environ) -> bool:
     if value not in ("", "0", "1"):
         raise ConfigError(f"{REBUILD_GROUPS} must be 0 or 1, got {quote(value)}.")
     return value == "1"
+
+
+def sample_ledger(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The file the framework integrations append their sample ledger to, if one was asked for."""
+    return environ.get(SAMPLE_LEDGER) or None
 
 
 def state_dir(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -372,6 +372,17 @@ class Checkpointer:
                 log.warning("Skipping checkpoint %s: %s", path, exc)
         return None, None
 
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint that verifies (digest and payload), read onto the meta
+        device: its tensors are checked, not loaded; None when there is none."""
+        for _, path in self.checkpoints():
+            try:
+                self._read(path, "meta")
+                return path
+            except CheckpointError as exc:
+                log.warning("Skipping checkpoint %s: %s", path, exc)
+        return None
+
     def load_latest(self) -> dict | None:
         """The newest complete, verified checkpoint payload; every rank gets the same one.
 

@@ -120,6 +120,11 @@ class ResumableSampler(DistributedSampler):
         return self.dataset_size - self.consumed
 
     def __len__(self) -> int:
+        return self.per_rank()
+
+    def per_rank(self) -> int:
+        """Positions this rank has left to deal in the epoch (what ``len`` is, unless a subclass
+        counts more)."""
         if self.drop_last:
             return self.remaining // self.num_replicas
         return math.ceil(self.remaining / self.num_replicas)
@@ -127,7 +132,7 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         world, rank = sampler_world(self._num_replicas, self._rank, _default_group())
         rest = self.permutation()[self.consumed:]
-        per_rank = len(self)
+        per_rank = self.per_rank()
         total = per_rank * world
         if total > len(rest):  # pad from the start of the remainder, as DistributedSampler does
             rest += (rest * math.ceil(total / max(len(rest), 1)))[: total - len(rest)]
@@ -145,7 +150,7 @@ class ResumableSampler(DistributedSampler):
 
     @property
     def epoch_done(self) -> bool:
-        return len(self) == 0
+        return self.per_rank() == 0
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,

@@ -103,6 +103,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="elasticctl.train.checkpoint"):
         restored = Checkpointer(tmp_path).restore(**make_state(seed=1))
     assert restored.step == 1
+    # what the framework integrations resume from (verified without loading the tensors): the same
+    assert Checkpointer(tmp_path).newest() == tmp_path / "step-00000001.pt"
     if damage != "no-digest":  # without its digest the file never counted as a checkpoint
         assert "Skipping checkpoint" in caplog.text and "step-00000002.pt" in caplog.text
 

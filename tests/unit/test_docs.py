@@ -195,7 +195,8 @@ EXAMPLE_MARKER = "# -- the page's code block "
 FRAGMENT_MARKER = "<!-- fragment: "
 # Each whole example a page shows: the page, and the file (under docs/examples/) whose text below
 # its marker line is that code block, character for character.
-EXAMPLE_FILES = {"writing-a-trainer.md": ["train.py", "train_sharded.py"], "porting.md": ["resumable_ddp.py"]}
+EXAMPLE_FILES = {"writing-a-trainer.md": ["train.py", "train_sharded.py"], "porting.md": ["resumable_ddp.py"],
+                 "lightning.md": ["lightning_trainer.py"]}
 
 
 def python_blocks(markdown: str) -> list[tuple[str, bool]]:

@@ -60,3 +60,24 @@ def test_the_checker_sees_lazy_and_typing_only_imports(tmp_path):
     except graphlib.CycleError:
         return
     raise AssertionError("the cycle pkg.a <-> pkg.b was not found")
+
+
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+def test_only_the_integrations_import_a_framework_and_nothing_imports_them():
+    # The core install pulls no framework: elasticctl.integrations.<framework> alone imports one,
+    # and no other module of the package imports an integration.
+    modules = module_names()
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+        if not name.startswith("elasticctl.integrations"):
+            assert not imported & set(FRAMEWORKS), f"{name} imports {sorted(imported & set(FRAMEWORKS))}"
+    for name, imports in import_graph().items():
+        if not name.startswith("elasticctl.integrations"):
+            assert not {i for i in imports if i.startswith("elasticctl.integrations")}, f"{name} imports an integration"

@@ -1,0 +1,345 @@
+"""PyTorch Lightning's ``Trainer``, elastic: change ``from lightning.pytorch import Trainer`` to
+``from elasticctl.integrations.lightning import Trainer``.
+
+Under ``elasticctl up`` in restart mode every worker starts again, at the new world size, when a
+node fails, leaves or joins. Lightning alone would start that run from scratch (or from a
+``ckpt_path`` the user wires by hand), and restart the epoch at its top. This ``Trainer`` is
+Lightning's with what a run that changes size needs:
+
+* **Checkpoints through elasticctl's**: every ``checkpoint_every`` optimizer steps, into the job's
+  checkpoint directory (``elasticctl up --checkpoint-dir``; else ``checkpoint_dir=``), written
+  atomically with a digest, the newest ``keep`` kept, one that is partial or corrupt skipped in
+  favour of the one before (:class:`~elasticctl.train.checkpoint.Checkpointer`).
+* **Resumed without a ckpt_path**: ``fit`` starts from the newest checkpoint that verifies.
+* **The data position, exact at any world size**: the training DataLoader's sampler becomes
+  elasticctl's :class:`~elasticctl.train.sampler.ResumableSampler` (a ``DistributedSampler``):
+  its position is one count of samples that means the same at every world size, saved in every
+  checkpoint, so that every sample of an epoch is trained once across a resize (Lightning would
+  restart the epoch: samples trained twice).
+* **The world from torchrun**: ``devices`` and ``num_nodes`` from torchrun's environment, so the
+  same script runs at whatever size the job formed.
+
+Checkpoints of Lightning's own ``ModelCheckpoint`` (another directory) are written as Lightning
+writes them. What relies on Lightning's internals (its data connector, ``_update_dataloader``)
+is in this module alone, pinned by tests/unit/test_lightning_contract.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import Trainer as LightningTrainer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, IterableDataset
+
+from elasticctl.errors import ConfigError
+from elasticctl.job import environment
+from elasticctl.train.checkpoint import Checkpointer, CheckpointError
+from elasticctl.train.sampler import ResumableSampler
+from elasticctl.train.script import GracefulStop, PeerLeaving
+from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "elasticctl"  # this integration's part of a Lightning checkpoint's "callbacks"
+
+
+class EpochSampler(ResumableSampler):
+    """The training sampler: a :class:`ResumableSampler` that counts an epoch as Lightning does.
+
+    Resumed mid-epoch, Lightning goes on counting the epoch's batches from where its checkpoint
+    was (``batches_before``) and ends the epoch when that count reaches the loader's length. The
+    sampler deals only the samples left, so it reports those batches in its length too: the
+    epoch ends when the samples left are dealt, at any world size. It also keeps the indices it
+    dealt, in order, so that the batch just trained can be named (:meth:`trained`).
+    """
+
+    def __init__(self, dataset, *, batch_size: int, shuffle: bool, seed: int, drop_last: bool) -> None:
+        super().__init__(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.batch_size = batch_size
+        self.batches_before = 0
+        self._dealt: collections.deque[int] = collections.deque()
+
+    def __len__(self) -> int:
+        return self.batches_before * self.batch_size + self.per_rank()
+
+    def __iter__(self) -> Iterator[int]:
+        self._dealt.clear()  # a new pass: what an earlier iterator dealt (prefetched) is not trained
+        for index in super().__iter__():
+            self._dealt.append(index)
+            yield index
+
+    def trained(self, count: int) -> list[int]:
+        """The indices of the ``count`` samples dealt first and not yet trained: the batch just trained."""
+        return [self._dealt.popleft() for _ in range(min(count, len(self._dealt)))]
+
+    def set_epoch(self, epoch: int) -> None:
+        # Lightning sets the epoch at the start of every epoch, the one it resumes in too: that
+        # one keeps its position.
+        if epoch != self.epoch:
+            super().set_epoch(epoch)
+            self.batches_before = 0
+
+
+class _Elastic(Callback):
+    """Advances the sampler after each trained batch, saves every ``every`` steps and when
+    training ends, carries the sampler's position in the checkpoint (Lightning saves a callback's
+    ``state_dict``), and stops
+    at a step boundary on SIGTERM (``elasticctl leave``/``down``, a preemption) with a final
+    checkpoint.
+
+    Lightning's own SIGTERM handler broadcasts from inside the signal handler, which can meet a
+    collective in flight and hang until torchrun kills the worker (30 s, no checkpoint). Here
+    the handler only sets a flag; every rank learns of it at the same step (one all-reduce), the
+    checkpoint is written, the signalled ranks exit 0 and the others 1, so that their nodes
+    re-form without the leaver and resume from that checkpoint, losing no step.
+    """
+
+    def __init__(self, io: _CheckpointIO, every: int, ledger: str | None) -> None:
+        self.io = io
+        self.every = every
+        self.sampler: EpochSampler | None = None
+        self.batches_in_epoch = 0
+        self.restored: dict | None = None
+        self._saved_at: int | None = None
+        self._ledger_path = ledger
+        self._ledger = None
+        self._stop: GracefulStop | None = None
+
+    @property
+    def state_key(self) -> str:
+        return STATE_KEY
+
+    # -- the sampler ------------------------------------------------------------------
+
+    def sampler_for(self, dataloader: DataLoader, shuffle: bool) -> EpochSampler:
+        sampler = EpochSampler(dataloader.dataset, batch_size=dataloader.batch_size, shuffle=shuffle,
+                               seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=dataloader.drop_last)
+        restored, self.restored = self.restored, None
+        if restored and restored.get("sampler"):
+            try:
+                sampler.load_state_dict(restored["sampler"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"The checkpoint's sampler position does not fit this run: {exc}") from exc
+            if sampler.consumed:
+                sampler.batches_before = int(restored.get("batches_in_epoch", 0))
+        self.sampler = sampler
+        return sampler
+
+    # -- Lightning's hooks --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.sampler is None:
+            return {}
+        return {"sampler": self.sampler.state_dict(), "batches_in_epoch": self.batches_in_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.restored = dict(state_dict)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._stop = GracefulStop()  # after Lightning registered its handlers: this one replaces them
+        self.io.announce(trainer, self.sampler)
+        if self._ledger_path:
+            self._ledger = open(self._ledger_path, "a", buffering=1)  # noqa: SIM115 - closed in teardown
+            self._write({"event": "start", "step": trainer.global_step, "epoch": trainer.current_epoch,
+                         "consumed": self.sampler.consumed if self.sampler else None})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.batches_in_epoch = batch_idx + 1
+        if self.sampler is not None:
+            batch_size = self.sampler.batch_size
+            trained = self.sampler.trained(batch_size)
+            self.sampler.advance(batch_size)
+            if self._ledger is not None:
+                loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+                self._write({"step": trainer.global_step, "epoch": trainer.current_epoch, "indices": trained,
+                             "loss": float(loss) if isinstance(loss, torch.Tensor) else None})
+        step = trainer.global_step
+        stopping = self._stop is not None and self._stop.agreed(pl_module.device)
+        if (stopping or self.every and step % self.every == 0) and step != self._saved_at \
+                and self.io.directory is not None:
+            self._saved_at = step
+            trainer.save_checkpoint(self.io.path_for(step))
+        if stopping:
+            try:
+                self._stop.exit()  # exit 0 where the signal came; PeerLeaving elsewhere
+            except PeerLeaving as exc:
+                print(f"elasticctl: {exc}", file=sys.stderr, flush=True)
+                sys.exit(1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Training ended (max_epochs, max_steps): the last steps are kept too, so that a run
+        # started again with more epochs goes on from here.
+        if self.io.directory is not None and trainer.global_step != self._saved_at:
+            self._saved_at = trainer.global_step
+            trainer.save_checkpoint(self.io.path_for(trainer.global_step))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._stop is not None:
+            self._stop.restore_default()
+            self._stop = None
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+
+    def _write(self, record: dict) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self._ledger.write(json.dumps({**record, "rank": rank, "world_size": world}) + "\n")
+
+
+class _CheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, writing the checkpoints of this integration (those in
+    ``directory``) through elasticctl's :class:`Checkpointer`; any other path as Lightning does."""
+
+    def __init__(self, directory: str | None, keep: int) -> None:
+        super().__init__()
+        self.directory = Path(directory) if directory else None
+        self.keep = keep
+        self._checkpointer: Checkpointer | None = None
+        self.resumed_from: Path | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        if self._checkpointer is None:  # built on first use: the rank is known by then
+            self._checkpointer = Checkpointer(self.directory, keep=self.keep)
+        return self._checkpointer
+
+    def path_for(self, step: int) -> str:
+        return str(self.directory / f"step-{step:08d}.pt")
+
+    def _ours(self, path) -> bool:
+        return self.directory is not None and Path(path).parent == self.directory
+
+    def newest(self) -> Path | None:
+        return self.checkpointer.newest() if self.directory is not None else None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if not self._ours(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        self.checkpointer.save(int(checkpoint["global_step"]), int(checkpoint["epoch"]), lightning=checkpoint,
+                               blocking=True)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        if not self._ours(path):
+            return super().load_checkpoint(path, map_location, weights_only)
+        payload = self.checkpointer.read(Path(path))  # digest verified, loaded with weights_only
+        self.resumed_from = Path(path)
+        lightning = payload["state"].get("lightning")
+        if not isinstance(lightning, dict):
+            raise CheckpointError(f"The checkpoint '{path}' holds no Lightning state.")
+        return lightning
+
+    def remove_checkpoint(self, path) -> None:
+        if not self._ours(path):  # the newest `keep` of ours are kept by the Checkpointer
+            super().remove_checkpoint(path)
+
+    def announce(self, trainer, sampler: EpochSampler | None) -> None:
+        """One line on rank 0 at each start: the world, and where training resumed."""
+        if trainer.global_rank != 0:
+            return
+        world = trainer.world_size
+        batch = f", global batch {sampler.batch_size * world} ({sampler.batch_size} per worker)" if sampler else ""
+        where = (f"resuming at step {trainer.global_step} from {self.resumed_from}"
+                 if self.resumed_from else "starting from scratch" if self.directory else
+                 "no checkpoint directory: a restart starts from scratch")
+        print(f"elasticctl: world size {world} ({trainer.num_nodes} nodes x {trainer.num_devices}){batch}; "
+              f"{where}", flush=True)
+
+
+def _torchrun_world() -> tuple[int, int] | None:
+    """(devices per node, nodes) of the world torchrun started this worker in, else None."""
+    try:
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    if local < 1 or world % local:
+        raise ConfigError(f"The world of {world} workers is not whole nodes of {local}: elasticctl's "
+                          f"Lightning Trainer needs the same number of workers on every node.")
+    return local, world // local
+
+
+class Trainer(LightningTrainer):
+    """Lightning's ``Trainer`` for a job whose world size changes (see the module's docstring).
+
+    ``checkpoint_dir``: where checkpoints go (default: the job's, from ``elasticctl up
+    --checkpoint-dir``; with neither, no checkpoints and a restart starts over);
+    ``checkpoint_every``: optimizer steps between checkpoints (0: none); ``keep``: how many are
+    kept. Every other argument is Lightning's; ``devices`` and ``num_nodes`` default to the
+    world torchrun formed, the training DataLoader is reloaded every epoch (so that an epoch
+    after a resize has its own length), and Lightning's default ``ModelCheckpoint`` is off
+    where these checkpoints replace it (one the user passes stays).
+    """
+
+    def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_every: int = 100,
+                 keep: int = 3, **kwargs: Any) -> None:
+        if checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every ({checkpoint_every}) must be 0 (never) or a number of steps.")
+        world = _torchrun_world()
+        if world is not None:
+            kwargs.setdefault("devices", world[0])
+            kwargs.setdefault("num_nodes", world[1])
+        kwargs.setdefault("reload_dataloaders_every_n_epochs", 1)
+        self._elastic_io = _CheckpointIO(job_checkpoint_dir(checkpoint_dir), keep)
+        self._elastic = _Elastic(self._elastic_io, checkpoint_every, environment.sample_ledger())
+        callbacks = _as_list(kwargs.get("callbacks"))
+        if (self._elastic_io.directory is not None and "enable_checkpointing" not in kwargs
+                and not any(isinstance(callback, ModelCheckpoint) for callback in callbacks)):
+            # Lightning's default ModelCheckpoint would write a second copy of every epoch's end
+            # into the working directory; a ModelCheckpoint the user configured stays.
+            kwargs["enable_checkpointing"] = False
+        kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), self._elastic_io]
+        kwargs["callbacks"] = [*callbacks, self._elastic]
+        super().__init__(*args, **kwargs)
+        _deal_training_data_with(self, self._elastic)
+
+    def fit(self, model, *args: Any, ckpt_path=None, **kwargs: Any) -> None:
+        """Lightning's ``fit``; without a ``ckpt_path``, from the newest checkpoint that verifies."""
+        if ckpt_path is None:
+            newest = self._elastic_io.newest()
+            ckpt_path = str(newest) if newest is not None else None
+        with warnings.catch_warnings():
+            # Lightning warns that a resume mid-epoch trains part of the epoch again unless the
+            # DataLoader itself is stateful; here the sampler keeps the position instead.
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+            return super().fit(model, *args, ckpt_path=ckpt_path, **kwargs)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _deal_training_data_with(trainer: LightningTrainer, elastic: _Elastic) -> None:
+    """Give the training DataLoader ``elastic``'s sampler where Lightning would put its
+    ``DistributedSampler`` (its data connector's ``_prepare_dataloader``)."""
+    connector = trainer._data_connector
+    prepare = connector._prepare_dataloader
+
+    def prepare_dataloader(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+        if (mode != RunningStage.TRAINING or not isinstance(dataloader, DataLoader)
+                or isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_size is None):
+            if mode == RunningStage.TRAINING:
+                log.warning("The training DataLoader is not one of a sized dataset and a batch size: "
+                            "its position in the epoch is not kept across a restart.")
+            return prepare(dataloader, shuffle, mode)
+        return _update_dataloader(dataloader, elastic.sampler_for(dataloader, shuffle), mode=mode)
+
+    connector._prepare_dataloader = prepare_dataloader

@@ -1,0 +1,166 @@
+"""The training frameworks' own scripts under elasticctl: PyTorch Lightning's ``Trainer`` through
+a node's SIGKILL, another node's join and its leave, every sample of an epoch trained once.
+
+docs/examples/lightning_trainer.py is Lightning's tutorial form with elasticctl's ``Trainer``
+imported; it runs here as the page (docs/frameworks/lightning.md) says. The integration appends,
+per rank and step, the sample indices trained to a ledger (ELASTICCTL_SAMPLE_LEDGER); each start
+of the workers writes a "start" line with the step it resumed at, so the steps a restart rolled
+back (trained after the checkpoint it resumed from) are told from those that count.
+
+Layer tests/process: real elasticctl/torchrun/worker processes, a real etcd, loopback. Skipped,
+saying so, where the framework is not installed (`pip install 'elasticctl[lightning]'`). The
+other tests of this subject: tests/unit/test_lightning_contract.py (what the integration relies
+on in Lightning).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from support.helpers import ELASTICCTL, REPO, cli, wait_for
+
+from elasticctl.etcd.client import EtcdClient
+from elasticctl.job.registry import Registry
+
+pytest.importorskip("lightning", reason="Lightning is not installed: pip install 'elasticctl[lightning]'")
+
+pytestmark = pytest.mark.slow
+
+LIGHTNING_EXAMPLE = str(REPO / "docs" / "examples" / "lightning_trainer.py")
+SAMPLES, BATCH = 512, 8  # the example's dataset and batch size per worker
+
+
+def read_ledger(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    if lines and not path.read_text().endswith("\n"):
+        lines = lines[:-1]  # a line being written
+    return [json.loads(line) for line in lines]
+
+
+def generations(ledger: list[dict]) -> list[dict]:
+    """The starts of the workers in order, each with its world size, the step it started at and
+    the steps its ranks trained. Every rank of a start writes its "start" line before any rank
+    can finish a step (the step's all-reduce waits for every rank), so a "start" after a step
+    line begins the next generation."""
+    found: list[dict] = []
+    stepped = True
+    for record in ledger:
+        if record.get("event") == "start":
+            if stepped:
+                found.append({"step": record["step"], "world_size": record["world_size"],
+                              "consumed": record["consumed"], "steps": []})
+                stepped = False
+        elif found:
+            found[-1]["steps"].append(record)
+            stepped = True
+    return found
+
+
+def committed(gens: list[dict]) -> list[dict]:
+    """The step records that count: each generation's up to the step the next one resumed at."""
+    kept = []
+    for i, gen in enumerate(gens):
+        until = gens[i + 1]["step"] if i + 1 < len(gens) else None
+        kept += [r for r in gen["steps"] if until is None or r["step"] <= until]
+    return kept
+
+
+def trained_at(ledger: list[dict], world: int, steps_after_start: int) -> bool:
+    """Whether the newest generation trains at ``world`` and has done ``steps_after_start`` steps."""
+    gens = generations(ledger)
+    if not gens or gens[-1]["world_size"] != world:
+        return False
+    done = {r["step"] for r in gens[-1]["steps"]}
+    return len(done) >= steps_after_start
+
+
+def test_the_lightning_trainer_goes_through_a_kill_a_join_and_a_leave_training_every_sample_once(
+        nodes, default_etcd, run_id, tmp_path):
+    ledger, checkpoints = tmp_path / "ledger.jsonl", tmp_path / "checkpoints"
+    env = {"ELASTICCTL_SAMPLE_LEDGER": str(ledger)}
+    # Long enough never to end by itself while the test watches: it ends with `down`.
+    up = [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:2", "--node-id", "a",
+          "--checkpoint-dir", str(checkpoints), LIGHTNING_EXAMPLE, "--max-epochs", "100000"]
+    a = nodes("a", up, env)
+
+    def join(name: str):
+        return nodes(name, [*ELASTICCTL, "join", "--etcd", default_etcd.endpoint, "--job", run_id,
+                            "--node-id", name], env)
+
+    with EtcdClient(default_etcd.client_settings()) as client:
+        wait_for(Registry(client, run_id).read_spec, 60, "the job spec in etcd")
+    b = join("b")  # a may train alone until b is in
+    # Past the first checkpoints (every 10 steps) at world 2, then b dies as a machine does.
+    wait_for(lambda: trained_at(read_ledger(ledger), 2, 25), 240, "25 steps at world size 2")
+    b.kill()
+    wait_for(lambda: trained_at(read_ledger(ledger), 1, 25), 240, "a training alone after b died")
+    c = join("c")
+    # A whole epoch (32 steps at world 2) after c joined.
+    wait_for(lambda: trained_at(read_ledger(ledger), 2, 40), 240, "a and c training at world size 2")
+    # c leaves: a final checkpoint at the step both trained last, c exits 0, a goes on alone from it.
+    assert cli("leave", "--etcd", default_etcd.endpoint, "--job", run_id, "--node", "c").returncode == 0
+    assert c.wait(120) == 0, c.log()
+    wait_for(lambda: trained_at(read_ledger(ledger), 1, 5), 240, "a training alone after c left")
+    assert cli("down", "--etcd", default_etcd.endpoint, "--job", run_id).returncode == 0
+    assert a.wait(120) == 0, a.log()
+    # SIGTERM stopped the workers at a step boundary, not torchrun's SIGKILL 30 s later.
+    assert "forcefully exiting" not in a.log() + c.log()
+
+    gens = generations(read_ledger(ledger))
+    # (a may have trained alone before b was in: a generation at world 1 first)
+    assert [g["world_size"] for g in gens][-4:] == [2, 1, 2, 1], gens
+    killed, joined, left = gens[-3:]
+    # b's death: a resumed from the newest periodic checkpoint (every 10 steps) before it
+    assert killed["step"] % 10 == 0 and killed["step"] <= max(r["step"] for r in gens[-4]["steps"])
+    # c's join and c's leave lost no step: torchrun stops the workers with SIGTERM to re-form, and
+    # they stop at a step boundary with a checkpoint of the step they trained last
+    assert joined["step"] == max(r["step"] for r in killed["steps"]), gens
+    assert left["step"] == max(r["step"] for r in joined["steps"]), gens
+    # and `down` wrote one more at a's last step
+    newest = max(int(p.name[5:13]) for p in checkpoints.glob("step-*.pt"))
+    assert newest == max(r["step"] for r in gens[-1]["steps"])
+    kept = committed(gens)
+    by_epoch = collections.defaultdict(collections.Counter)
+    for record in kept:
+        by_epoch[record["epoch"]].update(record["indices"])
+    last = max(by_epoch)
+    for epoch, counts in by_epoch.items():
+        assert max(counts.values()) == 1, f"epoch {epoch}: a sample was trained twice"
+        if epoch < last:
+            assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch}: a sample was never trained"
+    # b's death was mid-epoch (the point of the sampler): a resumed alone inside an epoch.
+    assert 0 < killed["consumed"] < SAMPLES, killed
+    # The loss goes on from where it was, not from an untrained model's: after c joined it is a
+    # fraction of the first steps' (0.1 against 12 here).
+    losses = {r["step"]: r["loss"] for r in kept if r["rank"] == 0}
+    first = sum(losses[s] for s in sorted(losses)[:5]) / 5
+    after_join = [losses[s] for s in sorted(losses) if s > joined["step"]][:5]
+    assert sum(after_join) / len(after_join) < first / 4, (first, after_join)
+
+
+def test_the_lightning_example_run_twice_goes_on_where_the_first_run_ended(nodes, tmp_path):
+    # A world of one (`python lightning_trainer.py`): the first run ends with a checkpoint of its
+    # last step; the second, with one more epoch, resumes there and trains that epoch, each sample once.
+    ledger, checkpoints = tmp_path / "ledger.jsonl", tmp_path / "checkpoints"
+    env = {"ELASTICCTL_SAMPLE_LEDGER": str(ledger), "ELASTICCTL_CHECKPOINT_DIR": str(checkpoints)}
+    first = nodes("first", [sys.executable, LIGHTNING_EXAMPLE, "--max-epochs", "1"], env)
+    assert first.wait(180) == 0, first.log()
+    second = nodes("second", [sys.executable, LIGHTNING_EXAMPLE, "--max-epochs", "2"], env)
+    assert second.wait(180) == 0, second.log()
+    assert "Traceback" not in second.log(), second.log()
+
+    gens = generations(read_ledger(ledger))
+    steps_per_epoch = SAMPLES // BATCH  # 64; checkpoints every 10, and one as training ends
+    assert [g["step"] for g in gens] == [0, steps_per_epoch], gens
+    assert f"resuming at step 64 from {checkpoints / 'step-00000064.pt'}" in second.log(), second.log()
+    kept = committed(gens)
+    assert sorted(r["step"] for r in kept) == list(range(1, 2 * steps_per_epoch + 1))
+    for epoch in (0, 1):
+        counts = collections.Counter(i for r in kept if r["epoch"] == epoch for i in r["indices"])
+        assert sorted(counts) == list(range(SAMPLES)) and max(counts.values()) == 1, epoch

@@ -1,0 +1,159 @@
+"""What elasticctl's Lightning ``Trainer`` relies on in Lightning, pinned, and its sampler's rules.
+
+elasticctl/integrations/lightning.py puts its sampler where Lightning would put its
+``DistributedSampler`` (the data connector's ``_prepare_dataloader``, then Lightning's
+``_update_dataloader``), carries the sampler's position in a callback's ``state_dict``, and
+counts an epoch's batches as Lightning's loop does after a resume. A Lightning release that
+changes any of that fails here, in a world of one in this process, before a job trains a sample
+twice.
+
+Layer tests/unit: no etcd, no processes. Skipped, saying so, without Lightning. The other tests
+of this subject: tests/process/test_frameworks.py (a job through a kill and a join).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("lightning", reason="Lightning is not installed: pip install 'elasticctl[lightning]'")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from elasticctl.errors import ConfigError  # noqa: E402
+from elasticctl.integrations.lightning import STATE_KEY, EpochSampler, Trainer  # noqa: E402
+
+SAMPLES, BATCH = 48, 4
+
+
+class Seen(pl.LightningModule):
+    """A linear model that remembers the sample indices of every batch it trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        index, y = batch
+        self.seen.append(index.long().tolist())
+        return nn.functional.mse_loss(self.layer(index.float().unsqueeze(1)), y.unsqueeze(1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def loader(**kwargs) -> DataLoader:
+    return DataLoader(TensorDataset(torch.arange(SAMPLES), torch.zeros(SAMPLES)), batch_size=BATCH, shuffle=True,
+                      **kwargs)
+
+
+def trainer(directory, **kwargs) -> Trainer:
+    return Trainer(checkpoint_dir=str(directory), accelerator="cpu", enable_progress_bar=False, logger=False,
+                   enable_model_summary=False, default_root_dir=str(directory / "lightning"), **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+
+def test_the_training_loader_deals_from_the_elastic_sampler_and_its_batches_are_the_ones_trained(tmp_path):
+    run = trainer(tmp_path, max_steps=5, checkpoint_every=0)
+    model = Seen()
+    run.fit(model, loader())
+    sampler = run.train_dataloader.sampler
+    assert isinstance(sampler, EpochSampler)  # Lightning's _prepare_dataloader and _update_dataloader
+    assert run.train_dataloader.batch_size == BATCH  # the user's loader, its sampler replaced
+    permutation = sampler.permutation()
+    assert model.seen == [permutation[i * BATCH:(i + 1) * BATCH] for i in range(5)]
+    assert sampler.consumed == 5 * BATCH
+
+
+def test_a_fit_resumes_from_the_newest_checkpoint_at_the_sample_it_stopped_at(tmp_path):
+    first = trainer(tmp_path, max_steps=4, checkpoint_every=3)
+    first.fit(Seen(), loader())
+    assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-00000003.pt", "step-00000004.pt"]
+    (tmp_path / "step-00000004.pt.sha256").unlink()  # as if killed before the end: step 3 is the newest
+    assert not (tmp_path / "lightning").exists()  # no second copy from Lightning's default ModelCheckpoint
+
+    model = Seen()
+    second = trainer(tmp_path, max_epochs=1, checkpoint_every=0)
+    second.fit(model, loader())  # no ckpt_path: the newest checkpoint, step 3
+    permutation = second.train_dataloader.sampler.permutation()
+    # Lightning restored the callback's state (the position) before it asked for the loader,
+    # and its loop, counting on from 3 batches, ends the epoch where the sampler runs out: the
+    # 36 samples after the 3rd batch, each once (fewer batches before than after the resume, so
+    # a length without them would end the epoch 3 batches early).
+    assert [i for batch in model.seen for i in batch] == permutation[3 * BATCH:]
+    assert second.global_step == SAMPLES // BATCH
+
+
+def test_the_position_is_a_callback_state_in_lightnings_checkpoint(tmp_path):
+    trainer(tmp_path, max_steps=3, checkpoint_every=0).fit(Seen(), loader())  # the one as training ends
+    saved = torch.load(tmp_path / "step-00000003.pt", weights_only=True)
+    state = saved["state"]["lightning"]["callbacks"][STATE_KEY]
+    assert state == {"sampler": {"epoch": 0, "consumed": 3 * BATCH, "seed": 0, "dataset_size": SAMPLES},
+                     "batches_in_epoch": 3}
+
+
+def test_a_bad_checkpoint_interval_is_named():
+    with pytest.raises(ConfigError, match=r"checkpoint_every \(-1\)"):
+        Trainer(checkpoint_every=-1)
+
+
+# -- the sampler's rules ------------------------------------------------------------------
+
+def epoch_sampler() -> EpochSampler:
+    return EpochSampler(range(SAMPLES), batch_size=BATCH, shuffle=True, seed=0, drop_last=False)
+
+
+@pytest.mark.parametrize("consumed, batches_before, world, length", [
+    (0, 0, 1, SAMPLES),                  # a fresh epoch: every sample
+    (24, 6, 1, 6 * BATCH + 24),          # resumed after 6 batches: those counted, 24 samples left
+    (24, 3, 2, 3 * BATCH + 12),          # at world 2 the 24 left are 12 a rank
+    (SAMPLES, 12, 1, 12 * BATCH),        # resumed at the epoch's end: nothing left to deal
+])
+def test_the_length_counts_the_batches_lightning_counted_before_a_resume(consumed, batches_before, world, length):
+    sampler = epoch_sampler()
+    sampler.num_replicas, sampler.rank = world, 0
+    sampler.consumed, sampler.batches_before = consumed, batches_before
+    assert len(sampler) == length
+    assert len(list(sampler)) == length - batches_before * BATCH  # it deals only what is left
+
+
+def test_trained_names_the_first_indices_dealt_and_not_yet_trained():
+    sampler = epoch_sampler()
+    dealt = iter(sampler)
+    first = [next(dealt) for _ in range(2 * BATCH)]  # a batch trained, one prefetched
+    assert sampler.trained(BATCH) == first[:BATCH]
+    assert sampler.trained(BATCH) == first[BATCH:]
+    assert sampler.trained(BATCH) == []
+    iter(sampler).__next__()  # a new pass forgets what the last one dealt
+    assert len(sampler.trained(BATCH)) == 1
+
+
+def test_setting_the_epoch_it_is_in_keeps_its_position_and_another_starts_at_the_top():
+    sampler = epoch_sampler()
+    sampler.consumed, sampler.batches_before = 24, 6
+    sampler.set_epoch(0)
+    assert (sampler.epoch, sampler.consumed, sampler.batches_before) == (0, 24, 6)
+    sampler.set_epoch(1)
+    assert (sampler.epoch, sampler.consumed, sampler.batches_before) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("every", [SAMPLES // BATCH, 0])  # saved at the epoch's last batch, or as training ended
+def test_a_checkpoint_at_an_epochs_end_resumes_at_the_top_of_the_next_epoch(tmp_path, every):
+    trainer(tmp_path, max_epochs=1, checkpoint_every=every).fit(Seen(), loader())
+    assert [p.name for p in tmp_path.glob("step-*.pt")] == ["step-00000012.pt"]
+    model = Seen()
+    second = trainer(tmp_path, max_epochs=2, checkpoint_every=0)
+    second.fit(model, loader())
+    sampler = second.train_dataloader.sampler
+    assert sampler.epoch == 1
+    assert [i for batch in model.seen for i in batch] == sampler.permutation()  # all of epoch 1, once
+    assert second.global_step == 2 * SAMPLES // BATCH
