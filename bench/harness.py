@@ -99,13 +99,14 @@ class Record:
 class Node:
     """One host's launcher process (torchrun or elasticctl) and its whole process tree."""
 
-    def __init__(self, name: str, command: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, command: list[str], log_dir: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.name = name
         self.command = command
         self.log_path = log_dir / f"{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ELASTICCTL_NODE": name, **(env or {})}
         with open(self.log_path, "ab") as log:
-            self.process = processes.spawn(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+            self.process = processes.spawn(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -138,9 +138,9 @@ def nodes(request, tmp_path):
     # own directory: a node a test SIGKILLs cannot remove them, and pytest rotates this one.
     scratch = tmp_path / "tmp"
 
-    def start(name: str, command: list[str], env: dict | None = None) -> Node:
+    def start(name: str, command: list[str], env: dict | None = None, cwd=None) -> Node:
         scratch.mkdir(exist_ok=True)
-        node = Node(name, command, tmp_path, {"TMPDIR": str(scratch), **(env or {})})
+        node = Node(name, command, tmp_path, {"TMPDIR": str(scratch), **(env or {})}, cwd=cwd)
         started.append(node)
         return node
 

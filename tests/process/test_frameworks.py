@@ -87,11 +87,11 @@ def test_the_lightning_trainer_goes_through_a_kill_a_join_and_a_leave_training_e
     # Long enough never to end by itself while the test watches: it ends with `down`.
     up = [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:2", "--node-id", "a",
           "--checkpoint-dir", str(checkpoints), LIGHTNING_EXAMPLE, "--max-epochs", "100000"]
-    a = nodes("a", up, env)
+    a = nodes("a", up, env, cwd=tmp_path)  # where Lightning's logger writes lightning_logs/
 
     def join(name: str):
         return nodes(name, [*ELASTICCTL, "join", "--etcd", default_etcd.endpoint, "--job", run_id,
-                            "--node-id", name], env)
+                            "--node-id", name], env, cwd=tmp_path)
 
     with EtcdClient(default_etcd.client_settings()) as client:
         wait_for(Registry(client, run_id).read_spec, 60, "the job spec in etcd")
@@ -149,9 +149,9 @@ def test_the_lightning_example_run_twice_goes_on_where_the_first_run_ended(nodes
     # last step; the second, with one more epoch, resumes there and trains that epoch, each sample once.
     ledger, checkpoints = tmp_path / "ledger.jsonl", tmp_path / "checkpoints"
     env = {"ELASTICCTL_SAMPLE_LEDGER": str(ledger), "ELASTICCTL_CHECKPOINT_DIR": str(checkpoints)}
-    first = nodes("first", [sys.executable, LIGHTNING_EXAMPLE, "--max-epochs", "1"], env)
+    first = nodes("first", [sys.executable, LIGHTNING_EXAMPLE, "--max-epochs", "1"], env, cwd=tmp_path)
     assert first.wait(180) == 0, first.log()
-    second = nodes("second", [sys.executable, LIGHTNING_EXAMPLE, "--max-epochs", "2"], env)
+    second = nodes("second", [sys.executable, LIGHTNING_EXAMPLE, "--max-epochs", "2"], env, cwd=tmp_path)
     assert second.wait(180) == 0, second.log()
     assert "Traceback" not in second.log(), second.log()
 
