@@ -1235,9 +1235,11 @@ def text_table(results: dict) -> str:
                   f"etcd CPU {row[5]} s" for row in scale_rows(results)]
         lines.append(scale_targets(results))
     if results["scenarios"].get("rendezvous_real"):
-        lines += [f"rendezvous real handlers, N={row[0]} over {row[1]} processes: {row[2]} complete, {row[3]} s, "
-                  f"proposals/agent {row[4]}, writes/agent {row[5]}, agents failed {row[6]}"
-                  for row in real_handler_rows(results)]
+        lines += [f"rendezvous real handlers, N={agents} over {processes} processes: {complete} complete, {seconds} s, "
+                  f"proposals/agent {proposals}, writes/agent {writes}, CAS/agent {cas}, leases expired {expired}, "
+                  f"agents failed {failed}"
+                  for agents, processes, complete, seconds, proposals, writes, cas, expired, failed, _load
+                  in real_handler_rows(results)]
         lines.append(real_handler_targets(results))
     return "\n".join(lines)
 
