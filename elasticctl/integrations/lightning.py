@@ -30,6 +30,7 @@ import collections
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Iterator
@@ -121,6 +122,7 @@ class _Elastic(Callback):
         self._ledger_path = ledger
         self._ledger = None
         self._stop: GracefulStop | None = None
+        self._handler_before = None  # SIGTERM's handler before ours, put back when training ends
 
     @property
     def state_key(self) -> str:
@@ -153,6 +155,7 @@ class _Elastic(Callback):
         self.restored = dict(state_dict)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._handler_before = signal.getsignal(signal.SIGTERM)
         self._stop = GracefulStop()  # after Lightning registered its handlers: this one replaces them
         self.io.announce(trainer, self.sampler)
         if self._ledger_path:
@@ -170,9 +173,14 @@ class _Elastic(Callback):
                 loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
                 self._write({"step": trainer.global_step, "epoch": trainer.current_epoch, "indices": trained,
                              "loss": float(loss) if isinstance(loss, torch.Tensor) else None})
+        # Checkpoints and stops wait for the end of an optimizer step: one amid gradient
+        # accumulation would count samples whose gradients were never applied.
+        if (batch_idx + 1) % trainer.accumulate_grad_batches and self.sampler is not None \
+                and self.sampler.per_rank() > 0:
+            return
         step = trainer.global_step
         stopping = self._stop is not None and self._stop.agreed(pl_module.device)
-        if (stopping or self.every and step % self.every == 0) and step != self._saved_at \
+        if (stopping or self.every and step % self.every == 0) and 0 < step != self._saved_at \
                 and self.io.directory is not None:
             self._saved_at = step
             trainer.save_checkpoint(self.io.path_for(step))
@@ -190,13 +198,19 @@ class _Elastic(Callback):
             self._saved_at = trainer.global_step
             trainer.save_checkpoint(self.io.path_for(trainer.global_step))
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._release_signal()
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._stop is not None:
-            self._stop.restore_default()
-            self._stop = None
+        self._release_signal()
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None
+
+    def _release_signal(self) -> None:
+        if self._stop is not None:
+            signal.signal(signal.SIGTERM, self._handler_before or signal.SIG_DFL)
+            self._stop = None
 
     def _write(self, record: dict) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0

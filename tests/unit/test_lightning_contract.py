@@ -14,6 +14,8 @@ of this subject: tests/process/test_frameworks.py (a job through a kill and a jo
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import pytest
 
@@ -157,3 +159,27 @@ def test_a_checkpoint_at_an_epochs_end_resumes_at_the_top_of_the_next_epoch(tmp_
     assert sampler.epoch == 1
     assert [i for batch in model.seen for i in batch] == sampler.permutation()  # all of epoch 1, once
     assert second.global_step == 2 * SAMPLES // BATCH
+
+
+class SignalAt(pl.Callback):
+    """Sends this process SIGTERM after batch ``at`` of the first epoch (as `elasticctl leave` does)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_stops_at_the_end_of_the_optimizer_step_with_a_checkpoint_and_exit_0(tmp_path):
+    # Two micro-batches a step: the signal after the first of step 2 is acted on after its second.
+    handler_before = signal.getsignal(signal.SIGTERM)
+    run = trainer(tmp_path, max_epochs=1, checkpoint_every=0, accumulate_grad_batches=2, callbacks=[SignalAt(2)])
+    with pytest.raises(SystemExit) as stopped:
+        run.fit(Seen(), loader())
+    assert stopped.value.code == 0
+    assert [p.name for p in tmp_path.glob("step-*.pt")] == ["step-00000002.pt"]
+    saved = torch.load(tmp_path / "step-00000002.pt", weights_only=True)["state"]["lightning"]
+    assert saved["callbacks"][STATE_KEY]["sampler"]["consumed"] == 4 * BATCH  # both steps' micro-batches
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # this process's own handler is back
