@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from bench import reconfigure as reconfigure_bench
+from bench import frameworks as frameworks_bench
 from bench import shapes as shapes_bench
 from bench import stragglers as straggler_bench
 from bench import trust as trust_bench
@@ -1069,6 +1070,7 @@ def markdown(results: dict, png: str | None) -> str:
         *recovery_phase_section(results),
         *reconfigure_bench.section(results, _cell, _ratio),
         *shapes_bench.section(results, _cell),
+        *frameworks_bench.section(results),
         *straggler_bench.section(results),
         *trust_bench.section(results),
         ("Checkpoint cost (`bench/checkpoint.py`, `torchrun --standalone`, world 2, mean step time of a run; "
@@ -1218,6 +1220,7 @@ def text_table(results: dict) -> str:
     if _ran_hot(results):
         lines.append(hot_targets(results))
     lines += straggler_bench.text_lines(results)
+    lines += frameworks_bench.text_lines(results)
     lines += ["checkpoint: " + row for row in checkpoint_rows(results)]
     if results["scenarios"].get("state_transfer"):
         lines.append(state_transfer_targets(results))

@@ -49,6 +49,7 @@ from pathlib import Path
 import psutil
 
 from bench import checkpoint as checkpoint_bench
+from bench import frameworks as frameworks_bench
 from bench import goodput, plot, report, scenarios
 from bench import reconfigure as reconfigure_bench
 from bench import shapes as shapes_bench
@@ -94,6 +95,7 @@ class Plan:
     goodput_shapes: tuple[int, ...] = (3, 5)
     reconfigure_repeats: int = 3  # bench/reconfigure.py: a join, a leave and a kill per job and variant
     kill_shape_repeats: int = 5  # bench/shapes.py: kills per job, one job per shape and system
+    frameworks_repeats: int = 3  # bench/frameworks.py: jobs through a kill per framework script
 
 
 PLANS = {
@@ -117,7 +119,7 @@ JOB_SCENARIOS = {"lifecycle": scenarios.lifecycle, "crash_host": scenarios.crash
                  "steady": scenarios.steady}
 # The sharded scenarios (bench/hsdp_recovery.py) and the HSDP chaos soak (bench/chaos.py).
 SHARDED_SCENARIOS = ("hsdp", "hsdp_freeze", "fsdp", "fsdp_peer_copies")
-ALL = ("goodput", *JOB_SCENARIOS, "kill_shapes", "reconfigure", "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
+ALL = ("goodput", *JOB_SCENARIOS, "kill_shapes", "frameworks", "reconfigure", "checkpoint", "state_transfer", *SHARDED_SCENARIOS, "chaos_hsdp", "rendezvous",
        "rendezvous_scale", "rendezvous_real", "straggler", "trust")
 NO_JOIN_KINDS = ("kill", "leave", "short-freeze")  # the chaos mix while the HSDP join fails
 STATE_TRANSFER_ONCE_FROM_MB = 2048  # a 2 GB state runs one repeat: ~35 s and 3 x 4 GB of memory each
@@ -395,7 +397,7 @@ def main() -> None:
                                    rendezvous_repeats=args.repeats, state_transfer_repeats=args.repeats,
                                    hsdp_rounds=args.repeats, hsdp_freezes=args.repeats, fsdp_repeats=args.repeats,
                                    goodput_repeats=args.repeats, reconfigure_repeats=args.repeats,
-                                   kill_shape_repeats=args.repeats)
+                                   kill_shape_repeats=args.repeats, frameworks_repeats=args.repeats)
 
     started, now = time.monotonic(), datetime.datetime.now()
     root = Path(tempfile.mkdtemp(prefix=f"ecbench-{now:%H%M%S}-"))
@@ -422,6 +424,9 @@ def main() -> None:
             if "kill_shapes" in args.only:  # a crash at 3 x 1 up to 8 x 1 and 4 x 2 (bench/shapes.py)
                 results["scenarios"]["kill_shapes"] = shapes_bench.run(plan.kill_shape_repeats, root, client,
                                                                        plan.caps.recover, report=log)
+            if "frameworks" in args.only:  # a framework's own script through a kill (bench/frameworks.py)
+                results["scenarios"]["frameworks"] = frameworks_bench.run(plan.frameworks_repeats, root, etcd,
+                                                                          report=log)
             if "reconfigure" in args.only:  # hot mode's group in place vs anew (bench/reconfigure.py)
                 results["scenarios"]["reconfigure"] = reconfigure_bench.run(plan.reconfigure_repeats, root, client,
                                                                             plan.caps, report=log)

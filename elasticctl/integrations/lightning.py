@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,7 +216,7 @@ class _Elastic(Callback):
     def _write(self, record: dict) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self._ledger.write(json.dumps({**record, "rank": rank, "world_size": world}) + "\n")
+        self._ledger.write(json.dumps({**record, "rank": rank, "world_size": world, "time": time.time()}) + "\n")
 
 
 class _CheckpointIO(TorchCheckpointIO):
