@@ -99,6 +99,28 @@ class EpochSampler(ResumableSampler):
             self.batches_before = 0
 
 
+def position(sampler: EpochSampler, restored: Any) -> None:
+    """Put ``sampler`` where the checkpoint's state of this integration (``restored``, read from
+    disk: untrusted) says, or raise a one-sentence :class:`CheckpointError`."""
+    state = restored.get("sampler") if isinstance(restored, dict) else None
+    if not state:
+        return
+    before = restored.get("batches_in_epoch", 0)
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"the sampler state is a {type(state).__name__}")
+        sampler.load_state_dict(state)
+        if not 0 <= sampler.consumed <= sampler.dataset_size or sampler.epoch < 0:
+            raise ValueError(f"the position {sampler.consumed} in epoch {sampler.epoch} is outside the "
+                             f"{sampler.dataset_size} samples")
+        if isinstance(before, bool) or not isinstance(before, int) or not 0 <= before <= sampler.dataset_size:
+            raise ValueError(f"the batches counted in the epoch ({before!r}) are not a count of this dataset's")
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(f"The checkpoint's sampler position does not fit this run: {exc}.") from exc
+    if sampler.consumed:
+        sampler.batches_before = before
+
+
 class _Elastic(Callback):
     """Advances the sampler after each trained batch, saves every ``every`` steps and when
     training ends, carries the sampler's position in the checkpoint (Lightning saves a callback's
@@ -135,13 +157,8 @@ class _Elastic(Callback):
         sampler = EpochSampler(dataloader.dataset, batch_size=dataloader.batch_size, shuffle=shuffle,
                                seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=dataloader.drop_last)
         restored, self.restored = self.restored, None
-        if restored and restored.get("sampler"):
-            try:
-                sampler.load_state_dict(restored["sampler"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"The checkpoint's sampler position does not fit this run: {exc}") from exc
-            if sampler.consumed:
-                sampler.batches_before = int(restored.get("batches_in_epoch", 0))
+        if restored:
+            position(sampler, restored)
         self.sampler = sampler
         return sampler
 

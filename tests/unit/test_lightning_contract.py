@@ -183,3 +183,37 @@ def test_sigterm_stops_at_the_end_of_the_optimizer_step_with_a_checkpoint_and_ex
     saved = torch.load(tmp_path / "step-00000002.pt", weights_only=True)["state"]["lightning"]
     assert saved["callbacks"][STATE_KEY]["sampler"]["consumed"] == 4 * BATCH  # both steps' micro-batches
     assert signal.getsignal(signal.SIGTERM) is handler_before  # this process's own handler is back
+
+
+# -- the position read back from a checkpoint: untrusted ------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from elasticctl.integrations.lightning import position  # noqa: E402
+from elasticctl.train.checkpoint import CheckpointError  # noqa: E402
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=5),
+                   st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(VALUES, st.dictionaries(st.sampled_from(["sampler", "batches_in_epoch", "other"]), st.one_of(
+    VALUES, st.dictionaries(st.sampled_from(["epoch", "consumed", "seed", "dataset_size"]), VALUES, max_size=4)),
+    max_size=3)))
+def test_a_position_read_back_is_taken_or_refused_in_one_sentence(restored):
+    sampler = epoch_sampler()
+    try:
+        position(sampler, restored)
+    except CheckpointError as exc:
+        assert str(exc).startswith("The checkpoint's sampler position does not fit this run: ")
+        return
+    assert 0 <= sampler.consumed <= SAMPLES and sampler.epoch >= 0
+    assert 0 <= sampler.batches_before <= SAMPLES and len(sampler) >= 0
+
+
+def test_a_good_position_is_taken():
+    sampler = epoch_sampler()
+    position(sampler, {"sampler": {"epoch": 2, "consumed": 24, "seed": 0, "dataset_size": SAMPLES},
+                       "batches_in_epoch": 6})
+    assert (sampler.epoch, sampler.consumed, sampler.batches_before) == (2, 24, 6)
