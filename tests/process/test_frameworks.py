@@ -2,7 +2,7 @@
 a node's SIGKILL, another node's join and its leave, every sample of an epoch trained once.
 
 docs/examples/lightning_trainer.py is Lightning's tutorial form with elasticctl's ``Trainer``
-imported; it runs here as the page (docs/frameworks/lightning.md) says. The integration appends,
+imported; it runs here as its page (docs/lightning.md) says. The integration appends,
 per rank and step, the sample indices trained to a ledger (ELASTICCTL_SAMPLE_LEDGER); each start
 of the workers writes a "start" line with the step it resumed at, so the steps a restart rolled
 back (trained after the checkpoint it resumed from) are told from those that count.
