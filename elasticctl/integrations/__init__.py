@@ -2,6 +2,8 @@
 
 * :mod:`elasticctl.integrations.lightning`: PyTorch Lightning's ``Trainer``
   (``pip install 'elasticctl[lightning]'``).
+* :mod:`elasticctl.integrations.huggingface`: Hugging Face ``transformers``' ``Trainer``
+  (``pip install 'elasticctl[huggingface]'``).
 
 Each module imports its framework; this package and the core of elasticctl import none. What the
 integrations share with :mod:`elasticctl.train` (the checkpoints, the resumable sampler) is the

@@ -1,16 +1,18 @@
-"""The training frameworks' own scripts under elasticctl: PyTorch Lightning's ``Trainer`` through
-a node's SIGKILL, another node's join and its leave, every sample of an epoch trained once.
+"""The training frameworks' own scripts under elasticctl: PyTorch Lightning's and Hugging Face's
+``Trainer`` through a node's SIGKILL, another node's join and its leave, every sample of an epoch
+trained once.
 
-docs/examples/lightning_trainer.py is Lightning's tutorial form with elasticctl's ``Trainer``
-imported; it runs here as its page (docs/lightning.md) says. The integration appends,
+docs/examples/lightning_trainer.py and docs/examples/huggingface_trainer.py are each framework's
+tutorial form with elasticctl's ``Trainer`` imported; they run here as their pages
+(docs/lightning.md, docs/huggingface.md) say. Each integration appends,
 per rank and step, the sample indices trained to a ledger (ELASTICCTL_SAMPLE_LEDGER); each start
 of the workers writes a "start" line with the step it resumed at, so the steps a restart rolled
 back (trained after the checkpoint it resumed from) are told from those that count.
 
 Layer tests/process: real elasticctl/torchrun/worker processes, a real etcd, loopback. Skipped,
-saying so, where the framework is not installed (`pip install 'elasticctl[lightning]'`). The
-other tests of this subject: tests/unit/test_lightning_contract.py (what the integration relies
-on in Lightning).
+saying so, where the framework is not installed (`pip install 'elasticctl[lightning]'`,
+`'elasticctl[huggingface]'`). The other tests of this subject: tests/unit/test_lightning_contract.py
+and tests/unit/test_huggingface_contract.py (what each integration relies on in its framework).
 """
 
 from __future__ import annotations
@@ -26,12 +28,29 @@ from support.helpers import ELASTICCTL, REPO, cli, wait_for
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.registry import Registry
 
-pytest.importorskip("lightning", reason="Lightning is not installed: pip install 'elasticctl[lightning]'")
-
 pytestmark = pytest.mark.slow
 
 LIGHTNING_EXAMPLE = str(REPO / "docs" / "examples" / "lightning_trainer.py")
-SAMPLES, BATCH = 512, 8  # the example's dataset and batch size per worker
+SAMPLES, BATCH = 512, 8  # each example's dataset and batch size per worker
+
+
+def lightning_checkpoints(directory: Path) -> list[int]:
+    return [int(p.name[5:13]) for p in directory.glob("step-*.pt")]
+
+
+def huggingface_checkpoints(directory: Path) -> list[int]:
+    from elasticctl.integrations.huggingface import MANIFEST
+
+    return [int(p.name.split("-")[1]) for p in directory.glob("checkpoint-*") if (p / MANIFEST).exists()]
+
+
+# framework: (the module it needs, its example, the arguments that make it run until `down`,
+# the steps of its committed checkpoints)
+FRAMEWORKS = {
+    "lightning": ("lightning", LIGHTNING_EXAMPLE, ["--max-epochs", "100000"], lightning_checkpoints),
+    "huggingface": ("transformers", str(REPO / "docs" / "examples" / "huggingface_trainer.py"),
+                    ["--epochs", "100000"], huggingface_checkpoints),
+}
 
 
 def read_ledger(path: Path) -> list[dict]:
@@ -80,13 +99,16 @@ def trained_at(ledger: list[dict], world: int, steps_after_start: int) -> bool:
     return len(done) >= steps_after_start
 
 
-def test_the_lightning_trainer_goes_through_a_kill_a_join_and_a_leave_training_every_sample_once(
-        nodes, default_etcd, run_id, tmp_path):
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_frameworks_trainer_goes_through_a_kill_a_join_and_a_leave_training_every_sample_once(
+        nodes, default_etcd, run_id, tmp_path, framework):
+    module, example, endless, committed_steps = FRAMEWORKS[framework]
+    pytest.importorskip(module, reason=f"{module} is not installed: pip install 'elasticctl[{framework}]'")
     ledger, checkpoints = tmp_path / "ledger.jsonl", tmp_path / "checkpoints"
     env = {"ELASTICCTL_SAMPLE_LEDGER": str(ledger)}
     # Long enough never to end by itself while the test watches: it ends with `down`.
     up = [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:2", "--node-id", "a",
-          "--checkpoint-dir", str(checkpoints), LIGHTNING_EXAMPLE, "--max-epochs", "100000"]
+          "--checkpoint-dir", str(checkpoints), example, *endless]
     a = nodes("a", up, env, cwd=tmp_path)  # where Lightning's logger writes lightning_logs/
 
     def join(name: str):
@@ -123,8 +145,7 @@ def test_the_lightning_trainer_goes_through_a_kill_a_join_and_a_leave_training_e
     assert joined["step"] == max(r["step"] for r in killed["steps"]), gens
     assert left["step"] == max(r["step"] for r in joined["steps"]), gens
     # and `down` wrote one more at a's last step
-    newest = max(int(p.name[5:13]) for p in checkpoints.glob("step-*.pt"))
-    assert newest == max(r["step"] for r in gens[-1]["steps"])
+    assert max(committed_steps(checkpoints)) == max(r["step"] for r in gens[-1]["steps"])
     kept = committed(gens)
     by_epoch = collections.defaultdict(collections.Counter)
     for record in kept:
@@ -137,14 +158,17 @@ def test_the_lightning_trainer_goes_through_a_kill_a_join_and_a_leave_training_e
     # b's death was mid-epoch (the point of the sampler): a resumed alone inside an epoch.
     assert 0 < killed["consumed"] < SAMPLES, killed
     # The loss goes on from where it was, not from an untrained model's: after c joined it is a
-    # fraction of the first steps' (0.1 against 12 here).
-    losses = {r["step"]: r["loss"] for r in kept if r["rank"] == 0}
+    # fraction of the first steps' (0.1 against 12 here). (Lightning's ledger has the loss.)
+    losses = {r["step"]: r["loss"] for r in kept if r["rank"] == 0 and r.get("loss") is not None}
+    if not losses:
+        return
     first = sum(losses[s] for s in sorted(losses)[:5]) / 5
     after_join = [losses[s] for s in sorted(losses) if s > joined["step"]][:5]
     assert sum(after_join) / len(after_join) < first / 4, (first, after_join)
 
 
 def test_the_lightning_example_run_twice_goes_on_where_the_first_run_ended(nodes, tmp_path):
+    pytest.importorskip("lightning", reason="Lightning is not installed: pip install 'elasticctl[lightning]'")
     # A world of one (`python lightning_trainer.py`): the first run ends with a checkpoint of its
     # last step; the second, with one more epoch, resumes there and trains that epoch, each sample once.
     ledger, checkpoints = tmp_path / "ledger.jsonl", tmp_path / "checkpoints"

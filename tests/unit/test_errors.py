@@ -7,13 +7,22 @@ import pkgutil
 import elasticctl
 from elasticctl.errors import ConfigError, ElasticctlError
 
+FRAMEWORKS = ("lightning", "transformers", "accelerate")
+
 # Control flow, not an error: a BaseException so that a script's `except Exception` cannot swallow it.
 NOT_ERRORS = {"elasticctl.train.runtime._Boundary"}
 
 
 def _exception_classes():
     for module_info in pkgutil.walk_packages(elasticctl.__path__, "elasticctl."):
-        module = importlib.import_module(module_info.name)
+        try:
+            module = importlib.import_module(module_info.name)
+        except ModuleNotFoundError as exc:
+            # A framework integration whose framework (an extra) is not installed here.
+            if module_info.name.startswith("elasticctl.integrations.") and exc.name and \
+                    exc.name.split(".")[0] in FRAMEWORKS:
+                continue
+            raise
         for _, value in inspect.getmembers(module, inspect.isclass):
             if issubclass(value, BaseException) and value.__module__ == module.__name__:
                 yield f"{value.__module__}.{value.__qualname__}", value
