@@ -25,7 +25,6 @@ the resume arithmetic) is in this module alone, pinned by tests/unit/test_huggin
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,6 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +46,7 @@ from transformers import TrainerCallback
 from elasticctl.errors import ConfigError
 from elasticctl.job import environment
 from elasticctl.train.checkpoint_files import CheckpointError, _fsync_dir, _write_atomically
-from elasticctl.train.sampler import ResumableSampler
+from elasticctl.integrations.sampling import DealtSampler
 from elasticctl.train.script import GracefulStop, PeerLeaving
 from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
 
@@ -62,34 +60,15 @@ SAMPLER_STATE = "elasticctl-sampler.json"  # the sampler's position, listed in t
 _CHECKPOINT_RE = re.compile(r"^checkpoint-([0-9]+)$")
 
 
-class StepSampler(ResumableSampler):
-    """The training sampler: a :class:`ResumableSampler` whose length is a whole epoch at this
-    world size (transformers counts an epoch's steps once, from it) while it deals only the
-    samples of the epoch left, and which keeps the position of the epoch it resumes in when
-    transformers sets that epoch again. It keeps the indices it dealt, in order, so that the
-    samples of the step just trained can be named (:meth:`trained`)."""
-
-    def __init__(self, dataset, *, shuffle: bool, seed: int, drop_last: bool) -> None:
-        super().__init__(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self._dealt: collections.deque[int] = collections.deque()
+class StepSampler(DealtSampler):
+    """The training sampler: a :class:`DealtSampler` whose length is a whole epoch at this world
+    size (transformers counts an epoch's steps once, from it) while it deals only the samples of
+    the epoch left."""
 
     def __len__(self) -> int:
         if self.drop_last:
             return self.dataset_size // self.num_replicas
         return -(-self.dataset_size // self.num_replicas)
-
-    def __iter__(self) -> Iterator[int]:
-        self._dealt.clear()
-        for index in super().__iter__():
-            self._dealt.append(index)
-            yield index
-
-    def trained(self, count: int) -> list[int]:
-        return [self._dealt.popleft() for _ in range(min(count, len(self._dealt)))]
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            super().set_epoch(epoch)
 
 
 # -- checkpoint directories committed by a manifest ------------------------------------------

@@ -26,7 +26,6 @@ is in this module alone, pinned by tests/unit/test_lightning_contract.py.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -34,7 +33,6 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from elasticctl.errors import ConfigError
 from elasticctl.job import environment
 from elasticctl.train.checkpoint import Checkpointer, CheckpointError
-from elasticctl.train.sampler import ResumableSampler
+from elasticctl.integrations.sampling import DealtSampler
 from elasticctl.train.script import GracefulStop, PeerLeaving
 from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
 
@@ -62,41 +60,25 @@ log = logging.getLogger(__name__)
 STATE_KEY = "elasticctl"  # this integration's part of a Lightning checkpoint's "callbacks"
 
 
-class EpochSampler(ResumableSampler):
-    """The training sampler: a :class:`ResumableSampler` that counts an epoch as Lightning does.
+class EpochSampler(DealtSampler):
+    """The training sampler: a :class:`DealtSampler` that counts an epoch as Lightning does.
 
     Resumed mid-epoch, Lightning goes on counting the epoch's batches from where its checkpoint
     was (``batches_before``) and ends the epoch when that count reaches the loader's length. The
     sampler deals only the samples left, so it reports those batches in its length too: the
-    epoch ends when the samples left are dealt, at any world size. It also keeps the indices it
-    dealt, in order, so that the batch just trained can be named (:meth:`trained`).
+    epoch ends when the samples left are dealt, at any world size.
     """
 
     def __init__(self, dataset, *, batch_size: int, shuffle: bool, seed: int, drop_last: bool) -> None:
         super().__init__(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size = batch_size
         self.batches_before = 0
-        self._dealt: collections.deque[int] = collections.deque()
 
     def __len__(self) -> int:
         return self.batches_before * self.batch_size + self.per_rank()
 
-    def __iter__(self) -> Iterator[int]:
-        self._dealt.clear()  # a new pass: what an earlier iterator dealt (prefetched) is not trained
-        for index in super().__iter__():
-            self._dealt.append(index)
-            yield index
-
-    def trained(self, count: int) -> list[int]:
-        """The indices of the ``count`` samples dealt first and not yet trained: the batch just trained."""
-        return [self._dealt.popleft() for _ in range(min(count, len(self._dealt)))]
-
-    def set_epoch(self, epoch: int) -> None:
-        # Lightning sets the epoch at the start of every epoch, the one it resumes in too: that
-        # one keeps its position.
-        if epoch != self.epoch:
-            super().set_epoch(epoch)
-            self.batches_before = 0
+    def started_epoch(self) -> None:
+        self.batches_before = 0
 
 
 def position(sampler: EpochSampler, restored: Any) -> None:
