@@ -26,7 +26,6 @@ the resume arithmetic) is in this module alone, pinned by tests/unit/test_huggin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from transformers import TrainerCallback
 
 from elasticctl.errors import ConfigError
 from elasticctl.job import environment
-from elasticctl.train.checkpoint_files import CheckpointError, _fsync_dir, _write_atomically
+from elasticctl.train.checkpoint_files import CheckpointError, _file_digest, _fsync_dir, _write_atomically
 from elasticctl.integrations.sampling import DealtSampler
 from elasticctl.train.script import GracefulStop, PeerLeaving
 from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
@@ -73,17 +72,9 @@ class StepSampler(DealtSampler):
 
 # -- checkpoint directories committed by a manifest ------------------------------------------
 
-def _digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def commit(directory: Path) -> None:
     """Write ``directory``'s manifest (every file's digest), last and atomically."""
-    files = {p.name: _digest(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {p.name: _file_digest(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
     for name in files:
         with open(directory / name, "rb") as f:
             os.fsync(f.fileno())
@@ -110,7 +101,7 @@ def verify(directory: Path) -> dict[str, str]:
         if "/" in name or name in ("", ".", "..", MANIFEST):
             raise CheckpointError(f"The manifest of the checkpoint '{directory}' has an invalid entry {name!r}.")
         try:
-            actual = _digest(directory / name)
+            actual = _file_digest(directory / name)
         except OSError as exc:
             raise CheckpointError(f"The checkpoint '{directory}' lacks '{name}': {exc.strerror or exc}.") from exc
         if actual != digest:

@@ -305,6 +305,8 @@ class Trainer(LightningTrainer):
                  keep: int = 3, **kwargs: Any) -> None:
         if checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every ({checkpoint_every}) must be 0 (never) or a number of steps.")
+        if keep < 1:  # said here, where the script gave it, not at the first checkpoint
+            raise ConfigError(f"keep ({keep}) must be at least 1: the newest checkpoint is what a restart resumes from.")
         world = _torchrun_world()
         if world is not None:
             kwargs.setdefault("devices", world[0])

@@ -103,9 +103,11 @@ def test_the_position_is_a_callback_state_in_lightnings_checkpoint(tmp_path):
                      "batches_in_epoch": 3}
 
 
-def test_a_bad_checkpoint_interval_is_named():
+def test_a_bad_checkpoint_interval_or_keep_is_named():
     with pytest.raises(ConfigError, match=r"checkpoint_every \(-1\)"):
         Trainer(checkpoint_every=-1)
+    with pytest.raises(ConfigError, match=r"keep \(0\)"):
+        Trainer(keep=0)
 
 
 # -- the sampler's rules ------------------------------------------------------------------
