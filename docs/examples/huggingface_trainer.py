@@ -29,12 +29,13 @@ class RandomTokens(Dataset):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--batch-policy", default="framework")  # or linear, constant-batch
     args = parser.parse_args()
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=16))
     training = TrainingArguments(output_dir="checkpoints", num_train_epochs=args.epochs, per_device_train_batch_size=8,
                                  save_strategy="steps", save_steps=10, logging_steps=50, report_to=[])
-    Trainer(model=model, args=training, train_dataset=RandomTokens()).train()
+    Trainer(model=model, args=training, train_dataset=RandomTokens(), batch_policy=args.batch_policy).train()
 
 
 if __name__ == "__main__":

@@ -35,11 +35,13 @@ class Regression(pl.LightningModule):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--batch-policy", default="framework")  # or linear, constant-batch
     args = parser.parse_args()
 
     x = torch.randn(512, 16, generator=torch.Generator().manual_seed(0))
     dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
-    trainer = Trainer(max_epochs=args.max_epochs, checkpoint_every=10, enable_progress_bar=False)
+    trainer = Trainer(max_epochs=args.max_epochs, checkpoint_every=10, enable_progress_bar=False,
+                      batch_policy=args.batch_policy)
     trainer.fit(Regression(), DataLoader(dataset, batch_size=8, shuffle=True))
 
 

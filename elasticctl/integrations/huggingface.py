@@ -18,6 +18,9 @@ written. This ``Trainer`` is transformers' own with:
   the epoch goes on with the samples not yet trained, each once, and transformers skips nothing.
 * **SIGTERM** (``elasticctl leave``/``down``, torchrun re-forming the world for a join, a
   preemption) stops every rank at the same step with a checkpoint of it.
+* **The batch policy** (``batch_policy=``): the global batch and the learning rate at each world
+  size, as :mod:`elasticctl.integrations.batching` says (``"framework"``, ``"linear"``,
+  ``"constant-batch"``), printed once per start.
 
 What relies on transformers' and accelerate's internals (the sampler hook, the shard wrapper,
 the resume arithmetic) is in this module alone, pinned by tests/unit/test_huggingface_contract.py.
@@ -33,7 +36,6 @@ import re
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +45,10 @@ import transformers
 from transformers import TrainerCallback
 
 from elasticctl.errors import ConfigError
-from elasticctl.job import environment
-from elasticctl.train.checkpoint_files import CheckpointError, _file_digest, _fsync_dir, _write_atomically
+from elasticctl.integrations import batching
 from elasticctl.integrations.sampling import DealtSampler
+from elasticctl.train.checkpoint_files import CheckpointError, _file_digest, _fsync_dir, _write_atomically
+from elasticctl.train.sample_ledger import SampleLedger
 from elasticctl.train.script import GracefulStop, PeerLeaving
 from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
 
@@ -55,7 +58,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "elasticctl-manifest.json"  # written last: its presence commits the directory
 MANIFEST_FORMAT = "elasticctl-hf-manifest-1"
-SAMPLER_STATE = "elasticctl-sampler.json"  # the sampler's position, listed in the manifest
+STATE_FILE = "elasticctl-state.json"  # the sampler's position and the batch policy's, listed in the manifest
 _CHECKPOINT_RE = re.compile(r"^checkpoint-([0-9]+)$")
 
 
@@ -138,17 +141,31 @@ def prune(root: Path, keep: int) -> None:
             committed += 1
 
 
-def read_position(directory: Path) -> dict | None:
-    path = directory / SAMPLER_STATE
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+    """What this integration keeps in a checkpoint beside transformers' files (read back: validated)."""
+
+    sampler: dict | None  # the sampler's position (checked against the dataset by place())
+    global_batch: int | None = None  # constant-batch's, held since the first start
+    lr_scale: float = 1.0  # the factor on the configured learning rate its optimizer carries
+
+
+def read_state(directory: Path) -> SavedState | None:
+    """The checkpoint's :class:`SavedState`, None if it has none, or a one-sentence error."""
+    path = directory / STATE_FILE
     if not path.exists():
         return None
     try:
         state = json.loads(path.read_bytes())
+        if not isinstance(state, dict):
+            raise ValueError("it is not an object")
+        sampler = state.get("sampler")
+        if sampler is not None and not isinstance(sampler, dict):
+            raise ValueError(f"its sampler position is a {type(sampler).__name__}")
+        return SavedState(sampler, batching.saved_global_batch(state.get("global_batch")),
+                          batching.saved_scale(state.get("lr_scale")))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"The sampler position of the checkpoint '{directory}' cannot be read: {exc}.") from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(f"The sampler position of the checkpoint '{directory}' is not an object.")
-    return state
+        raise CheckpointError(f"The elasticctl state of the checkpoint '{directory}' cannot be read: {exc}.") from exc
 
 
 def place(sampler: StepSampler, state: dict, directory: Path) -> None:
@@ -187,12 +204,9 @@ class _Elastic(TrainerCallback):
                 "pass TrainingArguments(use_cpu=True) on a host without CUDA, or ddp_backend for your devices.")
         self._handler_before = signal.getsignal(signal.SIGTERM)
         self.stop = GracefulStop()
-        path = environment.sample_ledger()
-        if path:
-            self._ledger = open(path, "a", buffering=1)  # noqa: SIM115 - closed at the end of training
-            sampler = self.trainer.elastic_sampler
-            self._write({"event": "start", "step": state.global_step,
-                         "epoch": sampler.epoch if sampler else None, "consumed": sampler.consumed if sampler else None})
+        self._ledger = SampleLedger.from_environment()  # closed at the end of training
+        if self._ledger is not None:
+            self._ledger.started(state.global_step, self.trainer.elastic_sampler)
         self.trainer.announce()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -203,7 +217,7 @@ class _Elastic(TrainerCallback):
             epoch = sampler.epoch
             sampler.advance(len(trained))
             if self._ledger is not None:
-                self._write({"step": state.global_step, "epoch": epoch, "indices": trained})
+                self._ledger.stepped(state.global_step, epoch, trained)
         if self.stop is not None and self.stop.agreed(args.device):
             self.stopping = True
             control.should_save = True
@@ -215,10 +229,10 @@ class _Elastic(TrainerCallback):
         if dist.is_initialized():
             dist.barrier()  # every rank's files (its RNG state) are written
         if state.is_world_process_zero and directory.is_dir():
-            sampler = self.trainer.elastic_sampler
-            if sampler is not None:
-                _write_atomically(directory, SAMPLER_STATE,
-                                  lambda f: f.write(json.dumps(sampler.state_dict()).encode()))
+            sampler, plan = self.trainer.elastic_sampler, self.trainer.batching
+            state = {"sampler": sampler.state_dict() if sampler is not None else None,
+                     "global_batch": plan.asked if plan else None, "lr_scale": plan.lr_scale if plan else 1.0}
+            _write_atomically(directory, STATE_FILE, lambda f: f.write(json.dumps(state).encode()))
             commit(directory)
             prune(Path(args.output_dir), self.trainer.keep)
         if dist.is_initialized():
@@ -235,11 +249,6 @@ class _Elastic(TrainerCallback):
         if self._ledger is not None:
             self._ledger.close()
             self._ledger = None
-
-    def _write(self, record: dict) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self._ledger.write(json.dumps({**record, "rank": rank, "world_size": world, "time": time.time()}) + "\n")
 
 
 def needs_use_cpu(world: int, use_cpu: bool, cuda: bool) -> bool:
@@ -268,11 +277,16 @@ class Trainer(transformers.Trainer):
 
     ``checkpoint_dir``: where the ``checkpoint-N`` directories go (default: the job's, from
     ``elasticctl up --checkpoint-dir``, else ``args.output_dir``); ``keep``: how many committed
-    ones are kept (``args.save_total_limit`` is left to this). Every other argument is
+    ones are kept (``args.save_total_limit`` is left to this); ``batch_policy`` and
+    ``global_batch``: how the global batch and the learning rate follow the world size
+    (:mod:`elasticctl.integrations.batching`; the default leaves ``per_device_train_batch_size``,
+    ``gradient_accumulation_steps`` and ``learning_rate`` as given). Every other argument is
     transformers'; ``args.save_steps`` says how often to save.
     """
 
-    def __init__(self, *args: Any, checkpoint_dir: str | None = None, keep: int = 3, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, checkpoint_dir: str | None = None, keep: int = 3,
+                 batch_policy: str = "framework", global_batch: int | None = None, **kwargs: Any) -> None:
+        batching.check_policy(batch_policy, global_batch)
         if keep < 1:
             raise ConfigError(f"keep ({keep}) must be at least 1: the newest checkpoint is what a restart resumes from.")
         kwargs = _one_world_on_the_cpu(args, kwargs)
@@ -282,8 +296,14 @@ class Trainer(transformers.Trainer):
             self.args.output_dir = str(directory)
         self.args.save_total_limit = None  # the committed checkpoints are pruned here, never a newer one first
         self.keep = keep
+        self.batch_policy, self.global_batch = batch_policy, global_batch
+        # what the script configured, which each start's batching starts from
+        self._configured = (self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                            self.args.learning_rate)
+        self.batching: batching.Batching | None = None
         self.elastic_sampler: StepSampler | None = None
         self.resumed_from: Path | None = None
+        self._saved: SavedState | None = None
         self._position: dict | None = None
         self._elastic = _Elastic(self)
         self.add_callback(self._elastic)
@@ -298,7 +318,9 @@ class Trainer(transformers.Trainer):
             resume_from_checkpoint = str(newest) if newest is not None else None
         if resume_from_checkpoint:
             self.resumed_from = Path(resume_from_checkpoint)
-            self._position = read_position(self.resumed_from)
+            self._saved = read_state(self.resumed_from)
+            self._position = self._saved.sampler if self._saved else None
+        self._batch_for_this_world()
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
@@ -313,6 +335,28 @@ class Trainer(transformers.Trainer):
                 print(f"elasticctl: {exc}", file=sys.stderr, flush=True)
                 sys.exit(1)
         return output
+
+    # -- the batch policy -----------------------------------------------------------------
+
+    def _batch_for_this_world(self) -> None:
+        batch_size, accumulation, lr = self._configured
+        global_batch = self.global_batch
+        if global_batch is None and self.batch_policy == "constant-batch" and self._saved is not None:
+            global_batch = self._saved.global_batch  # the one the first start made, held since
+        world = dist.get_world_size() if dist.is_initialized() else self.args.world_size
+        self.batching = plan = batching.plan(self.batch_policy, world_size=world, batch_size=batch_size,
+                                             accumulation=accumulation, global_batch=global_batch)
+        self.args.per_device_train_batch_size = self._train_batch_size = plan.micro_batch
+        self.args.gradient_accumulation_steps = self.accelerator.gradient_accumulation_steps = plan.accumulation
+        self.args.learning_rate = lr * plan.lr_scale  # a new optimizer's; a restored one is rescaled on load
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.batching is not None:
+            saved = self._saved.lr_scale if self._saved else 1.0
+            scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper or not
+            batching.rescale_lr([self.optimizer], [scheduler] if scheduler is not None else [],
+                                self.batching.lr_scale / saved)
 
     # -- the sampler ----------------------------------------------------------------------
 
@@ -353,8 +397,6 @@ class Trainer(transformers.Trainer):
         if not self.is_world_process_zero():
             return
         world = dist.get_world_size() if dist.is_initialized() else self.args.world_size
-        batch = self._train_batch_size * self.args.gradient_accumulation_steps * world
         where = f"resuming at step {self.state.global_step} from {self.resumed_from}" if self.resumed_from \
             else "starting from scratch"
-        print(f"elasticctl: world size {world}, global batch {batch} ({self._train_batch_size} per worker x "
-              f"{self.args.gradient_accumulation_steps} accumulated); {where}", flush=True)
+        print(f"elasticctl: world size {world}; {self.batching.describe()}; {where}", flush=True)

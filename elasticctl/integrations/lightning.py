@@ -18,6 +18,9 @@ Lightning's with what a run that changes size needs:
   restart the epoch: samples trained twice).
 * **The world from torchrun**: ``devices`` and ``num_nodes`` from torchrun's environment, so the
   same script runs at whatever size the job formed.
+* **The batch policy** (``batch_policy=``): the global batch and the learning rate at each world
+  size, as :mod:`elasticctl.integrations.batching` says (``"framework"``, ``"linear"``,
+  ``"constant-batch"``), printed once per start.
 
 Checkpoints of Lightning's own ``ModelCheckpoint`` (another directory) are written as Lightning
 writes them. What relies on Lightning's internals (its data connector, ``_update_dataloader``)
@@ -26,30 +29,29 @@ is in this module alone, pinned by tests/unit/test_lightning_contract.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch import Trainer as LightningTrainer
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from elasticctl.errors import ConfigError
 from elasticctl.job import environment
-from elasticctl.train.checkpoint import Checkpointer, CheckpointError
+from elasticctl.integrations import batching
 from elasticctl.integrations.sampling import DealtSampler
+from elasticctl.train.checkpoint import Checkpointer, CheckpointError
+from elasticctl.train.sample_ledger import SampleLedger
 from elasticctl.train.script import GracefulStop, PeerLeaving
 from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
 
@@ -117,9 +119,15 @@ class _Elastic(Callback):
     re-form without the leaver and resume from that checkpoint, losing no step.
     """
 
-    def __init__(self, io: _CheckpointIO, every: int, ledger: str | None) -> None:
+    def __init__(self, io: _CheckpointIO, every: int, ledger: str | None, policy: str,
+                 global_batch: int | None) -> None:
         self.io = io
         self.every = every
+        self.policy = policy
+        self.global_batch = global_batch  # constant-batch: the one the script gave, else the checkpoint's
+        self.accumulation = 1  # the script's accumulate_grad_batches (the Trainer sets it after Lightning's init)
+        self.batching: batching.Batching | None = None  # this start's, decided with its first training loader
+        self._restored_scale = 1.0  # the learning-rate scale of the checkpoint resumed from
         self.sampler: EpochSampler | None = None
         self.batches_in_epoch = 0
         self.restored: dict | None = None
@@ -135,21 +143,49 @@ class _Elastic(Callback):
 
     # -- the sampler ------------------------------------------------------------------
 
-    def sampler_for(self, dataloader: DataLoader, shuffle: bool) -> EpochSampler:
-        sampler = EpochSampler(dataloader.dataset, batch_size=dataloader.batch_size, shuffle=shuffle,
-                               seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=dataloader.drop_last)
+    def loader_for(self, trainer, dataloader: DataLoader, shuffle: bool, mode: RunningStage) -> DataLoader:
+        """``dataloader`` dealt by this integration's sampler, in this start's micro-batches."""
         restored, self.restored = self.restored, None
+        if self.batching is None:
+            self.batching = self._plan(trainer, dataloader.batch_size, restored)
+        if self.policy != "framework":  # else Lightning's (a GradientAccumulationScheduler's) stays
+            trainer.accumulate_grad_batches = self.batching.accumulation
+        sampler = EpochSampler(dataloader.dataset, batch_size=self.batching.micro_batch, shuffle=shuffle,
+                               seed=int(os.environ.get("PL_GLOBAL_SEED", "0")), drop_last=dataloader.drop_last)
         if restored:
             position(sampler, restored)
         self.sampler = sampler
-        return sampler
+        loader = _update_dataloader(dataloader, sampler, mode=mode)
+        if self.batching.micro_batch != dataloader.batch_size:
+            if type(loader.batch_sampler) is not BatchSampler:
+                raise ConfigError(f"The batch policy '{self.policy}' sets each worker's batch to "
+                                  f"{self.batching.micro_batch}, which a {type(loader.batch_sampler).__name__} "
+                                  "does not take: give the DataLoader a batch_size instead.")
+            # torch's BatchSampler reads its batch_size as it deals (the DataLoader's own
+            # attribute is fixed at construction and only informative)
+            loader.batch_sampler.batch_size = self.batching.micro_batch
+        return loader
+
+    def _plan(self, trainer, batch_size: int, restored: dict | None) -> batching.Batching:
+        global_batch = self.global_batch
+        if restored:
+            try:
+                self._restored_scale = batching.saved_scale(restored.get("lr_scale"))
+                saved = batching.saved_global_batch(restored.get("global_batch"))
+            except ValueError as exc:
+                raise CheckpointError(f"The checkpoint's batch policy does not fit this run: {exc}.") from exc
+            if global_batch is None and self.policy == "constant-batch":
+                global_batch = saved  # the one the first start made, held since
+        return batching.plan(self.policy, world_size=trainer.world_size, batch_size=batch_size,
+                             accumulation=self.accumulation, global_batch=global_batch)
 
     # -- Lightning's hooks --------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
             return {}
-        return {"sampler": self.sampler.state_dict(), "batches_in_epoch": self.batches_in_epoch}
+        return {"sampler": self.sampler.state_dict(), "batches_in_epoch": self.batches_in_epoch,
+                "global_batch": self.batching.asked, "lr_scale": self.batching.lr_scale}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.restored = dict(state_dict)
@@ -157,26 +193,34 @@ class _Elastic(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._handler_before = signal.getsignal(signal.SIGTERM)
         self._stop = GracefulStop()  # after Lightning registered its handlers: this one replaces them
-        self.io.announce(trainer, self.sampler)
+        if self.batching is not None:
+            # the optimizers are made (and restored) by now: their rates at this start's scale
+            batching.rescale_lr(trainer.optimizers, [config.scheduler for config in trainer.lr_scheduler_configs],
+                                self.batching.lr_scale / self._restored_scale)
+        self.io.announce(trainer, self.batching)
         if self._ledger_path:
-            self._ledger = open(self._ledger_path, "a", buffering=1)  # noqa: SIM115 - closed in teardown
-            self._write({"event": "start", "step": trainer.global_step, "epoch": trainer.current_epoch,
-                         "consumed": self.sampler.consumed if self.sampler else None})
+            self._ledger = SampleLedger(self._ledger_path)  # closed in teardown
+            self._ledger.write({"event": "start", "step": trainer.global_step, "epoch": trainer.current_epoch,
+                                "consumed": self.sampler.consumed if self.sampler else None})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.batches_in_epoch = batch_idx + 1
+        # Lightning's rule: a window of accumulate_grad_batches ends an optimizer step, and so
+        # does the epoch's last batch
+        accumulating = bool((batch_idx + 1) % trainer.accumulate_grad_batches) and self.sampler is not None \
+            and self.sampler.per_rank() > self.sampler.batch_size
         if self.sampler is not None:
             batch_size = self.sampler.batch_size
             trained = self.sampler.trained(batch_size)
             self.sampler.advance(batch_size)
             if self._ledger is not None:
                 loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-                self._write({"step": trainer.global_step, "epoch": trainer.current_epoch, "indices": trained,
-                             "loss": float(loss) if isinstance(loss, torch.Tensor) else None})
+                # the step that applies this batch: the next one while its window is open
+                self._ledger.stepped(trainer.global_step + accumulating, trainer.current_epoch, trained,
+                                     float(loss) if isinstance(loss, torch.Tensor) else None)
         # Checkpoints and stops wait for the end of an optimizer step: one amid gradient
         # accumulation would count samples whose gradients were never applied.
-        if (batch_idx + 1) % trainer.accumulate_grad_batches and self.sampler is not None \
-                and self.sampler.per_rank() > 0:
+        if accumulating:
             return
         step = trainer.global_step
         stopping = self._stop is not None and self._stop.agreed(pl_module.device)
@@ -211,11 +255,6 @@ class _Elastic(Callback):
         if self._stop is not None:
             signal.signal(signal.SIGTERM, self._handler_before or signal.SIG_DFL)
             self._stop = None
-
-    def _write(self, record: dict) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        self._ledger.write(json.dumps({**record, "rank": rank, "world_size": world, "time": time.time()}) + "\n")
 
 
 class _CheckpointIO(TorchCheckpointIO):
@@ -264,12 +303,12 @@ class _CheckpointIO(TorchCheckpointIO):
         if not self._ours(path):  # the newest `keep` of ours are kept by the Checkpointer
             super().remove_checkpoint(path)
 
-    def announce(self, trainer, sampler: EpochSampler | None) -> None:
-        """One line on rank 0 at each start: the world, and where training resumed."""
+    def announce(self, trainer, plan: batching.Batching | None) -> None:
+        """One line on rank 0 at each start: the world, its batching, and where training resumed."""
         if trainer.global_rank != 0:
             return
         world = trainer.world_size
-        batch = f", global batch {sampler.batch_size * world} ({sampler.batch_size} per worker)" if sampler else ""
+        batch = f"; {plan.describe()}" if plan else ""
         where = (f"resuming at step {trainer.global_step} from {self.resumed_from}"
                  if self.resumed_from else "starting from scratch" if self.directory else
                  "no checkpoint directory: a restart starts from scratch")
@@ -295,14 +334,19 @@ class Trainer(LightningTrainer):
     ``checkpoint_dir``: where checkpoints go (default: the job's, from ``elasticctl up
     --checkpoint-dir``; with neither, no checkpoints and a restart starts over);
     ``checkpoint_every``: optimizer steps between checkpoints (0: none); ``keep``: how many are
-    kept. Every other argument is Lightning's; ``devices`` and ``num_nodes`` default to the
+    kept; ``batch_policy`` and ``global_batch``: how the global batch and the learning rate follow
+    the world size (:mod:`elasticctl.integrations.batching`; the default leaves them to Lightning:
+    ``accumulate_grad_batches`` and the DataLoader's batch size, per worker, as the script gave
+    them). Every other argument is Lightning's; ``devices`` and ``num_nodes`` default to the
     world torchrun formed, the training DataLoader is reloaded every epoch (so that an epoch
     after a resize has its own length), and Lightning's default ``ModelCheckpoint`` is off
     where these checkpoints replace it (one the user passes stays).
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_every: int = 100,
-                 keep: int = 3, **kwargs: Any) -> None:
+                 keep: int = 3, batch_policy: str = "framework", global_batch: int | None = None,
+                 **kwargs: Any) -> None:
+        batching.check_policy(batch_policy, global_batch)
         if checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every ({checkpoint_every}) must be 0 (never) or a number of steps.")
         if keep < 1:  # said here, where the script gave it, not at the first checkpoint
@@ -313,7 +357,8 @@ class Trainer(LightningTrainer):
             kwargs.setdefault("num_nodes", world[1])
         kwargs.setdefault("reload_dataloaders_every_n_epochs", 1)
         self._elastic_io = _CheckpointIO(job_checkpoint_dir(checkpoint_dir), keep)
-        self._elastic = _Elastic(self._elastic_io, checkpoint_every, environment.sample_ledger())
+        self._elastic = _Elastic(self._elastic_io, checkpoint_every, environment.sample_ledger(), batch_policy,
+                                 global_batch)
         callbacks = _as_list(kwargs.get("callbacks"))
         if (self._elastic_io.directory is not None and "enable_checkpointing" not in kwargs
                 and not any(isinstance(callback, ModelCheckpoint) for callback in callbacks)):
@@ -323,6 +368,7 @@ class Trainer(LightningTrainer):
         kwargs["plugins"] = [*_as_list(kwargs.get("plugins")), self._elastic_io]
         kwargs["callbacks"] = [*callbacks, self._elastic]
         super().__init__(*args, **kwargs)
+        self._elastic.accumulation = self.accumulate_grad_batches  # the script's, validated by Lightning
         _deal_training_data_with(self, self._elastic)
 
     def fit(self, model, *args: Any, ckpt_path=None, **kwargs: Any) -> None:
@@ -353,9 +399,12 @@ def _deal_training_data_with(trainer: LightningTrainer, elastic: _Elastic) -> No
         if (mode != RunningStage.TRAINING or not isinstance(dataloader, DataLoader)
                 or isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_size is None):
             if mode == RunningStage.TRAINING:
+                if elastic.policy != "framework":
+                    raise ConfigError(f"The batch policy '{elastic.policy}' needs a training DataLoader of a sized "
+                                      "dataset and a batch size, to set each worker's batch.")
                 log.warning("The training DataLoader is not one of a sized dataset and a batch size: "
                             "its position in the epoch is not kept across a restart.")
             return prepare(dataloader, shuffle, mode)
-        return _update_dataloader(dataloader, elastic.sampler_for(dataloader, shuffle), mode=mode)
+        return elastic.loader_for(trainer, dataloader, shuffle, mode)
 
     connector._prepare_dataloader = prepare_dataloader

@@ -24,7 +24,7 @@ import transformers  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from elasticctl.integrations import huggingface  # noqa: E402
-from elasticctl.integrations.huggingface import MANIFEST, SAMPLER_STATE, StepSampler, Trainer  # noqa: E402
+from elasticctl.integrations.huggingface import MANIFEST, STATE_FILE, StepSampler, Trainer  # noqa: E402
 
 SAMPLES, BATCH, LENGTH = 48, 4, 8
 
@@ -92,9 +92,62 @@ def test_each_checkpoint_is_committed_by_its_manifest_with_the_sampler_position(
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-3", "checkpoint-5"]
     files = huggingface.verify(tmp_path / "checkpoint-3")
-    assert SAMPLER_STATE in files and "trainer_state.json" in files
-    position = json.loads((tmp_path / "checkpoint-3" / SAMPLER_STATE).read_text())
-    assert position == {"epoch": 0, "consumed": 3 * BATCH, "seed": 0, "dataset_size": SAMPLES}
+    assert STATE_FILE in files and "trainer_state.json" in files
+    saved = json.loads((tmp_path / "checkpoint-3" / STATE_FILE).read_text())
+    assert saved == {"sampler": {"epoch": 0, "consumed": 3 * BATCH, "seed": 0, "dataset_size": SAMPLES},
+                     "global_batch": None, "lr_scale": 1.0}
+
+
+def test_constant_batch_accumulates_to_the_global_batch_and_keeps_it_in_the_checkpoint(tmp_path, capsys):
+    m = model()
+    run = trainer(tmp_path, m, max_steps=3, save_steps=3)
+    run = Trainer(model=m, args=run.args, train_dataset=Tokens(), batch_policy="constant-batch",
+                  global_batch=3 * BATCH)
+    run.train()
+    # a world of one makes 12 from three micro-batches of 4: every step trained 12 samples
+    assert (run.args.per_device_train_batch_size, run.args.gradient_accumulation_steps) == (BATCH, 3)
+    assert trained(m) == run.elastic_sampler.permutation()[:9 * BATCH]
+    saved = huggingface.read_state(tmp_path / "checkpoint-3")
+    assert (saved.global_batch, saved.lr_scale) == (3 * BATCH, 1.0)
+    assert ("batch policy 'constant-batch': global batch 12 (4 per worker x 3 accumulated x 1 worker), "
+            "the learning rate as configured") in capsys.readouterr().out
+
+
+def test_a_resume_under_linear_moves_the_restored_learning_rates_to_this_worlds_scale(tmp_path):
+    # Saved as if at a world of 4 under linear (rates x4); resumed at a world of one: x1 again.
+    first = trainer(tmp_path, max_steps=2, save_steps=2, lr_scheduler_type="constant")
+    first.train()
+    state = tmp_path / "checkpoint-2" / STATE_FILE
+    saved = json.loads(state.read_text())
+    state.write_text(json.dumps({**saved, "lr_scale": 4.0}))
+    optimizer = torch.load(tmp_path / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    for group in optimizer["param_groups"]:
+        group["lr"] *= 4
+    torch.save(optimizer, tmp_path / "checkpoint-2" / "optimizer.pt")
+    scheduler = torch.load(tmp_path / "checkpoint-2" / "scheduler.pt", weights_only=True)
+    scheduler["base_lrs"] = [lr * 4 for lr in scheduler["base_lrs"]]
+    torch.save(scheduler, tmp_path / "checkpoint-2" / "scheduler.pt")
+    huggingface.commit(tmp_path / "checkpoint-2")
+    run = Trainer(model=model(), args=first.args, train_dataset=Tokens(), batch_policy="linear")
+    run.args.max_steps = 3
+    run.train()
+    assert run.resumed_from == tmp_path / "checkpoint-2"
+    assert [group["lr"] for group in run.optimizer.param_groups] == [pytest.approx(1e-3)] * len(
+        run.optimizer.param_groups)
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"batch_policy": "square-root"}, "'square-root'"),
+    ({"batch_policy": "linear", "global_batch": 64}, "(64)"),
+    ({"batch_policy": "constant-batch", "global_batch": 0}, "(0)"),
+])
+def test_a_bad_batch_policy_is_refused_in_one_sentence_naming_it(tmp_path, arguments, named):
+    from elasticctl.errors import ConfigError
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ConfigError, match=r"^[^\n]*\.$") as refused:
+        Trainer(model=model(), args=args, train_dataset=Tokens(), **arguments)
+    assert named in str(refused.value)
 
 
 def test_a_train_resumes_from_the_newest_committed_checkpoint_at_its_sample(tmp_path):
@@ -169,6 +222,20 @@ def test_a_manifest_read_back_commits_its_directory_or_is_refused_in_one_sentenc
         assert str(exc).endswith(".") and "\n" not in str(exc)
         return
     assert all((directory / name).is_file() for name in files)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=st.one_of(JSON, st.dictionaries(st.sampled_from(["sampler", "global_batch", "lr_scale"]), JSON)))
+def test_the_state_read_back_is_taken_or_refused_in_one_sentence(tmp_path, state):
+    (tmp_path / STATE_FILE).write_text(json.dumps(state))
+    try:
+        saved = huggingface.read_state(tmp_path)
+    except CheckpointError as exc:
+        assert str(exc).endswith(".") and "\n" not in str(exc) and "cannot be read" in str(exc)
+        return
+    assert saved.sampler is None or isinstance(saved.sampler, dict)
+    assert saved.global_batch is None or saved.global_batch >= 1
+    assert saved.lr_scale > 0
 
 
 @settings(max_examples=200, deadline=None)

@@ -100,7 +100,66 @@ def test_the_position_is_a_callback_state_in_lightnings_checkpoint(tmp_path):
     saved = torch.load(tmp_path / "step-00000003.pt", weights_only=True)
     state = saved["state"]["lightning"]["callbacks"][STATE_KEY]
     assert state == {"sampler": {"epoch": 0, "consumed": 3 * BATCH, "seed": 0, "dataset_size": SAMPLES},
-                     "batches_in_epoch": 3}
+                     "batches_in_epoch": 3, "global_batch": None, "lr_scale": 1.0}
+
+
+class Rates(Seen):
+    """Seen, with a learning rate to watch (and a scheduler that steps it by its base rate)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)}
+
+
+def test_constant_batch_accumulates_to_the_global_batch_in_micro_batches_and_keeps_it(tmp_path, capsys):
+    # global 6 from batches of at most 4 in a world of one: two micro-batches of 3 per step
+    # (the checkpoint of step 4 is a periodic one: written mid-epoch, as a kill finds them)
+    run = trainer(tmp_path, max_steps=4, checkpoint_every=4, batch_policy="constant-batch", global_batch=6)
+    model = Seen()
+    run.fit(model, loader())
+    assert run.accumulate_grad_batches == 2
+    assert [len(batch) for batch in model.seen] == [3] * 8
+    permutation = run.train_dataloader.sampler.permutation()
+    assert [i for batch in model.seen for i in batch] == permutation[:24]
+    assert ("batch policy 'constant-batch': global batch 6 (3 per worker x 2 accumulated x 1 worker), "
+            "the learning rate as configured") in capsys.readouterr().out
+    saved = torch.load(tmp_path / "step-00000004.pt", weights_only=True)["state"]["lightning"]
+    assert saved["callbacks"][STATE_KEY]["global_batch"] == 6
+    # resumed without a global batch: the one kept, with the position in micro-batches of 3
+    model = Seen()
+    again = trainer(tmp_path, max_steps=6, checkpoint_every=0, batch_policy="constant-batch")
+    again.fit(model, loader())
+    assert [i for batch in model.seen for i in batch] == permutation[24:36]
+
+
+def test_linear_scales_the_rate_by_the_world_and_a_resume_moves_a_saved_scale_to_this_one(tmp_path, capsys):
+    first = trainer(tmp_path, max_steps=2, checkpoint_every=0, batch_policy="linear")
+    first.fit(Rates(), loader())
+    assert "the learning rate as configured" in capsys.readouterr().out  # x1 at a world of one
+    # as if saved at a world of 4: its rates (and the scheduler's base rates) are x4
+    path = tmp_path / "step-00000002.pt"
+    saved = torch.load(path, weights_only=True)["state"]
+    lightning = saved["lightning"]
+    lightning["callbacks"][STATE_KEY]["lr_scale"] = 4.0
+    for group in lightning["optimizer_states"][0]["param_groups"]:
+        group["lr"], group["initial_lr"] = 0.4, 0.4
+    lightning["lr_schedulers"][0]["base_lrs"] = [0.4]
+    first._elastic_io.checkpointer.save(2, 0, lightning=lightning, blocking=True)
+    again = trainer(tmp_path, max_steps=3, checkpoint_every=0, batch_policy="linear")
+    again.fit(Rates(), loader())
+    assert again.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1)
+    assert again.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(0.1)]
+
+
+@pytest.mark.parametrize("arguments, named", [
+    ({"batch_policy": "square-root"}, "'square-root'"),
+    ({"batch_policy": "framework", "global_batch": 64}, "(64)"),
+    ({"batch_policy": "constant-batch", "global_batch": -1}, "(-1)"),
+])
+def test_a_bad_batch_policy_is_refused_in_one_sentence_naming_it(arguments, named):
+    with pytest.raises(ConfigError, match=r"^[^\n]*\.$") as refused:
+        Trainer(**arguments)
+    assert named in str(refused.value)
 
 
 def test_a_bad_checkpoint_interval_or_keep_is_named():
