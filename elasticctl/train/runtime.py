@@ -91,6 +91,7 @@ from elasticctl.train.process_group import (build_control_group, build_generatio
                                             reconfigure_generation_group, reset_group_counter)
 from elasticctl.train.replica_check import ReplicasDisagree
 from elasticctl.train.replica_watch import ReplicaWatch
+from elasticctl.train.sample_ledger import SampleLedger
 from elasticctl.train.non_finite_watch import NonFiniteWatch
 from elasticctl.train.ddp_hooks import observe_buckets
 from elasticctl.train.reconfigure import (GroupStrategy, ReconfigurableGroup, group_strategy, is_collective_timeout,
@@ -178,6 +179,8 @@ class Runtime:
         self.transfer_bucket_bytes = check_bucket_bytes(transfer_bucket_bytes)
         self.async_checkpoint = async_checkpoint
         self._on_event = on_event
+        # ELASTICCTL_SAMPLE_LEDGER: the samples each step trained (State.commit writes), per start
+        self.ledger = SampleLedger.from_environment()
         self._wrap = wrap or self._ddp
         self._wrap_given = wrap is not None
         if sharded not in (False, True, "hsdp"):
@@ -330,6 +333,8 @@ class Runtime:
     def _train(self, train: Callable[[State, Group], object]) -> lifecycle.Event:
         """The script's function in the generation in use, until it returns, a boundary every
         worker agreed on calls for a change, or a step fails."""
+        if self.ledger is not None:
+            self.ledger.started(self.state.step, self.state.sampler)
         try:
             train(self.state, self._group)
         except _Boundary as boundary:
@@ -923,6 +928,8 @@ class Runtime:
         return {"checkpoint_error": str(failure), "checkpoint_failures": self._checkpointer.failures_in_a_row}
 
     def _close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
         if self._checkpointer is not None:
             try:
                 self._checkpointer.close()

@@ -130,6 +130,14 @@ class ResumableSampler(DistributedSampler):
         return math.ceil(self.remaining / self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
+        return iter(self._deal())
+
+    def upcoming(self, count: int) -> list[int]:
+        """The indices of the next ``count`` samples this rank deals from where the epoch is:
+        those of the batch a step trains before it advances the position (an audit's record)."""
+        return self._deal()[:count]
+
+    def _deal(self) -> list[int]:
         world, rank = sampler_world(self._num_replicas, self._rank, _default_group())
         rest = self.permutation()[self.consumed:]
         per_rank = self.per_rank()
@@ -138,7 +146,7 @@ class ResumableSampler(DistributedSampler):
             rest += (rest * math.ceil(total / max(len(rest), 1)))[: total - len(rest)]
         # Round-robin keeps each step a contiguous block of the stream: after k
         # batches of b per rank, exactly positions [0, k*b*world) are consumed.
-        return iter(rest[rank:total:world])
+        return rest[rank:total:world]
 
     def advance(self, batch_size: int) -> None:
         """Record that every rank trained one more batch of ``batch_size`` samples."""

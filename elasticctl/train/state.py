@@ -99,6 +99,9 @@ class State:
         if self.scheduler is not None:
             self.scheduler.step()
         if self.sampler is not None and samples:
+            ledger = getattr(self._runtime, "ledger", None)
+            if ledger is not None and hasattr(self.sampler, "upcoming"):  # ELASTICCTL_SAMPLE_LEDGER
+                ledger.stepped(self.step + 1, self.sampler.epoch, self.sampler.upcoming(samples), loss)
             self.sampler.advance(samples)
         self.step += 1
         worker_entry.note_step()  # its node then judges a failure as one after training began

@@ -53,6 +53,13 @@ FRAMEWORKS = {
 }
 
 
+# loop: (the module it needs, its extra, its example) for hot mode
+LOOPS = {
+    "fabric": ("lightning", "lightning", str(REPO / "docs" / "examples" / "fabric_loop.py")),
+    "accelerate": ("accelerate", "huggingface", str(REPO / "docs" / "examples" / "accelerate_loop.py")),
+}
+
+
 def read_ledger(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -90,6 +97,18 @@ def committed(gens: list[dict]) -> list[dict]:
     return kept
 
 
+def exactly_once(gens: list[dict]) -> None:
+    """Every sample of every whole epoch trained once, and none twice in the last one."""
+    by_epoch = collections.defaultdict(collections.Counter)
+    for record in committed(gens):
+        by_epoch[record["epoch"]].update(record["indices"])
+    last = max(by_epoch)
+    for epoch, counts in by_epoch.items():
+        assert max(counts.values()) == 1, f"epoch {epoch}: a sample was trained twice"
+        if epoch < last:
+            assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch}: a sample was never trained"
+
+
 def trained_at(ledger: list[dict], world: int, steps_after_start: int) -> bool:
     """Whether the newest generation trains at ``world`` and has done ``steps_after_start`` steps."""
     gens = generations(ledger)
@@ -107,8 +126,9 @@ def test_a_frameworks_trainer_goes_through_a_kill_a_join_and_a_leave_training_ev
     ledger, checkpoints = tmp_path / "ledger.jsonl", tmp_path / "checkpoints"
     env = {"ELASTICCTL_SAMPLE_LEDGER": str(ledger)}
     # Long enough never to end by itself while the test watches: it ends with `down`.
+    # Under constant-batch: every step holds the global batch of the first start at each world size.
     up = [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:2", "--node-id", "a",
-          "--checkpoint-dir", str(checkpoints), example, *endless]
+          "--checkpoint-dir", str(checkpoints), example, *endless, "--batch-policy", "constant-batch"]
     a = nodes("a", up, env, cwd=tmp_path)  # where Lightning's logger writes lightning_logs/
 
     def join(name: str):
@@ -150,16 +170,23 @@ def test_a_frameworks_trainer_goes_through_a_kill_a_join_and_a_leave_training_ev
     # and `down` wrote one more at a's last step
     assert max(committed_steps(checkpoints)) == max(r["step"] for r in gens[-1]["steps"])
     kept = committed(gens)
-    by_epoch = collections.defaultdict(collections.Counter)
-    for record in kept:
-        by_epoch[record["epoch"]].update(record["indices"])
-    last = max(by_epoch)
-    for epoch, counts in by_epoch.items():
-        assert max(counts.values()) == 1, f"epoch {epoch}: a sample was trained twice"
-        if epoch < last:
-            assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch}: a sample was never trained"
+    exactly_once(gens)
     # b's death was mid-epoch (the point of the sampler): a resumed alone inside an epoch.
     assert 0 < killed["consumed"] < SAMPLES, killed
+    # The global batch held at both world sizes (the first start's: 8, or 16 where b was in at
+    # once). Lightning counts its accumulation windows from the epoch's top, so the first step
+    # of a start (and an epoch's last) may be short there; every other step is whole.
+    world = next(g for g in gens if g["steps"])["world_size"]  # the first start that trained
+    first_start = f"world size {world} ({world} nodes x 1);" if framework == "lightning" else f"world size {world};"
+    assert f"{first_start} batch policy 'constant-batch': global batch {BATCH * world}" in a.log() + b.log(), \
+        a.log()
+    for gen in gens:
+        per_step = collections.Counter()
+        for record in gen["steps"]:
+            per_step[(record["epoch"], record["step"])] += len(record["indices"])
+        steps = sorted(per_step)
+        whole = steps[1:-1] if framework == "lightning" else steps
+        assert {per_step[s] for s in whole} <= {BATCH * world}, (gen["world_size"], per_step)
     # The loss goes on from where it was, not from an untrained model's: after c joined it is a
     # fraction of the first steps' (0.1 against 12 here). (Lightning's ledger has the loss.)
     losses = {r["step"]: r["loss"] for r in kept if r["rank"] == 0 and r.get("loss") is not None}
@@ -191,3 +218,55 @@ def test_the_lightning_example_run_twice_goes_on_where_the_first_run_ended(nodes
     for epoch in (0, 1):
         counts = collections.Counter(i for r in kept if r["epoch"] == epoch for i in r["indices"])
         assert sorted(counts) == list(range(SAMPLES)) and max(counts.values()) == 1, epoch
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_frameworks_own_loop_in_hot_mode_keeps_its_survivor_through_a_kill_and_a_join(
+        nodes, default_etcd, run_id, tmp_path, loop):
+    module, extra, example = LOOPS[loop]
+    pytest.importorskip(module, reason=f"{module} is not installed: pip install 'elasticctl[{extra}]'")
+    ledger = tmp_path / "ledger.jsonl"
+    env = {"ELASTICCTL_SAMPLE_LEDGER": str(ledger)}
+    up = [*ELASTICCTL, "up", "--etcd", default_etcd.endpoint, "--job", run_id, "--nnodes", "1:2", "--node-id", "a",
+          "--recovery", "hot", example, "--epochs", "100000"]
+    a = nodes("a", up, env, cwd=tmp_path)
+
+    def join(name: str):
+        return nodes(name, [*ELASTICCTL, "join", "--etcd", default_etcd.endpoint, "--job", run_id,
+                            "--node-id", name], env, cwd=tmp_path)
+
+    with EtcdClient(default_etcd.client_settings()) as client:
+        wait_for(Registry(client, run_id).read_spec, 60, "the job spec in etcd")
+    b = join("b")
+    wait_for(lambda: trained_at(read_ledger(ledger), 2, 25), 240, "25 steps at world size 2")
+    b.kill()
+    wait_for(lambda: trained_at(read_ledger(ledger), 1, 25), 240, "a training alone after b died")
+    c = join("c")
+    # More than an epoch at world 2 (32 steps) after c joined.
+    wait_for(lambda: trained_at(read_ledger(ledger), 2, 40), 240, "a and c training at world size 2")
+    assert cli("down", "--etcd", default_etcd.endpoint, "--job", run_id).returncode == 0
+    assert a.wait(120) == 0, a.log()
+    assert c.wait(120) == 0, c.log()
+    assert "Traceback" not in a.log() + c.log(), a.log() + c.log()
+
+    records = read_ledger(ledger)
+    gens = generations(records)
+    assert [g["world_size"] for g in gens][-3:] == [2, 1, 2], gens
+    together, alone, joined = gens[-3:]
+    # Hot: a's worker kept its process from before b's death to after c's join (the same pid
+    # trained at world 2, alone, and with c), and each generation went on at the step the last
+    # one reached: nothing rolled back, nothing restarted.
+    (a_pid,) = {r["pid"] for r in alone["steps"]}
+    assert a_pid in {r["pid"] for r in together["steps"]} and a_pid in {r["pid"] for r in joined["steps"]}
+    assert alone["step"] == max(r["step"] for r in together["steps"] if r["pid"] == a_pid)
+    assert joined["step"] == max(r["step"] for r in alone["steps"])
+    # c trained from the state a sent it: its first step is the generation's, not the first one.
+    c_steps = [r["step"] for r in joined["steps"] if r["pid"] != a_pid]
+    assert c_steps and min(c_steps) == joined["step"] + 1, joined["step"]
+    assert 0 < alone["consumed"] < SAMPLES or 0 < joined["consumed"] < SAMPLES, (alone, joined)
+    exactly_once(gens)
+    # The loss went on from where it was: after c joined it is a fraction of the first steps'.
+    losses = {r["step"]: r["loss"] for r in committed(gens) if r["rank"] == 0}
+    first = sum(losses[s] for s in sorted(losses)[:5]) / 5
+    after_join = [losses[s] for s in sorted(losses) if s > joined["step"]][:5]
+    assert sum(after_join) / len(after_join) < first / 2, (first, after_join)

@@ -196,7 +196,8 @@ FRAGMENT_MARKER = "<!-- fragment: "
 # Each whole example a page shows: the page, and the file (under docs/examples/) whose text below
 # its marker line is that code block, character for character.
 EXAMPLE_FILES = {"writing-a-trainer.md": ["train.py", "train_sharded.py"], "porting.md": ["resumable_ddp.py"],
-                 "lightning.md": ["lightning_trainer.py"], "huggingface.md": ["huggingface_trainer.py"]}
+                 "lightning.md": ["lightning_trainer.py", "fabric_loop.py"],
+                 "huggingface.md": ["huggingface_trainer.py", "accelerate_loop.py"]}
 
 
 def python_blocks(markdown: str) -> list[tuple[str, bool]]:
