@@ -1,19 +1,25 @@
 """A framework's own script under elasticctl, beside the bundled trainer: the seconds from a node's
-SIGKILL to the first step at the smaller world, in restart mode, in the same run.
+SIGKILL to the first step at the smaller world, in restart mode and (for a loop of one's own) in
+hot mode, in the same run.
 
 Each system runs a job of two nodes (``elasticctl up --nnodes 1:2`` and ``join``, one worker
 each) on a fresh embedded etcd, trains at world 2, then node b is SIGKILLed with its whole process
 tree; the time is taken from the kill to the first step node a trains at world 1 (from the
 script's own record: the bundled trainer's ``--record``, the integration's sample ledger). Both
-checkpoint every 10 steps. Systems:
+checkpoint every 10 steps. Systems (none pauses between steps but the bundled trainer):
 
 * ``lightning``: docs/examples/lightning_trainer.py (Lightning's tutorial form on
-  ``elasticctl.integrations.lightning.Trainer``), no pause between steps;
-* ``bundled``: trainers/mlp.py, restart mode, 0.05 s a step (the event scenarios' trainer).
+  ``elasticctl.integrations.lightning.Trainer``), restart mode;
+* ``huggingface``: docs/examples/huggingface_trainer.py (transformers' ``Trainer`` on
+  ``elasticctl.integrations.huggingface``), restart mode;
+* ``fabric-hot``: docs/examples/fabric_loop.py (a Fabric loop), ``--recovery hot``;
+* ``accelerate-hot``: docs/examples/accelerate_loop.py (an accelerate loop), ``--recovery hot``;
+* ``bundled``, ``bundled-hot``: trainers/mlp.py, 0.05 s a step (the event scenarios' trainer),
+  in each mode.
 
 Restart mode restarts every worker: most of these seconds are the new workers' start (Python,
 torch, the framework's import) and the checkpoint's load; the framework's import is the
-difference. ``python -m bench.frameworks [--repeats N]``; ``python -m bench.run --only
+difference. Hot mode keeps the survivor's process: its seconds are the re-formation. ``python -m bench.frameworks [--repeats N]``; ``python -m bench.run --only
 frameworks`` puts the rows in BENCHMARKS.md.
 """
 
@@ -34,18 +40,28 @@ from elasticctl.job.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 ELASTICCTL = [sys.executable, "-m", "elasticctl.cli"]
-SYSTEMS = ("lightning", "bundled")
+SYSTEMS = ("lightning", "huggingface", "fabric-hot", "accelerate-hot", "bundled", "bundled-hot")
+NEEDS = {"lightning": ("lightning",), "fabric-hot": ("lightning",), "huggingface": ("transformers", "accelerate"),
+         "accelerate-hot": ("transformers", "accelerate")}  # the packages each system imports
+EXAMPLES = REPO / "docs" / "examples"
 STEPS_AT_WORLD_2 = 20  # steps both nodes train before the kill (past the first checkpoints)
 TIMEOUT = 240.0
 
 
 def script_of(system: str, record: Path) -> tuple[list[str], dict[str, str]]:
-    """The script and its arguments for ``up``, and the environment its nodes need."""
+    """``up``'s recovery flags, the script and its arguments, and the environment its nodes need."""
+    ledger = {"ELASTICCTL_SAMPLE_LEDGER": str(record)}
+    hot = ["--recovery", "hot"] if system.endswith("-hot") else []
     if system == "lightning":
-        return ([str(REPO / "docs" / "examples" / "lightning_trainer.py"), "--max-epochs", "100000"],
-                {"ELASTICCTL_SAMPLE_LEDGER": str(record)})
-    return ([str(REPO / "trainers" / "mlp.py"), "--steps", "10000000", "--step-sleep", "0.05", "--log-every", "0",
-             "--checkpoint-every", "10", "--record", str(record)], {})
+        return [str(EXAMPLES / "lightning_trainer.py"), "--max-epochs", "100000"], ledger
+    if system == "huggingface":
+        return [str(EXAMPLES / "huggingface_trainer.py"), "--epochs", "100000"], ledger
+    if system == "fabric-hot":
+        return [*hot, str(EXAMPLES / "fabric_loop.py"), "--epochs", "100000"], ledger
+    if system == "accelerate-hot":
+        return [*hot, str(EXAMPLES / "accelerate_loop.py"), "--epochs", "100000"], ledger
+    return ([*hot, str(REPO / "trainers" / "mlp.py"), "--steps", "10000000", "--step-sleep", "0.05",
+             "--log-every", "0", "--checkpoint-every", "10", "--record", str(record)], {})
 
 
 def steps(record: Path) -> list[dict]:
@@ -104,12 +120,11 @@ def measure(system: str, workdir: Path, etcd: EmbeddedEtcd) -> dict:
 
 
 def available() -> tuple[str, ...]:
-    """The systems this machine can run: Lightning's needs its extra installed."""
-    try:
-        import lightning  # noqa: F401
-    except ImportError:
-        return tuple(system for system in SYSTEMS if system != "lightning")
-    return SYSTEMS
+    """The systems this machine can run: a framework's need its extra installed."""
+    import importlib.util
+
+    return tuple(system for system in SYSTEMS
+                 if all(importlib.util.find_spec(package) for package in NEEDS.get(system, ())))
 
 
 def run(repeats: int, root: Path, etcd: EmbeddedEtcd, report=print) -> list[dict]:
@@ -160,12 +175,15 @@ def section(results: dict) -> list[str]:
         "## A framework's own script through a node's SIGKILL",
         "",
         ("`bench/frameworks.py` (`python -m bench.run --only frameworks`): two nodes, one worker each "
-         "(`elasticctl up --nnodes 1:2` and `join`), restart mode, checkpoints every 10 steps, on one etcd; "
+         "(`elasticctl up --nnodes 1:2` and `join`), checkpoints every 10 steps, on one etcd; "
          f"after {STEPS_AT_WORLD_2} steps at world 2 node b is SIGKILLed with its process tree. Seconds from "
          "the kill to the first step node a trains at world 1 (the script's own record), and the steps "
-         "trained before the kill that the resume trains again (since the newest checkpoint). `lightning`: "
-         "docs/examples/lightning_trainer.py, Lightning's tutorial form on elasticctl's `Trainer`, no pause "
-         "between steps; `bundled`: trainers/mlp.py at 0.05 s a step. The systems run interleaved. Cells: "
+         "trained before the kill that the resume trains again (since the newest checkpoint). Restart mode: "
+         "`lightning` (docs/examples/lightning_trainer.py, Lightning's tutorial form on elasticctl's "
+         "`Trainer`) and `huggingface` (docs/examples/huggingface_trainer.py, transformers' `Trainer`); hot "
+         "mode (`--recovery hot`, the survivor keeps its process): `fabric-hot` (docs/examples/fabric_loop.py) "
+         "and `accelerate-hot` (docs/examples/accelerate_loop.py); `bundled` and `bundled-hot`: "
+         "trainers/mlp.py at 0.05 s a step, the others with no pause. The systems run interleaved. Cells: "
          "median (min–max) of the runs that got there."),
         "",
         "| script | runs complete | SIGKILL → first step at world 1 (s) | cold start to world 2 (s) "

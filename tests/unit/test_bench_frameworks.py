@@ -29,3 +29,12 @@ def test_the_section_is_a_table_with_a_row_per_system():
     lines = frameworks.section({"scenarios": {"frameworks": [row("lightning", 9.0), row("bundled", 6.0)]}})
     table = [line for line in lines if line.startswith("| ")]
     assert len(table) == 3 and table[1].startswith("| lightning | 1 of 1 | 9.00")
+
+
+def test_the_hot_systems_run_under_recovery_hot_and_the_others_restart(tmp_path):
+    for system in frameworks.SYSTEMS:
+        script, env = frameworks.script_of(system, tmp_path / "record.jsonl")
+        assert (script[:2] == ["--recovery", "hot"]) == system.endswith("-hot"), system
+        path = script[2] if system.endswith("-hot") else script[0]
+        assert (frameworks.REPO / path).is_file(), path  # an example the guide shows, or the bundled trainer
+    assert set(frameworks.available()) <= set(frameworks.SYSTEMS) and "bundled" in frameworks.available()
