@@ -65,7 +65,7 @@ def script_of(system: str, record: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def steps(record: Path) -> list[dict]:
-    """The step lines of a record or ledger (rank 0's), complete lines only."""
+    """The step lines of a record or ledger (every rank's), complete lines only."""
     if not record.exists():
         return []
     text = record.read_text()
@@ -73,7 +73,7 @@ def steps(record: Path) -> list[dict]:
     found = []
     for line in lines:
         entry = json.loads(line)
-        if "event" not in entry and entry.get("rank", 0) == 0 and "time" in entry:
+        if "event" not in entry and "time" in entry:
             found.append(entry)
     return found
 
@@ -112,7 +112,8 @@ def measure(system: str, workdir: Path, etcd: EmbeddedEtcd) -> dict:
             row["error"] = f"no step at world 1 within {TIMEOUT:g} s of the kill"
             return row
         row["kill_to_step_s"] = round(alone[0]["time"] - killed, 2)
-        trained = max(s["step"] for s in steps(record) if s["world_size"] == 2 and s["time"] <= killed)
+        # the last step trained at world 2, by either rank (a step in flight at the kill may end after it)
+        trained = max(s["step"] for s in steps(record) if s["world_size"] == 2 and s["time"] <= alone[0]["time"])
         row["steps_lost"] = trained + 1 - alone[0]["step"]  # trained before the kill, trained again after
         return row
     finally:
