@@ -3,9 +3,11 @@
 Where ``ELASTICCTL_SAMPLE_LEDGER=FILE`` is set, each worker appends to ``FILE`` (JSON lines;
 opened for appending and line-buffered, so that the workers' lines do not interleave) a
 ``start`` line each time training starts or re-enters with the
-step it resumed at, and per step the indices of the samples it trained. Reading it back, a
-step's records count from the start that trained them up to the step the next start resumed
-at; every sample of an epoch should then appear once. ``elasticctl.train.run`` scripts and the
+step it resumed at, and per step the indices of samples: a framework ``Trainer``'s rank names
+its own share, an ``elasticctl.train.run`` rank the whole step's (a rank killed right after a
+step's all-reduce writes no line, yet its samples were trained). Reading it back, a step's
+samples are the union of its lines, counted from the start that trained them up to the step
+the next start resumed at; every sample of an epoch should then appear once. ``elasticctl.train.run`` scripts and the
 framework integrations write it alike (tests/process/test_frameworks.py reads it).
 """
 

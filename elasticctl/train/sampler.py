@@ -132,21 +132,26 @@ class ResumableSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         return iter(self._deal())
 
-    def upcoming(self, count: int) -> list[int]:
-        """The indices of the next ``count`` samples this rank deals from where the epoch is:
-        those of the batch a step trains before it advances the position (an audit's record)."""
-        return self._deal()[:count]
+    def upcoming_step(self, count: int) -> list[int]:
+        """The indices of the samples the next step trains on every rank, ``count`` each, from
+        where the epoch is (an audit's record: a step any rank committed trained all of them, its
+        gradients averaged over every rank's)."""
+        world, _ = sampler_world(self._num_replicas, self._rank, _default_group())
+        return self._stream(world)[:count * world]
 
     def _deal(self) -> list[int]:
         world, rank = sampler_world(self._num_replicas, self._rank, _default_group())
-        rest = self.permutation()[self.consumed:]
-        per_rank = self.per_rank()
-        total = per_rank * world
-        if total > len(rest):  # pad from the start of the remainder, as DistributedSampler does
-            rest += (rest * math.ceil(total / max(len(rest), 1)))[: total - len(rest)]
         # Round-robin keeps each step a contiguous block of the stream: after k
         # batches of b per rank, exactly positions [0, k*b*world) are consumed.
-        return rest[rank:total:world]
+        return self._stream(world)[rank::world]
+
+    def _stream(self, world: int) -> list[int]:
+        """The rest of the epoch's order, padded to whole rounds of the world as DistributedSampler pads."""
+        rest = self.permutation()[self.consumed:]
+        total = self.per_rank() * world
+        if total > len(rest):  # pad from the start of the remainder
+            rest += (rest * math.ceil(total / max(len(rest), 1)))[: total - len(rest)]
+        return rest[:total]
 
     def advance(self, batch_size: int) -> None:
         """Record that every rank trained one more batch of ``batch_size`` samples."""

@@ -100,8 +100,10 @@ class State:
             self.scheduler.step()
         if self.sampler is not None and samples:
             ledger = getattr(self._runtime, "ledger", None)
-            if ledger is not None and hasattr(self.sampler, "upcoming"):  # ELASTICCTL_SAMPLE_LEDGER
-                ledger.stepped(self.step + 1, self.sampler.epoch, self.sampler.upcoming(samples), loss)
+            if ledger is not None and hasattr(self.sampler, "upcoming_step"):  # ELASTICCTL_SAMPLE_LEDGER
+                # the whole step's samples: a rank killed after the step's all-reduce leaves no line
+                # of its own, yet its samples were trained (their gradients are in every survivor's)
+                ledger.stepped(self.step + 1, self.sampler.epoch, self.sampler.upcoming_step(samples), loss)
             self.sampler.advance(samples)
         self.step += 1
         worker_entry.note_step()  # its node then judges a failure as one after training began

@@ -98,10 +98,16 @@ def committed(gens: list[dict]) -> list[dict]:
 
 
 def exactly_once(gens: list[dict]) -> None:
-    """Every sample of every whole epoch trained once, and none twice in the last one."""
-    by_epoch = collections.defaultdict(collections.Counter)
+    """Every sample of every whole epoch trained once, and none twice in the last one. A step's
+    samples are the union of its records: each rank of a Trainer names its own share; each rank
+    of an elasticctl.train loop names the whole step's (a rank killed right after the step's
+    all-reduce writes no line, yet its samples were trained)."""
+    steps: dict[int, tuple[int, set]] = {}
     for record in committed(gens):
-        by_epoch[record["epoch"]].update(record["indices"])
+        steps.setdefault(record["step"], (record["epoch"], set()))[1].update(record["indices"])
+    by_epoch = collections.defaultdict(collections.Counter)
+    for epoch, indices in steps.values():
+        by_epoch[epoch].update(indices)
     last = max(by_epoch)
     for epoch, counts in by_epoch.items():
         assert max(counts.values()) == 1, f"epoch {epoch}: a sample was trained twice"
@@ -185,7 +191,11 @@ def test_a_frameworks_trainer_goes_through_a_kill_a_join_and_a_leave_training_ev
         for record in gen["steps"]:
             per_step[(record["epoch"], record["step"])] += len(record["indices"])
         steps = sorted(per_step)
-        whole = steps[1:-1] if framework == "lightning" else steps
+        # Not a generation's last step: a rank killed right after its all-reduce wrote no line of
+        # it. Lightning: nor the start's first step, nor an epoch's last (the window the short
+        # first step shifted).
+        ends = {max(s for s in steps if s[0] == epoch) for epoch, _ in steps}
+        whole = [s for s in steps[1:] if s not in ends] if framework == "lightning" else steps[:-1]
         assert {per_step[s] for s in whole} <= {BATCH * world}, (gen["world_size"], per_step)
     # The loss goes on from where it was, not from an untrained model's: after c joined it is a
     # fraction of the first steps' (0.1 against 12 here). (Lightning's ledger has the loss.)
@@ -251,8 +261,11 @@ def test_a_frameworks_own_loop_in_hot_mode_keeps_its_survivor_through_a_kill_and
 
     records = read_ledger(ledger)
     gens = generations(records)
-    assert [g["world_size"] for g in gens][-3:] == [2, 1, 2], gens
-    together, alone, joined = gens[-3:]
+    # (a may have trained alone before b was in, and `down` may reach one node a moment before the
+    # other, which then trains on alone until it stops: a generation at world 1 first and last)
+    joined_at = max(i for i, g in enumerate(gens) if g["world_size"] == 2)
+    assert [g["world_size"] for g in gens][joined_at - 2:joined_at + 1] == [2, 1, 2], gens
+    together, alone, joined = gens[joined_at - 2:joined_at + 1]
     # Hot: a's worker kept its process from before b's death to after c's join (the same pid
     # trained at world 2, alone, and with c), and each generation went on at the step the last
     # one reached: nothing rolled back, nothing restarted.
