@@ -17,12 +17,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from elasticctl.integrations.huggingface import Trainer  # was: from transformers import Trainer
 
 
-class RandomTokens(Dataset):
+class CountingTokens(Dataset):  # a random first token, then counting on: a sequence to learn
     def __len__(self):
         return 512
 
     def __getitem__(self, i):
-        tokens = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(i))
+        first = torch.randint(0, 128, (1,), generator=torch.Generator().manual_seed(i))
+        tokens = (first + torch.arange(16)) % 128
         return {"input_ids": tokens, "labels": tokens}
 
 
@@ -34,8 +35,9 @@ def main():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=16))
     training = TrainingArguments(output_dir="checkpoints", num_train_epochs=args.epochs, per_device_train_batch_size=8,
-                                 save_strategy="steps", save_steps=10, logging_steps=50, report_to=[])
-    Trainer(model=model, args=training, train_dataset=RandomTokens(), batch_policy=args.batch_policy).train()
+                                 save_strategy="steps", save_steps=10, logging_steps=50, report_to=[],
+                                 learning_rate=1e-3)
+    Trainer(model=model, args=training, train_dataset=CountingTokens(), batch_policy=args.batch_policy).train()
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ class _Elastic(TrainerCallback):
             epoch = sampler.epoch
             sampler.advance(len(trained))
             if self._ledger is not None:
-                self._ledger.stepped(state.global_step, epoch, trained)
+                self._ledger.stepped(state.global_step, epoch, trained, self.trainer.step_loss())
         if self.stop is not None and self.stop.agreed(args.device):
             self.stopping = True
             control.should_save = True
@@ -305,6 +305,7 @@ class Trainer(transformers.Trainer):
         self.resumed_from: Path | None = None
         self._saved: SavedState | None = None
         self._position: dict | None = None
+        self._losses: list[float] = []  # this step's micro-batches' losses, while a sample ledger is kept
         self._elastic = _Elastic(self)
         self.add_callback(self._elastic)
 
@@ -357,6 +358,18 @@ class Trainer(transformers.Trainer):
             scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper or not
             batching.rescale_lr([self.optimizer], [scheduler] if scheduler is not None else [],
                                 self.batching.lr_scale / saved)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._elastic._ledger is not None:  # the ledger's loss of the step (a sync per micro-batch: only then)
+            self._losses.append(float(loss))
+        return loss
+
+    def step_loss(self) -> float | None:
+        """The loss of the optimizer step just taken, as transformers accumulates it (the sum of its
+        micro-batches' losses, each scaled for the accumulation), for the sample ledger."""
+        losses, self._losses = self._losses, []
+        return sum(losses) if losses else None
 
     # -- the sampler ----------------------------------------------------------------------
 

@@ -198,13 +198,12 @@ def test_a_frameworks_trainer_goes_through_a_kill_a_join_and_a_leave_training_ev
         whole = [s for s in steps[1:] if s not in ends] if framework == "lightning" else steps[:-1]
         assert {per_step[s] for s in whole} <= {BATCH * world}, (gen["world_size"], per_step)
     # The loss goes on from where it was, not from an untrained model's: after c joined it is a
-    # fraction of the first steps' (0.1 against 12 here). (Lightning's ledger has the loss.)
-    losses = {r["step"]: r["loss"] for r in kept if r["rank"] == 0 and r.get("loss") is not None}
-    if not losses:
-        return
+    # fraction of the first steps' (Lightning's regression: about 0.1 against 12; transformers'
+    # counting sequences: about 2.2 against 4.4, which an untrained model starts at).
+    losses = {r["step"]: r["loss"] for r in kept if r["rank"] == 0}
     first = sum(losses[s] for s in sorted(losses)[:5]) / 5
     after_join = [losses[s] for s in sorted(losses) if s > joined["step"]][:5]
-    assert sum(after_join) / len(after_join) < first / 4, (first, after_join)
+    assert sum(after_join) / len(after_join) < 0.6 * first, (first, after_join)
 
 
 def test_the_lightning_example_run_twice_goes_on_where_the_first_run_ended(nodes, tmp_path):
