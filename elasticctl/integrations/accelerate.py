@@ -17,7 +17,7 @@ accelerate keeps its state (``PartialState``, ``AcceleratorState``, ``GradientSt
 shared by the whole process and read once: a second ``Accelerator`` would see the first
 generation's world. :class:`Accelerator` clears them before it is made, so that it reads the
 generation's process group (the default group, formed by the runtime), its ranks and its size.
-What relies on those internals is here alone, pinned by tests/unit/test_accelerate_contract.py.
+What relies on those internals is here alone, pinned by tests/unit/test_loop_integrations_contract.py.
 """
 
 from __future__ import annotations
