@@ -101,7 +101,9 @@ def verify(directory: Path) -> dict[str, str]:
             and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
         raise CheckpointError(f"The file '{path}' is not an elasticctl checkpoint manifest.")
     for name, digest in files.items():
-        if "/" in name or name in ("", ".", "..", MANIFEST):
+        # A name is one plain file of this directory; anything else (a path, a control character
+        # that would split the error's sentence) is a manifest this code never wrote.
+        if "/" in name or name in ("", ".", "..", MANIFEST) or not name.isprintable():
             raise CheckpointError(f"The manifest of the checkpoint '{directory}' has an invalid entry {name!r}.")
         try:
             actual = _file_digest(directory / name)

@@ -199,7 +199,7 @@ def test_sigterm_stops_at_the_next_step_with_a_checkpoint_and_exit_0(tmp_path):
 
 # -- what is read back from disk: untrusted --------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from elasticctl.train.checkpoint_files import CheckpointError  # noqa: E402
@@ -211,6 +211,7 @@ JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**7
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(manifest=st.one_of(JSON, st.fixed_dictionaries({"format": st.just(huggingface.MANIFEST_FORMAT), "files": JSON})))
+@example(manifest={"format": huggingface.MANIFEST_FORMAT, "files": {"\n": ""}})
 def test_a_manifest_read_back_commits_its_directory_or_is_refused_in_one_sentence(tmp_path, manifest):
     directory = tmp_path / "checkpoint-1"
     directory.mkdir(exist_ok=True)
