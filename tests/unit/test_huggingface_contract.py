@@ -69,8 +69,14 @@ def trainer(directory, m=None, **arguments) -> Trainer:
 
 @pytest.fixture(autouse=True)
 def quiet():
+    """Quiet for this file's tests only: a level left behind would hide other tests' log records."""
+    verbosity, ours = transformers.logging.get_verbosity(), logging.getLogger("elasticctl")
+    level = ours.level
     transformers.logging.set_verbosity_error()
-    logging.getLogger("elasticctl").setLevel(logging.ERROR)
+    ours.setLevel(logging.ERROR)
+    yield
+    ours.setLevel(level)
+    transformers.logging.set_verbosity(verbosity)
 
 
 def trained(m: Seen) -> list[int]:

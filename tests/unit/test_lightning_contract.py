@@ -61,7 +61,12 @@ def trainer(directory, **kwargs) -> Trainer:
 
 @pytest.fixture(autouse=True)
 def quiet():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    """Quiet for this file's tests only: a level left behind would hide other tests' log records."""
+    theirs = logging.getLogger("lightning.pytorch")
+    level = theirs.level
+    theirs.setLevel(logging.ERROR)
+    yield
+    theirs.setLevel(level)
 
 
 def test_the_training_loader_deals_from_the_elastic_sampler_and_its_batches_are_the_ones_trained(tmp_path):
