@@ -9,11 +9,20 @@ def quote(value: object, limit: int = 80) -> str:
     return repr(text) if not text.isprintable() else f"'{text}'"
 
 
+PATH_MAX = 4096  # Linux's longest path: a path the user typed is shown whole, to be found
+
+
+def quote_path(path: object) -> str:
+    """``'path'`` for a one-line message: whole (shortened only past :data:`PATH_MAX`), control
+    characters escaped."""
+    return quote(path, limit=PATH_MAX)
+
+
 class ElasticctlError(Exception):
     """Base of every error elasticctl raises on purpose; its message is one sentence.
 
     Every exception class elasticctl defines derives from it (tests/unit/test_errors.py checks),
-    with one exception: the runtime's private step-boundary signal (train/runtime.py
+    with one exception: the runtime's private step-boundary signal (train/worker/executor.py
     ``_Boundary``) is a BaseException, so that a script's ``except Exception`` cannot swallow it.
     """
 

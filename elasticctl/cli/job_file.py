@@ -8,6 +8,7 @@ import re
 import click
 import yaml
 
+from elasticctl.errors import quote_path
 from elasticctl.job.spec import quote
 
 
@@ -57,7 +58,7 @@ def _described(value) -> str:
 
 def _config_value(path: str, key: str, param: click.Parameter, value):
     """A job-file value checked against what its option takes (job files are untrusted input)."""
-    where = f"the key {quote(key)} in {quote(path)}"
+    where = f"the key {quote(key)} in {quote_path(path)}"
     name = param.name
     if name == "script_args":
         if not isinstance(value, list) or not all(_is_scalar(v) for v in value):
@@ -101,28 +102,28 @@ def _load_config(ctx: click.Context, _param, path: str | None):
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as exc:
-        raise click.BadParameter(f"cannot read {quote(path)}: {exc.strerror}.") from exc
+        raise click.BadParameter(f"cannot read {quote_path(path)}: {exc.strerror}.") from exc
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise click.BadParameter(
-            f"{quote(path)} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})."
+            f"{quote_path(path)} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})."
         ) from exc
     try:
         data = yaml.load(text, Loader=_JobFileLoader)
     except yaml.YAMLError as exc:
-        raise click.BadParameter(f"{quote(path)} is not valid YAML: {_yaml_problem(exc)}.") from exc
+        raise click.BadParameter(f"{quote_path(path)} is not valid YAML: {_yaml_problem(exc)}.") from exc
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise click.BadParameter(f"{quote(path)} must hold a mapping of option names to values.")
+        raise click.BadParameter(f"{quote_path(path)} must hold a mapping of option names to values.")
     params = {p.name: p for p in ctx.command.params}
     aliases = {"etcd": "etcd_endpoints", "args": "script_args"}
     defaults = {}
     for key, value in data.items():
         name = aliases.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name not in params or name == "config":
-            raise click.BadParameter(f"{quote(path)} has the unknown key {quote(key)}.")
+            raise click.BadParameter(f"{quote_path(path)} has the unknown key {quote(key)}.")
         defaults[name] = _config_value(path, str(key), params[name], value)
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return path
