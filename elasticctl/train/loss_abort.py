@@ -66,13 +66,17 @@ def loss_action(backend: str, phase: Phase, running: int | None, lost_round: int
 class LossAbort:
     """Acts on the lost members the membership reports (:meth:`on_lost`, from the view's writer
     thread) for worker ``worker``, whose training group runs on ``backend``; ``running()`` says
-    where the worker is: (phase, generation of its group or None)."""
+    where the worker is: (phase, generation of its group or None); ``lock``: held while the groups
+    change."""
 
-    def __init__(self, worker: str, backend: str, running: Callable[[], tuple[Phase, int | None]]) -> None:
+    def __init__(self, worker: str, backend: str, running: Callable[[], tuple[Phase, int | None]],
+                 lock: threading.Lock | None = None) -> None:
         self.worker = worker
         self.backend = backend
         self._running = running
-        self._lock = threading.Lock()
+        # The lock the groups' owner changes them under (train/worker/generation_manager.py): an
+        # abort never runs while the group is torn down or its successor built.
+        self._lock = lock or threading.Lock()
         self._aborted: int | None = None  # the generation whose group this worker aborted
         self._no_abort_logged = False
 

@@ -93,25 +93,6 @@ def group_strategy(backend: str, torch_can: bool, *, sharded: bool, default_wrap
     return StrategyChoice(GroupStrategy.RECONFIGURE, "gloo, the runtime's DDP")
 
 
-def next_group(strategy: GroupStrategy, *, group_alive: bool, failed: bool, timed_out: bool = False) -> GroupStrategy:
-    """What the next generation does with the worker's group: reconfigure the one it has, or
-    build a new one (a reconfigurable one where ``strategy`` reconfigures; a member with a new one
-    and members with their old ones reconfigure together, as a joiner does).
-
-    After a failure the group is rebuilt even where it could be reconfigured: on gloo a peer's
-    death reaches only the collectives that wait on it directly, and the survivor that saw it
-    passes it on by shutting the failed generation's connections down (train/connections.py),
-    which leaves that group of no further use (pinned in tests/process/test_torch_reconfigure.py).
-    Unless this worker's own collective timed out (``timed_out``: a frozen peer): it has waited the
-    whole timeout already, and so has every survivor whose collective waited on the frozen peer or
-    on it, which the generation, sealed only when they all arrive, waits for anyway. Its group,
-    which recovers from a timed-out collective by a reconfigure (pinned there too), is kept.
-    A change every member agreed on at a step boundary has no collective pending: reconfigure."""
-    if strategy is GroupStrategy.REBUILD or not group_alive or (failed and not timed_out):
-        return GroupStrategy.REBUILD
-    return GroupStrategy.RECONFIGURE
-
-
 # What gloo says when a collective's timeout ends it (torch 2.14: "[.../unbound_buffer.cc:81] Timed
 # out waiting 4000ms for recv operation to complete"); a lost peer's error says its connection
 # closed or was reset instead. Pinned in tests/process/test_torch_reconfigure.py.

@@ -355,7 +355,7 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
 def test_a_hot_recovery_reports_its_timeline_to_the_script_and_the_history(nodes, default_etcd, run_id, tmp_path):
     """Where a recovery's seconds go. The survivor's script hears a ``recovery_timeline`` (fault
     seen, then each phase's end, in order) and the job's history says the same in its
-    ``recovery_finished``. A failure builds the group anew (train/reconfigure.py: next_group)."""
+    ``recovery_finished``. A failure builds the group anew (train/lifecycle.py)."""
     from test_orchestrator import Job
 
     from elasticctl.job.events import EventLog

@@ -122,7 +122,7 @@ def test_a_peer_death_reaches_only_the_collectives_that_wait_on_it(probe):
         assert all(one["raised"] for one in lost), lost
         assert lost[0]["seconds"] < 2.0, lost  # the dead peer's neighbour in the ring
         assert lost[1]["seconds"] > 3.0, lost  # the other: its 4 s timeout, not the neighbour's failure
-        # What the runtime reads to keep a group after a failure (next_group): a timeout, not a loss
+        # What the runtime reads to keep a group after a failure (train/lifecycle.py): a timeout, not a loss
         assert [is_collective_timeout(RuntimeError(one["error"])) for one in lost] == [False, True], lost
         for name in "ab":
             _formed(failure, name, 2, "ab")  # and the group recovers by a reconfigure all the same

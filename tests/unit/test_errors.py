@@ -10,7 +10,7 @@ from elasticctl.errors import ConfigError, ElasticctlError
 FRAMEWORKS = ("lightning", "transformers", "accelerate")
 
 # Control flow, not an error: a BaseException so that a script's `except Exception` cannot swallow it.
-NOT_ERRORS = {"elasticctl.train.runtime._Boundary"}
+NOT_ERRORS = {"elasticctl.train.worker.executor._Boundary"}
 
 
 def _exception_classes():

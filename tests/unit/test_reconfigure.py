@@ -17,7 +17,6 @@ from elasticctl.train.reconfigure import (
     checked_handle,
     group_strategy,
     is_collective_timeout,
-    next_group,
     torch_can_reconfigure,
 )
 
@@ -42,20 +41,6 @@ def test_which_workers_reconfigure(backend, torch_can, sharded, default_wrap, fo
     choice = group_strategy(backend, torch_can, sharded=sharded, default_wrap=default_wrap, forced_rebuild=forced,
                             kept_mesh=kept)
     assert choice.strategy is expected and why in choice.why
-
-
-@pytest.mark.parametrize(("strategy", "alive", "failed", "timed_out", "expected"), [
-    (R, True, False, False, R),  # a change agreed at a boundary: in place
-    (R, True, True, False, B),   # a lost peer: destroyed, so that every survivor's collective raises
-    (R, True, True, True, R),    # its collective timed out (a frozen peer): nothing pending, kept
-    (R, False, False, False, B),  # no group yet (the first generation) or destroyed by a failure
-    (R, False, True, True, B),
-    (B, True, False, False, B),
-    (B, False, True, False, B),
-    (B, True, True, True, B),
-])
-def test_what_the_next_generation_does_with_the_group(strategy, alive, failed, timed_out, expected):
-    assert next_group(strategy, group_alive=alive, failed=failed, timed_out=timed_out) is expected
 
 
 @pytest.mark.parametrize(("message", "timed_out"), [

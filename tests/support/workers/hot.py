@@ -107,18 +107,18 @@ if args.backend_named:
 if args.stop_after_read_at is not None:
     import signal
 
-    from elasticctl.train import runtime as runtime_module
+    from elasticctl.train.worker import executor
 
     boundaries_at_2 = []
 
     def stop_after_read(runtime) -> None:
-        if runtime.running_generation is None or runtime._group.world_size != 2:
+        if runtime.running_generation is None or runtime.group.world_size != 2:
             return
         boundaries_at_2.append(runtime.state.step)
         if len(boundaries_at_2) == args.stop_after_read_at:
             os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this call returns
 
-    runtime_module.after_stop_flag_read = stop_after_read
+    executor.after_stop_flag_read = stop_after_read
 elastic.run(state, train, checkpoint_every=args.checkpoint_every, **options)
 record.write(json.dumps({"event": "done", "step": state.step, "pid": os.getpid(), "time": time.time(),
                          "node": ENVIRONMENT.node}) + "\n")

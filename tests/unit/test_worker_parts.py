@@ -1,0 +1,89 @@
+"""The worker's parts (elasticctl.train.worker) that stand alone: the liveness snapshot the other
+threads read, the step boundary's flags in a generation of one, the stop bound, and the rule
+that the parts never import one another (only the executor and the forming of a generation,
+which compose them, do)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from elasticctl.job.options import RecoveryMode
+from elasticctl.train.boundary import Agreed
+from elasticctl.train.phase import Phase
+from elasticctl.train.worker.liveness import Liveness, LivenessBoard
+from elasticctl.train.worker.step_boundary import StepBoundary
+from elasticctl.train.worker.watchdog import STOP_BOUND, no_step_warning_after, stop_bound
+
+WORKER = Path(__file__).resolve().parents[2] / "elasticctl" / "train" / "worker"
+COMPOSERS = {"executor", "forming"}   # they compose the parts; every other module is a part
+VALUES = {"place", "liveness"}        # what the parts are handed, not parts themselves
+
+
+def test_the_liveness_counts_a_step_only_within_a_generation():
+    board = LivenessBoard()
+    board.boundary(at=board.now.last_boundary + 50.0)  # forming: a wait, not a step
+    assert board.now.longest_step == 0.0
+    board.phase(Phase.TRAINING)
+    start = board.now.last_boundary
+    board.boundary(at=start + 2.0)
+    board.boundary(at=start + 2.5)
+    assert board.now == Liveness(Phase.TRAINING, start + 2.5, 2.0)
+
+
+def test_the_liveness_is_replaced_whole_never_changed_in_place():
+    board = LivenessBoard()
+    seen = board.now
+    board.phase(Phase.TRAINING)
+    board.boundary()
+    assert seen == Liveness(Phase.FORMING, seen.last_boundary, 0.0)  # a reader's copy stays as it was
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        board.now.phase = Phase.FINISHED
+
+
+@pytest.mark.parametrize("mode", list(RecoveryMode))
+@pytest.mark.parametrize(("pending", "stop"), [(False, False), (True, False), (False, True), (True, True)])
+def test_alone_the_flags_are_agreed_at_once_and_the_stop_is_read_once(mode, pending, stop):
+    reads = []
+    boundary = StepBoundary(mode, after_stop_flag_read=lambda: reads.append(boundary.leaving_sent))
+    if stop:
+        boundary.request_stop()
+    assert boundary.send(pending, world_size=1, control_group=None) == Agreed(int(pending), int(stop), 1)
+    assert boundary.leaving_sent is stop and reads == [stop]
+    assert boundary.in_flight() is None
+
+
+def test_a_stop_after_the_read_is_sent_at_the_next_boundary():
+    boundary = StepBoundary(RecoveryMode.HOT, after_stop_flag_read=lambda: boundary.request_stop())
+    assert boundary.send(False, world_size=1, control_group=None) == Agreed(0, 0, 1)  # read before the stop
+    assert boundary.stop_requested and not boundary.leaving_sent
+    assert boundary.send(False, world_size=1, control_group=None) == Agreed(0, 1, 1)
+
+
+@pytest.mark.parametrize(("longest", "bound"), [(0.0, STOP_BOUND), (STOP_BOUND / 2, STOP_BOUND), (30.0, 60.0)])
+def test_a_stop_gets_twice_the_longest_step_and_at_least_the_bound(longest, bound):
+    assert stop_bound(longest) == bound
+
+
+@pytest.mark.parametrize(("ttl", "after"), [(None, 120.0), (5.0, 120.0), (90.0, 180.0)])
+def test_the_no_step_warning_waits_twice_the_longer_of_the_ttl_and_a_minute(ttl, after):
+    assert no_step_warning_after(ttl) == after
+
+
+def _worker_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("elasticctl.train.worker."):
+            found.add(node.module.rsplit(".", 1)[1])
+    return found
+
+
+def test_the_parts_never_import_one_another():
+    parts = {path.stem: _worker_imports(path) for path in WORKER.glob("*.py") if path.stem != "__init__"}
+    assert COMPOSERS <= set(parts) and {"generation_manager", "step_boundary", "checkpoint_duty"} <= set(parts)
+    crossing = {part: sorted(imported - VALUES) for part, imported in parts.items()
+                if part not in COMPOSERS and imported - VALUES}
+    assert crossing == {}
