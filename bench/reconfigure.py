@@ -5,7 +5,7 @@
 A hot-mode worker keeps one process group for its life and reconfigures it in place for a
 change every member agreed on at a step boundary (a join, a leave); after a failure it builds
 a new one, which is what closes the connections another survivor may wait on
-(the worker's machine, elasticctl/train/lifecycle.py). ``ELASTICCTL_REBUILD_GROUPS=1`` on every node
+(the worker's machine, elasticctl/train/worker/lifecycle.py). ``ELASTICCTL_REBUILD_GROUPS=1`` on every node
 builds a new group for every generation: the baseline here, run in the same invocation.
 
 Per repeat and variant (their order alternating per repeat), one job of 2 nodes x 1 worker,

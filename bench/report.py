@@ -24,7 +24,7 @@ from bench import frameworks as frameworks_bench
 from bench import shapes as shapes_bench
 from bench import stragglers as straggler_bench
 from bench import trust as trust_bench
-from elasticctl.train.timeline import PHASE_NAMES
+from elasticctl.train.recovery.timeline import PHASE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 RESTART, HOT, TORCHRUN = "elasticctl", "elasticctl-hot", "torchrun"

@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.cluster import Cluster, wait_for
 from elasticctl.etcd.client import EtcdClient
 from elasticctl.job.keys import JobKeys
-from elasticctl.train.timeline import RECOVERY_PHASES
+from elasticctl.train.recovery.timeline import RECOVERY_PHASES
 
 # --step-sleep keeps event runs near 15 steps/s, so agents and etcd are not starved of
 # the 2 cores and the steps/s plot stays readable; steady state runs without it.
@@ -83,7 +83,7 @@ def _recovery(cluster: Cluster, event: float, world: int, survivors: set[str], c
 
 def _phases(cluster: Cluster, event: float, world: int) -> dict:
     """Hot mode: where the seconds from ``event`` to the first step went, from rank 0's
-    ``recovery_timeline`` (elasticctl/train/timeline.py): each phase's end, seconds since the event."""
+    ``recovery_timeline`` (elasticctl/train/recovery/timeline.py): each phase's end, seconds since the event."""
     timelines = [r for r in cluster.record.read() if r.get("event") == "recovery_timeline"
                  and r.get("noticed", 0) >= event and r.get("rank") == 0 and r.get("world_size") == world]
     if not timelines:

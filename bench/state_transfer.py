@@ -5,7 +5,7 @@ state (a model of plain 1024x1024 Linear layers and Adam with its moments: the s
 three times the parameters), the last rank is a joiner with a fresh model and an empty Adam. Three
 ways to bring the joiner to the state, interleaved, their order rotated per repeat:
 
-* ``new``: :func:`elasticctl.train.transfer.transfer_state`, buckets of ``--bucket-mb`` dealt
+* ``new``: :func:`elasticctl.train.state_transfer.transfer.transfer_state`, buckets of ``--bucket-mb`` dealt
   over every holder, point to point into the joiner's own tensors;
 * ``warm``: the same into a receiver that already holds tensors of every shape (a survivor one
   step behind; an untimed transfer first): the joiner's cost of mapping fresh memory for its
@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elasticctl.train.state import State
-from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, transfer_state
+from elasticctl.train.state_transfer.transfer import DEFAULT_BUCKET_BYTES, transfer_state
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

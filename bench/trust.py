@@ -36,8 +36,8 @@ from elasticctl.job.events import EventLog
 from elasticctl.job.keys import JobKeys
 from elasticctl.job.records import EventKind
 from elasticctl.job.registry import Registry
-from elasticctl.train.non_finite import finite_flag, gradients_finite
-from elasticctl.train.replica_check import parameters_digest
+from elasticctl.train.watches.non_finite import finite_flag, gradients_finite
+from elasticctl.train.watches.replica_check import parameters_digest
 
 FLIP_STEP, CHECK = 40, 5
 ADMISSION_TARGET_S = 3.0

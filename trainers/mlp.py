@@ -361,7 +361,7 @@ def train(args: argparse.Namespace, make_task: Callable[[argparse.Namespace, tor
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 # The straggler knob: after commit, so it counts in this node's own time for the
-                # next step (elasticctl.train.stragglers), as a slow GPU's compute would.
+                # next step (elasticctl.train.watches.stragglers), as a slow GPU's compute would.
                 for slow_node, seconds, slowed in args.slow_node:
                     if slow_node == node and (slowed is None or step in slowed):
                         time.sleep(seconds)

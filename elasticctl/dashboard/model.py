@@ -348,7 +348,7 @@ class CheckpointErrorKind(str, enum.Enum):
 
 
 # What the checkpointer's sentence says, for each kind: its own words for the storage's state
-# (elasticctl.train.checkpoint_files.write_failure_reason) and the system's (strerror), lower case.
+# (elasticctl.train.checkpoints.files.write_failure_reason) and the system's (strerror), lower case.
 _ERROR_WORDS = (
     (CheckpointErrorKind.DISK_FULL, ("the disk is full", "no space left on device", "the disk quota is exhausted",
                                      "disk quota exceeded")),

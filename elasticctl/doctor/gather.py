@@ -59,7 +59,7 @@ from elasticctl.job.spec import JobSpec
 # The admission checks that run a process: each bounded (and all of them by the caller's budget).
 DEVICE_PROBE_TIMEOUT_S = 8.0
 CUSTOM_CHECK_TIMEOUT_S = 10.0
-# A checkpoint as elasticctl.train writes them (checkpoint.py, sharded_checkpoint.py): a file
+# A checkpoint as elasticctl.train writes them (checkpoint.py, checkpoints/sharded.py): a file
 # complete once its digest is there, or a directory renamed into place complete.
 _CHECKPOINT_FILE_RE = re.compile(r"step-([0-9]{8,})\.pt")
 _CHECKPOINT_DIR_RE = re.compile(r"step-([0-9]{8,})")

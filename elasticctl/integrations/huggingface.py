@@ -47,7 +47,7 @@ from transformers import TrainerCallback
 from elasticctl.errors import ConfigError
 from elasticctl.integrations import batching
 from elasticctl.integrations.sampling import DealtSampler
-from elasticctl.train.checkpoint_files import CheckpointError, _file_digest, _fsync_dir, _write_atomically
+from elasticctl.train.checkpoints.files import CheckpointError, file_digest, fsync_dir, write_atomically
 from elasticctl.train.sample_ledger import SampleLedger
 from elasticctl.train.script import GracefulStop, PeerLeaving
 from elasticctl.train.script import checkpoint_dir as job_checkpoint_dir
@@ -77,13 +77,13 @@ class StepSampler(DealtSampler):
 
 def commit(directory: Path) -> None:
     """Write ``directory``'s manifest (every file's digest), last and atomically."""
-    files = {p.name: _file_digest(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {p.name: file_digest(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
     for name in files:
         with open(directory / name, "rb") as f:
             os.fsync(f.fileno())
     manifest = json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True)
-    _write_atomically(directory, MANIFEST, lambda f: f.write(manifest.encode()))
-    _fsync_dir(directory)
+    write_atomically(directory, MANIFEST, lambda f: f.write(manifest.encode()))
+    fsync_dir(directory)
 
 
 def verify(directory: Path) -> dict[str, str]:
@@ -106,7 +106,7 @@ def verify(directory: Path) -> dict[str, str]:
         if "/" in name or name in ("", ".", "..", MANIFEST) or not name.isprintable():
             raise CheckpointError(f"The manifest of the checkpoint '{directory}' has an invalid entry {name!r}.")
         try:
-            actual = _file_digest(directory / name)
+            actual = file_digest(directory / name)
         except OSError as exc:
             raise CheckpointError(f"The checkpoint '{directory}' lacks '{name}': {exc.strerror or exc}.") from exc
         if actual != digest:
@@ -234,7 +234,7 @@ class _Elastic(TrainerCallback):
             sampler, plan = self.trainer.elastic_sampler, self.trainer.batching
             state = {"sampler": sampler.state_dict() if sampler is not None else None,
                      "global_batch": plan.asked if plan else None, "lr_scale": plan.lr_scale if plan else 1.0}
-            _write_atomically(directory, STATE_FILE, lambda f: f.write(json.dumps(state).encode()))
+            write_atomically(directory, STATE_FILE, lambda f: f.write(json.dumps(state).encode()))
             commit(directory)
             prune(Path(args.output_dir), self.trainer.keep)
         if dist.is_initialized():

@@ -54,7 +54,7 @@ WORKER_SETTINGS = "ELASTICCTL_WORKER_SETTINGS"  # settings.WorkerSettings, one v
 ETCD_BINARY = "ELASTICCTL_ETCD_BINARY"
 STATE_DIR = "ELASTICCTL_STATE_DIR"
 # "1": a hot-mode worker builds a new process group per generation even where it could
-# reconfigure its one in place (train/reconfigure.py): the benchmark's baseline, and a way out.
+# reconfigure its one in place (train/groups/reconfigure.py): the benchmark's baseline, and a way out.
 REBUILD_GROUPS = "ELASTICCTL_REBUILD_GROUPS"
 # A file where the framework integrations (elasticctl.integrations) append, per rank and step,
 # the sample indices trained: an audit that every sample of an epoch was trained once.

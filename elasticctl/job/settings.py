@@ -151,7 +151,7 @@ class HotSettings:
 @dataclasses.dataclass(frozen=True)
 class StragglerSettings:
     """How the workers of a job watch for stragglers (the straggler section of
-    :class:`WorkerSettings`, read by :mod:`elasticctl.train.stragglers`): every ``interval``
+    :class:`WorkerSettings`, read by :mod:`elasticctl.train.watches.stragglers`): every ``interval``
     steps the workers exchange their step times; a node slower than ``ratio`` x the others'
     median for ``window`` steps is named, and with ``evict`` (a ratio; 0: never) one slower than
     ``evict`` x for as long is asked to leave, unless fewer than ``min_nodes`` would be left.
@@ -180,7 +180,7 @@ class StragglerSettings:
 @dataclasses.dataclass(frozen=True)
 class ReplicaCheckSettings:
     """How the workers of a job compare their replicas (the replicas section of
-    :class:`WorkerSettings`, read by :mod:`elasticctl.train.replica_check`): every ``interval``
+    :class:`WorkerSettings`, read by :mod:`elasticctl.train.watches.replica_check`): every ``interval``
     steps (0: never) each worker's parameter checksum goes to every worker; a node whose copy
     differs from its replicas' majority is named, and with ``evict`` (1) asked to leave, unless
     fewer than ``min_nodes`` would be left (as a straggler's eviction). The defaults are the table's."""
@@ -203,7 +203,7 @@ class ReplicaCheckSettings:
 @dataclasses.dataclass(frozen=True)
 class NonFiniteSettings:
     """What the workers of a job do with a step whose gradients are not finite (the non_finite
-    section of :class:`WorkerSettings`, read by :mod:`elasticctl.train.non_finite_watch`): name the
+    section of :class:`WorkerSettings`, read by :mod:`elasticctl.train.watches.non_finite_watch`): name the
     ranks that produced them with ``check`` (1, the default; 0: no check at all), and with ``skip`` (1)
     skip the step on every rank."""
 

@@ -19,7 +19,7 @@ import importlib
 
 _EXPORTS = {"Group": "elasticctl.train.group", "run": "elasticctl.train.runtime",
             "State": "elasticctl.train.state", "ResumableSampler": "elasticctl.train.sampler",
-            "hsdp_mesh": "elasticctl.train.shards"}
+            "hsdp_mesh": "elasticctl.train.sharding.shards"}
 __all__ = sorted(_EXPORTS)
 
 

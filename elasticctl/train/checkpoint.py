@@ -21,9 +21,9 @@ The payload holds replicated (DDP) state, written by global rank 0 only: model
 LR scheduler, grad scaler, the :class:`~elasticctl.train.sampler.ResumableSampler`
 position (a global sample count), RNG states, step, epoch and caller extras.
 State sharded across ranks (FSDP, ZeRO) needs every rank to write its shard:
-:class:`~elasticctl.train.sharded_checkpoint.ShardedCheckpointer` (importable
+:class:`~elasticctl.train.checkpoints.sharded.ShardedCheckpointer` (importable
 from here too) does that with ``torch.distributed.checkpoint``. The errors, atomic
-writes and digests both use are in :mod:`elasticctl.train.checkpoint_files`.
+writes and digests both use are in :mod:`elasticctl.train.checkpoints.files`.
 """
 
 from __future__ import annotations
@@ -43,24 +43,24 @@ import torch
 import torch.distributed as dist
 
 from elasticctl.errors import ConfigError
-from elasticctl.train.checkpoint_files import (
-    _TMP_PREFIX,
-    _UNFIT_STATE_ERRORS,
+from elasticctl.train.checkpoints.files import (
+    UNFIT_STATE_ERRORS,
     CheckpointError,
     CheckpointWriteError,
-    _file_digest,
-    _fsync_dir,
-    _History,
-    _load_error,
-    _rank,
-    _signature,
-    _VerificationMemo,
-    _write_atomically,
+    file_digest,
+    fsync_dir,
+    History,
+    load_error,
+    current_rank,
+    files_signature,
+    VerificationMemo,
+    remove_stale_temp_files,
+    write_atomically,
     Restored,
     check_directory,
     write_failure_reason,
 )
-from elasticctl.train.sharded_checkpoint import ShardedCheckpointer
+from elasticctl.train.checkpoints.sharded import ShardedCheckpointer
 
 __all__ = ["FORMAT", "CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored",
            "ShardedCheckpointer", "check_directory", "write_failure_reason"]
@@ -153,7 +153,7 @@ class Checkpointer:
                  device: torch.device | str | None = None, writer_rank: int = 0, environment=None) -> None:
         if keep < 1:
             raise ConfigError(f"The number of checkpoints to keep ({keep}) must be at least 1.")
-        self.rank = _rank()
+        self.rank = current_rank()
         self.is_writer = self.rank == writer_rank
         self.directory = check_directory(directory, writable=self.is_writer)
         self.keep = keep
@@ -165,14 +165,14 @@ class Checkpointer:
         self._error: BaseException | None = None
         # path -> (signature, loadable). Only the writer's commit path touches these, and at most
         # one commit runs at a time, so they need no lock.
-        self._memo = _VerificationMemo(keep)
-        self._history = _History(environment)  # a WorkerEnvironment, or None: decoded when needed
+        self._memo = VerificationMemo(keep)
+        self._history = History(environment)  # a WorkerEnvironment, or None: decoded when needed
         # The newest write failure while writes keep failing (None once one succeeds), and how
         # many failed in a row: what the runtime publishes for status, doctor and the dashboard.
         self.failure: CheckpointWriteError | None = None
         self.failures_in_a_row = 0
         if self.is_writer:
-            self._remove_stale_temp_files()
+            remove_stale_temp_files(self.directory, self.stale_after)
 
     def follow_rank(self, rank: int, writer_rank: int = 0) -> None:
         """This process is now global rank ``rank`` (a new generation of hot recovery)."""
@@ -191,15 +191,6 @@ class Checkpointer:
             if match and path.with_name(path.name + _DIGEST_SUFFIX).exists():
                 found.append((int(match[1]), path))
         return sorted(found, reverse=True)
-
-    def _remove_stale_temp_files(self) -> None:
-        # Only long-untouched ones: a fresh temp file may be another process's write in progress
-        # (a previous rank 0 still shutting down, or a tool reading this directory).
-        cutoff = time.time() - self.stale_after
-        for path in self.directory.glob(f"{_TMP_PREFIX}*"):
-            with contextlib.suppress(OSError):
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
 
     # -- saving -------------------------------------------------------------------------
 
@@ -239,17 +230,17 @@ class Checkpointer:
         name = f"step-{step:08d}.pt"
         began = time.perf_counter()
         try:
-            digest = _write_atomically(self.directory, name, lambda f: torch.save(payload, f))
+            digest = write_atomically(self.directory, name, lambda f: torch.save(payload, f))
             try:
                 # The digest goes last: its appearance is the commit.
-                _write_atomically(self.directory, name + _DIGEST_SUFFIX, lambda f: f.write(digest.encode()))
+                write_atomically(self.directory, name + _DIGEST_SUFFIX, lambda f: f.write(digest.encode()))
             except BaseException:
                 # Without its digest the data file is ignored anyway: give its space back now
                 # (a full disk needs it) rather than at a later prune.
                 with contextlib.suppress(OSError):
                     (self.directory / name).unlink()
                 raise
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except Exception as exc:  # OSError, or whatever torch.save raises for a failed write
             error = CheckpointWriteError(step, self.directory, write_failure_reason(exc))
             self._note_failure(error)
@@ -279,7 +270,7 @@ class Checkpointer:
         re-reading the tensor data (the pickle is still loaded, onto the meta device).
         """
         try:
-            signature = _signature(path, path.with_name(path.name + _DIGEST_SUFFIX))
+            signature = files_signature(path, path.with_name(path.name + _DIGEST_SUFFIX))
         except OSError:
             return False
 
@@ -346,7 +337,7 @@ class Checkpointer:
         try:
             with open(digest_path, "rb") as f:
                 expected = f.read(256).strip()  # a hex sha256; whatever else is there cannot match
-            actual = (digest if digest is not None else _file_digest(path)).encode()
+            actual = (digest if digest is not None else file_digest(path)).encode()
         except OSError as exc:
             raise CheckpointError(f"The checkpoint '{path}' or its digest cannot be read: "
                                   f"{exc.strerror or exc}.") from exc
@@ -356,7 +347,7 @@ class Checkpointer:
             payload = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:  # torch raises many types for a malformed file
             raise CheckpointError(f"The checkpoint '{path}' cannot be loaded with weights_only=True: "
-                                  f"{_load_error(exc)}.") from exc
+                                  f"{load_error(exc)}.") from exc
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             raise CheckpointError(f"The file '{path}' is not an elasticctl checkpoint.")
         for field, kind in _PAYLOAD_FIELDS.items():
@@ -426,17 +417,17 @@ class Checkpointer:
                 raise CheckpointError(f"The checkpoint '{payload['path']}' has no '{name}' state.")
             try:
                 _unwrap(obj).load_state_dict(states[name])
-            except _UNFIT_STATE_ERRORS as exc:
+            except UNFIT_STATE_ERRORS as exc:
                 raise CheckpointError(
                     f"The '{name}' state in the checkpoint '{payload['path']}' does not fit this run "
-                    f"(other model or flags?): {_load_error(exc)}."
+                    f"(other model or flags?): {load_error(exc)}."
                 ) from exc
         try:
             _set_rng_state(payload["rng"], self.device, self.rank)
-        except _UNFIT_STATE_ERRORS as exc:
+        except UNFIT_STATE_ERRORS as exc:
             raise CheckpointError(
                 f"The random number generator state in the checkpoint '{payload['path']}' "
-                f"cannot be restored: {_load_error(exc)}.") from exc
+                f"cannot be restored: {load_error(exc)}.") from exc
         self.last_step = payload["step"]
         return Restored(step=payload["step"], epoch=payload["epoch"], path=Path(payload["path"]),
                         world_size=payload["world_size"], extra=payload["extra"])

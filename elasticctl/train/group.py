@@ -30,5 +30,5 @@ class Group:
     # built for this generation take it too, else a frozen peer stalls them for torch's 30 minutes.
     timeout: datetime.timedelta | None = None
     # run(..., sharded="hsdp") where groups are reconfigured in place: the worker's two mesh groups
-    # (elasticctl.train.reconfigure.MeshGroups), kept for its whole life; hsdp_mesh makes its mesh of them.
+    # (elasticctl.train.groups.reconfigure.MeshGroups), kept for its whole life; hsdp_mesh makes its mesh of them.
     mesh_groups: Any = None

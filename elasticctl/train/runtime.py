@@ -7,9 +7,9 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
   Survivors never restart. A peer's crash makes the step's collective raise at once; a
   frozen peer makes it time out (the process group's timeout is the node TTL). The
   workers then tear the process group down, agree on the next generation in etcd
-  (:mod:`elasticctl.train.generations`), build a new group on a fresh store, bring every
+  (:mod:`elasticctl.train.groups.generations`), build a new group on a fresh store, bring every
   member to the most advanced state (the workers that hold it send it in buckets when steps
-  differ or a member is new: :mod:`elasticctl.train.transfer`), re-shard the sampler at the
+  differ or a member is new: :mod:`elasticctl.train.state_transfer.transfer`), re-shard the sampler at the
   exact global position and re-enter ``train``. Joiners, and leavers (SIGTERM), are admitted or let go at a step boundary
   that every worker agrees on: each boundary all-reduces two flags (a change is
   pending; a worker is leaving) asynchronously, and the result is read at the next.
@@ -22,20 +22,20 @@ ends each step with :meth:`State.commit`; a step boundary is where membership ch
 
 In either mode every ``--straggler-interval`` steps the workers exchange their own step times
 and rank 0 names (and, with ``--evict-stragglers``, asks to leave) a node that sets everyone's
-pace: :mod:`elasticctl.train.stragglers`. Every ``--replica-check`` steps they exchange a
+pace: :mod:`elasticctl.train.watches.stragglers`. Every ``--replica-check`` steps they exchange a
 checksum of their parameters: rank 0 names (and, with ``--evict-diverged``, asks to leave) a
 node whose replica differs from its replicas' majority, and replicas with no majority stop the
-job: :mod:`elasticctl.train.replica_check`.
+job: :mod:`elasticctl.train.watches.replica_check`.
 
 The flags, the straggler exchange and the replica check's are CPU tensors on gloo, never the GPU's: the training
 group carries them when it is gloo, a gloo side group over the same ranks otherwise (NCCL),
 built and torn down with each generation (why: ``process_group.control_channel``). No step
 waits for the device on elasticctl's behalf.
 
-The two modes are two :class:`elasticctl.train.membership.Membership` implementations
+The two modes are two :class:`elasticctl.train.groups.membership.Membership` implementations
 (``RestartMembership``, ``HotMembership``), which join generations and return them. Where the
-worker goes next is one pure state machine, :func:`elasticctl.train.lifecycle.transition` (it
-takes :func:`elasticctl.train.boundary.at_boundary`'s decision at a boundary); the
+worker goes next is one pure state machine, :func:`elasticctl.train.worker.lifecycle.transition` (it
+takes :func:`elasticctl.train.worker.boundary.at_boundary`'s decision at a boundary); the
 :class:`Runtime` is its executor.
 
 What the runtime cannot handle in process (etcd unreachable for the whole join timeout,
@@ -81,16 +81,16 @@ def run(state: State, train: Callable[[State, Group], object], **options: Any) -
     after a fault or change (round, noticed: the wall time the fault was seen, then the seconds
     from it to the end of each phase: torn_down, sealed, group_built or group_reconfigured, rewrapped or module_kept (sharded models),
     state_synced, first_step;
-    see elasticctl/train/timeline.py). ``no_step_warning``: seconds without a step boundary
+    see elasticctl/train/recovery/timeline.py). ``no_step_warning``: seconds without a step boundary
     (``state.commit``) after which the worker warns (default :func:`no_step_warning_after`).
     ``transfer_bucket_bytes``: the largest message of a hot recovery's state transfer (default
-    64 MiB; :mod:`elasticctl.train.transfer`).
+    64 MiB; :mod:`elasticctl.train.state_transfer.transfer`).
 
     ``sharded=True``: ``wrap`` shards the model (FSDP2 ``fully_shard`` on a mesh it builds); the
     runtime wraps a new module for each generation's mesh (``group.model``, also ``state.model``:
     use these, not the model object the script made), writes sharded checkpoints (DCP, resharded
-    on load) and in hot mode moves shards: :mod:`elasticctl.train.shards`. ``sharded="hsdp"``: the
-    wrap shards on :func:`elasticctl.train.shards.hsdp_mesh` (replicated across nodes, sharded
+    on load) and in hot mode moves shards: :mod:`elasticctl.train.sharding.shards`. ``sharded="hsdp"``: the
+    wrap shards on :func:`elasticctl.train.sharding.shards.hsdp_mesh` (replicated across nodes, sharded
     within one), and where groups are reconfigured in place (``recovery_timeline``'s
     ``group_reconfigured``) that mesh and the module sharded on it outlive generations: a change
     agreed at a step boundary re-forms its groups, a survivor keeps its module and its shards, and

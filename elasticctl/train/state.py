@@ -2,7 +2,7 @@
 
 The state is the model, the optimizer, the LR scheduler, the AMP gradient scaler and the
 sampler (anything with ``state_dict``/``load_state_dict``), the step, and user fields. In hot
-recovery it travels between workers tensor by tensor (:mod:`elasticctl.train.transfer`);
+recovery it travels between workers tensor by tensor (:mod:`elasticctl.train.state_transfer.transfer`);
 :meth:`State.to_bytes` / :meth:`State.load_bytes` keep the whole-state blob (read with
 ``weights_only=True``, torch's allow-list unpickler: a peer can send wrong numbers, never code)
 for tools and the transfer benchmark's comparison.
@@ -32,7 +32,7 @@ class State:
 
     ``peer_copies=K`` (hot mode, a model sharded without replicas): every K steps each worker
     sends a copy of its shards to a buddy on another node, so that a lost node is restored from
-    memory, re-doing at most K steps (:mod:`elasticctl.train.peer_copies`; 0: no copies).
+    memory, re-doing at most K steps (:mod:`elasticctl.train.sharding.buddy_copies`; 0: no copies).
     """
 
     _OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")

@@ -18,7 +18,7 @@ from support.runtime_phases import Trace, _runtime, _step
 from elasticctl.job import environment
 from elasticctl.job.options import RecoveryMode
 from elasticctl.job.settings import HotSettings, WorkerSettings
-from elasticctl.train.membership import HotMembership
+from elasticctl.train.groups.membership import HotMembership
 from elasticctl.train.runtime import Phase
 
 

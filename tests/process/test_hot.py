@@ -355,13 +355,13 @@ def test_two_workers_per_node_a_lost_node_takes_both_and_a_crashed_worker_restar
 def test_a_hot_recovery_reports_its_timeline_to_the_script_and_the_history(nodes, default_etcd, run_id, tmp_path):
     """Where a recovery's seconds go. The survivor's script hears a ``recovery_timeline`` (fault
     seen, then each phase's end, in order) and the job's history says the same in its
-    ``recovery_finished``. A failure builds the group anew (train/lifecycle.py)."""
+    ``recovery_finished``. A failure builds the group anew (train/worker/lifecycle.py)."""
     from test_orchestrator import Job
 
     from elasticctl.job.events import EventLog
     from elasticctl.job.keys import JobKeys
     from elasticctl.job.records import EventKind
-    from elasticctl.train.timeline import RECOVERY_PHASES
+    from elasticctl.train.recovery.timeline import RECOVERY_PHASES
 
     job = Job(nodes, default_etcd, run_id, tmp_path, nnodes="1:2", extra=["--recovery", "hot", "--node-ttl", "3"])
     started = job.start("a", "b")
@@ -387,7 +387,7 @@ def test_a_hot_recovery_reports_its_timeline_to_the_script_and_the_history(nodes
 @pytest.mark.parametrize("rebuild", [False, True], ids=["reconfigured", "rebuilt-as-asked"])
 def test_a_join_reconfigures_the_survivors_group_in_place(nodes, default_etcd, run_id, tmp_path, rebuild):
     """A change every member agreed on at a boundary (here a join) re-forms the survivors' one
-    process group in place (train/reconfigure.py); ELASTICCTL_REBUILD_GROUPS=1 builds one anew,
+    process group in place (train/groups/reconfigure.py); ELASTICCTL_REBUILD_GROUPS=1 builds one anew,
     as a failure does. The survivor's timeline names which; the training goes on either way."""
     from support.jobs import TRAIN
     from test_orchestrator import Job

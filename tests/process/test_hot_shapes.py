@@ -3,7 +3,7 @@
 On gloo a peer's death reaches at once only the survivors whose pending collective waits on it
 directly; the others wait on those survivors. Beyond three workers, some survivor always waits
 on another survivor, and before the failed generation's connections were shut down
-(elasticctl/train/connections.py) that survivor waited out its collective's timeout, the node
+(elasticctl/train/groups/connections.py) that survivor waited out its collective's timeout, the node
 TTL. Here every survivor's generation must end by a peer's closed connection, never by a
 timeout: read from each survivor's own account of why its generation ended, not from a clock.
 The node TTL is long (20 s) so that nothing but a collective's timeout could take that long.

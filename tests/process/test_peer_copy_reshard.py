@@ -1,4 +1,4 @@
-"""Peer copies resharded in memory restore the exact state (elasticctl.train.peer_copies): 3 real
+"""Peer copies resharded in memory restore the exact state (elasticctl.train.sharding.buddy_copies): 3 real
 processes on gloo shard a small transformer over a 1-D mesh with uneven shards, copy rounds every
 3 steps; one leaves and the other two, as a world of 2, go back to the newest round from their own
 snapshots and the leaver's copy. The full parameters and optimizer state they hold then are bit

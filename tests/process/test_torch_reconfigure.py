@@ -1,6 +1,6 @@
 """What elasticctl relies on in torch's in-place process-group reconfiguration (experimental in
 torch 2.14), pinned with real processes on gloo: a change in torch fails here, loudly, before
-it fails a job. The runtime uses it through elasticctl.train.reconfigure only.
+it fails a job. The runtime uses it through elasticctl.train.groups.reconfigure only.
 
 Relied on: a group made alone reconfigures into a generation over its members' handles, on a
 store each generation replaces (generation 1's store leaves with its host, the next generation
@@ -10,16 +10,16 @@ without its start's collectives, averages its gradients over the live world afte
 after a growth; after a peer's death the survivors reconfigure too. (torch refuses only the
 uuid a group holds now, not every one it held: each generation's number is its uuid, never reused.)
 
-Known, and what the runtime does about it (elasticctl.train.reconfigure.group_strategy): on gloo
+Known, and what the runtime does about it (elasticctl.train.groups.reconfigure.group_strategy): on gloo
 a peer's death reaches only the collectives that wait on it directly, and neither ``abort()`` nor
 a reconfigure closes a survivor's connections, so a survivor waiting on another survivor waits
 out the timeout; and ``abort()`` does not release a collective pending on a frozen peer. So the
 survivor that sees a failure shuts the generation's connections down (``shutdown(2)``:
-elasticctl.train.connections), which releases every survivor waiting on it at once, and the
+elasticctl.train.groups.connections), which releases every survivor waiting on it at once, and the
 group is rebuilt; a freeze still costs the collective timeout (the node TTL). Both
 are pinned: when torch changes either, a test here fails and the rule can change with it. A
 survivor whose own collective timed out (gloo's "Timed out waiting ... for recv operation",
-:func:`elasticctl.train.reconfigure.is_collective_timeout`, pinned against both errors) keeps
+:func:`elasticctl.train.groups.reconfigure.is_collective_timeout`, pinned against both errors) keeps
 its group: a group recovers from a timed-out collective by a reconfigure.
 
 Layer tests/process: real processes. The pure choice of reconfigure or rebuild:
@@ -39,7 +39,7 @@ import pytest
 import torch.distributed as dist
 from support.helpers import WORKERS
 
-from elasticctl.train.reconfigure import is_collective_timeout, torch_can_reconfigure
+from elasticctl.train.groups.reconfigure import is_collective_timeout, torch_can_reconfigure
 
 PROBE = str(WORKERS / "reconfigure_probe.py")
 MESH_PROBE = str(WORKERS / "reconfigure_mesh_probe.py")
@@ -122,7 +122,7 @@ def test_a_peer_death_reaches_only_the_collectives_that_wait_on_it(probe):
         assert all(one["raised"] for one in lost), lost
         assert lost[0]["seconds"] < 2.0, lost  # the dead peer's neighbour in the ring
         assert lost[1]["seconds"] > 3.0, lost  # the other: its 4 s timeout, not the neighbour's failure
-        # What the runtime reads to keep a group after a failure (train/lifecycle.py): a timeout, not a loss
+        # What the runtime reads to keep a group after a failure (train/worker/lifecycle.py): a timeout, not a loss
         assert [is_collective_timeout(RuntimeError(one["error"])) for one in lost] == [False, True], lost
         for name in "ab":
             _formed(failure, name, 2, "ab")  # and the group recovers by a reconfigure all the same
@@ -134,7 +134,7 @@ def test_a_peer_death_reaches_only_the_collectives_that_wait_on_it(probe):
 
 
 def test_a_survivor_that_shuts_its_connections_down_releases_every_peer_waiting_on_it(probe):
-    # What elasticctl.train.connections relies on: shutdown(2) of a survivor's ends of the failed
+    # What elasticctl.train.groups.connections relies on: shutdown(2) of a survivor's ends of the failed
     # generation's connections reaches every peer whose collective waits on it as a closed
     # connection, at once; so each survivor that raises passes the failure on, across the whole
     # world (four members: one survivor never waits on the dead peer directly). The group whose
@@ -157,7 +157,7 @@ def test_a_survivor_that_shuts_its_connections_down_releases_every_peer_waiting_
 
 def test_a_revoke_does_not_release_a_collective_pending_on_a_frozen_gloo_peer(probe):
     # If this fails because the collective was released at once, torch now revokes gloo
-    # collectives: elasticctl.train.loss_abort can abort on gloo too, and hot mode's collective
+    # collectives: elasticctl.train.groups.lost_member_abort can abort on gloo too, and hot mode's collective
     # timeout need no longer equal the node TTL.
     freeze = probe("freeze", "a")
     a = freeze.start("a", PROBE_PG_TIMEOUT="4")

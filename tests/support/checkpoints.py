@@ -8,7 +8,7 @@ import json
 import torch
 from torch import nn
 
-from elasticctl.train import sharded_checkpoint
+from elasticctl.train.checkpoints import sharded as sharded_checkpoint
 from elasticctl.train.sampler import ResumableSampler
 
 

@@ -1,5 +1,5 @@
 """A clock of a test's own, for code that takes ``clock`` and ``sleep`` (elasticctl.etcd.retry,
-elasticctl.train.process_group.wait_until_listening): its sleep moves it on at once and keeps
+elasticctl.train.groups.process_group.wait_until_listening): its sleep moves it on at once and keeps
 the pause, so a test asserts the exact schedule of pauses and the deadline's behaviour rather
 than a window of wall time, which a loaded machine leaves at random."""
 

@@ -18,7 +18,8 @@ import torch
 from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
 from torch import nn
 
-from elasticctl.train import checkpoint, sharded_checkpoint
+from elasticctl.train import checkpoint
+from elasticctl.train.checkpoints import sharded as sharded_checkpoint
 from elasticctl.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -186,8 +187,8 @@ def test_keep_n_counts_only_loadable_checkpoints_so_planted_files_never_evict_re
 def test_pruning_reads_each_file_once_and_still_keeps_the_newest_n(tmp_path, monkeypatch):
     plant_unloadable_checkpoints(tmp_path, tmp_path / "code-ran")
     read = []
-    digest = checkpoint._file_digest
-    monkeypatch.setattr(checkpoint, "_file_digest",
+    digest = checkpoint.file_digest
+    monkeypatch.setattr(checkpoint, "file_digest",
                         lambda path: read.append(path.name) or digest(path))
     ckpt = Checkpointer(tmp_path, keep=2)
     for step in range(1, 6):

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticctl.train.checkpoint import Checkpointer
-from elasticctl.train.checkpoint_files import process_rank
+from elasticctl.train.checkpoints.files import process_rank
 
 
 @pytest.mark.parametrize(("group_rank", "environ", "rank"), [

@@ -1,4 +1,4 @@
-"""Which of a worker's TCP connections a failed generation shuts down (elasticctl/train/connections.py):
+"""Which of a worker's TCP connections a failed generation shuts down (elasticctl/train/groups/connections.py):
 the pure choices, on made-up connection tables; and the edge on real loopback sockets.
 
 Layer tests/unit: no etcd, no training processes.
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from elasticctl.train.connections import Connection, GenerationConnections, established, opened_by_build, to_sever
+from elasticctl.train.groups.connections import Connection, GenerationConnections, established, opened_by_build, to_sever
 
 GLOO_A = Connection(7, ("127.0.0.1", 40001), ("127.0.0.1", 50001))
 GLOO_B = Connection(8, ("127.0.0.1", 50002), ("127.0.0.1", 40002))

@@ -1,5 +1,5 @@
 """Which group carries the runtime's boundary flags and straggler exchange, for a training
-group's backend: a table (the why: elasticctl.train.process_group.control_channel).
+group's backend: a table (the why: elasticctl.train.groups.process_group.control_channel).
 
 The groups themselves, built and used per generation: tests/process/test_control_group.py.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.process_group import ControlChannel, control_channel
+from elasticctl.train.groups.process_group import ControlChannel, control_channel
 
 TRAINING, SIDE = ControlChannel.TRAINING_GROUP, ControlChannel.GLOO_SIDE_GROUP
 

@@ -1,4 +1,4 @@
-"""Property tests of everything checkpoint.py and sharded_checkpoint.py decode from disk: digest
+"""Property tests of everything checkpoint.py and checkpoints/sharded.py decode from disk: digest
 files, payloads, sharded manifests, DCP metadata. Whatever the bytes, the answer is a checkpoint,
 a CheckpointError or a checkpoint skipped in favour of an older one; never another exception, never
 code running."""
@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from support.checkpoints import CreatesAFile, make_state, sharded_state, write_manifest
 from torch import nn
 
-from elasticctl.train import checkpoint, sharded_checkpoint
+from elasticctl.train import checkpoint
+from elasticctl.train.checkpoints import sharded as sharded_checkpoint
 from elasticctl.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
 
 FUZZ = settings(max_examples=50, deadline=None)

@@ -16,7 +16,7 @@ import pytest
 from support.clock import FakeClock
 
 from elasticctl.job.records import Round
-from elasticctl.train.process_group import LISTEN_POLL_S, generation_store, wait_until_listening
+from elasticctl.train.groups.process_group import LISTEN_POLL_S, generation_store, wait_until_listening
 
 LOOPBACK = "127.0.0.1"
 TIMEOUT = datetime.timedelta(seconds=10)

@@ -208,7 +208,7 @@ def test_sigterm_stops_at_the_next_step_with_a_checkpoint_and_exit_0(tmp_path):
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from elasticctl.train.checkpoint_files import CheckpointError  # noqa: E402
+from elasticctl.train.checkpoints.files import CheckpointError  # noqa: E402
 
 JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8)),
                     lambda inner: st.one_of(st.lists(inner, max_size=3),

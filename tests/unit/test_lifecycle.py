@@ -1,4 +1,4 @@
-"""The worker's state machine (elasticctl.train.lifecycle), table-tested: every event in every
+"""The worker's state machine (elasticctl.train.worker.lifecycle), table-tested: every event in every
 phase it may arrive in, the commands it gives, and the events it refuses."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from elasticctl.job.options import RecoveryMode
-from elasticctl.train.boundary import Agreed, BoundaryAction
-from elasticctl.train.lifecycle import (
+from elasticctl.train.worker.boundary import Agreed, BoundaryAction
+from elasticctl.train.worker.lifecycle import (
     FINAL_CHECKPOINT_RETRY_DELAYS,
     FORM_ATTEMPTS,
     SAME_STEP_FAILURES,

@@ -1,11 +1,11 @@
-"""When a worker aborts its training group on a lost member (freeze detection, train/loss_abort.py):
+"""When a worker aborts its training group on a lost member (freeze detection, train/groups/lost_member_abort.py):
 the decision, table-driven (backend, phase, the loss's generation against the running one)."""
 
 from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.loss_abort import LossAction, backend_aborts, loss_action
+from elasticctl.train.groups.lost_member_abort import LossAction, backend_aborts, loss_action
 from elasticctl.train.phase import Phase
 
 ABORT, NO_ABORT, NOTHING = LossAction.ABORT, LossAction.NO_ABORT, LossAction.NOTHING

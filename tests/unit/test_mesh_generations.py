@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticctl.train.shards import MeshError, ranks_along, stale_dims
+from elasticctl.train.sharding.shards import MeshError, ranks_along, stale_dims
 
 @pytest.mark.parametrize(("mesh", "rank", "along"), [
     ([[0, 1], [2, 3]], 0, [[0, 2], [0, 1]]),

@@ -1,4 +1,4 @@
-"""Non-finite values, attributed (elasticctl.train.non_finite, non_finite_watch, ddp_hooks): the rule
+"""Non-finite values, attributed (elasticctl.train.watches.non_finite, non_finite_watch, ddp_hooks): the rule
 that names the ranks, the decoding of a peer's report, the device checks, the settings, the one DDP
 hook both watches look through, and what a worker in a world of one does with a NaN.
 
@@ -18,9 +18,9 @@ from torch import nn
 from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
 from elasticctl.job.settings import NonFiniteSettings, WorkerSettings, parse_rdzv_options
-from elasticctl.train.ddp_hooks import observe_buckets
+from elasticctl.train.watches.ddp_hooks import observe_buckets
 from elasticctl.train.group import Group
-from elasticctl.train.non_finite import (
+from elasticctl.train.watches.non_finite import (
     NonFinite,
     RankFindings,
     finite_flag,
@@ -30,7 +30,7 @@ from elasticctl.train.non_finite import (
     read_flags,
     starts_a_run,
 )
-from elasticctl.train.non_finite_watch import NonFiniteWatch
+from elasticctl.train.watches.non_finite_watch import NonFiniteWatch
 
 OK, NAN_LOSS, NAN_GRADS, NAN_BOTH, UNCHECKED = (RankFindings(True, True), RankFindings(False, True),
                                                 RankFindings(True, False), RankFindings(False, False),

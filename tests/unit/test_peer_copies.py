@@ -1,5 +1,5 @@
-"""Peer copies' decisions, table-tested (elasticctl.train.peer_copies, and restoring from them:
-elasticctl.train.recovery.peer_copies; the source of each shard: elasticctl.train.recovery's chooser
+"""Peer copies' decisions, table-tested (elasticctl.train.sharding.buddy_copies, and restoring from them:
+elasticctl.train.recovery.from_peer_copies; the source of each shard: elasticctl.train.recovery's chooser
 over the registered sources). The copies moving between real processes: tests/process/test_peer_copies.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticctl.errors import ConfigError
-from elasticctl.train.peer_copies import (
+from elasticctl.train.sharding.buddy_copies import (
     HeldShard,
     PeerCopies,
     Snapshot,
@@ -20,8 +20,8 @@ from elasticctl.train.peer_copies import (
     row_splits,
     senders_to,
 )
-from elasticctl.train.recovery.checkpoint import FromCheckpoint
-from elasticctl.train.recovery.peer_copies import (
+from elasticctl.train.recovery.from_checkpoint import FromCheckpoint
+from elasticctl.train.recovery.from_peer_copies import (
     HELD_FIELDS,
     MAX_HELD_REPORTED,
     FromPeerCopies,
@@ -29,7 +29,7 @@ from elasticctl.train.recovery.peer_copies import (
     encode_held,
     plan_from_peer_copies,
 )
-from elasticctl.train.recovery.replicas import FromReplicas, ReplicaTransfer
+from elasticctl.train.recovery.from_replicas import FromReplicas, ReplicaTransfer
 from elasticctl.train.recovery.source import NothingToMove, Reports, choose_plan
 from elasticctl.train.recovery.sources import recovery_sources
 from elasticctl.train.state import State, StateError
@@ -212,7 +212,7 @@ def _one_worker_fsdp_state():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elasticctl.train.shards import ShardedModel
+    from elasticctl.train.sharding.shards import ShardedModel
 
     def wrap(model, group):
         mesh = init_device_mesh("cpu", (1,))
@@ -253,8 +253,8 @@ def test_a_snapshot_stays_as_it_was_and_restores_the_step_it_took():
 
     import torch
 
-    from elasticctl.train.peer_copies import take_snapshot
-    from elasticctl.train.recovery.peer_copies import restore_from_copies
+    from elasticctl.train.sharding.buddy_copies import take_snapshot
+    from elasticctl.train.recovery.from_peer_copies import restore_from_copies
 
     state, sharded = _one_worker_fsdp_state()
     reference, _ = _one_worker_fsdp_state()
@@ -299,8 +299,8 @@ def _newcomer_blob(**changes) -> bytes:
 
     import torch
 
-    from elasticctl.train.peer_copies import take_snapshot
-    from elasticctl.train.recovery.peer_copies import describe_snapshot
+    from elasticctl.train.sharding.buddy_copies import take_snapshot
+    from elasticctl.train.recovery.from_peer_copies import describe_snapshot
 
     if "description" not in _ONCE:
         state, _ = _one_worker_fsdp_state()
@@ -320,7 +320,7 @@ PLAN = FromPeerCopies(1, 1, 1, 99, (0,), (), (0,), 0)
 
 @pytest.mark.usefixtures("process_group")
 def test_a_newcomer_reads_the_leads_description_in_the_one_format():
-    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+    from elasticctl.train.recovery.from_peer_copies import newcomer_snapshot
 
     snapshot = newcomer_snapshot(_newcomer_blob(), PLAN, _newcomer())
     assert {path[0] for path in snapshot.global_shapes} == {"model", "optimizer"} and snapshot.sharded == {}
@@ -348,7 +348,7 @@ def _edit(index: int, position: int, value):
 ])
 @pytest.mark.usefixtures("process_group")
 def test_a_newcomer_refuses_a_description_that_does_not_fit(changes, error):
-    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+    from elasticctl.train.recovery.from_peer_copies import newcomer_snapshot
 
     with pytest.raises(StateError, match=error):
         newcomer_snapshot(_newcomer_blob(**changes), PLAN, _newcomer())
@@ -358,7 +358,7 @@ def test_a_newcomer_refuses_a_description_that_does_not_fit(changes, error):
 @FUZZ
 @given(st.binary(max_size=2048))
 def test_random_bytes_as_a_newcomers_description_only_ever_raise_state_error(blob):
-    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+    from elasticctl.train.recovery.from_peer_copies import newcomer_snapshot
 
     try:
         newcomer_snapshot(blob, PLAN, State(__import__("torch").nn.Linear(2, 2)))
@@ -381,7 +381,7 @@ newcomer_reached: set[str] = set()
        values=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 2), SECTION_ENTRY), max_size=2),
        drop=st.lists(st.integers(0, 20), max_size=2))
 def test_mutated_newcomer_descriptions_only_ever_raise_state_error(sharded, values, drop):
-    from elasticctl.train.recovery.peer_copies import newcomer_snapshot
+    from elasticctl.train.recovery.from_peer_copies import newcomer_snapshot
 
     def mutate(edits):
         def change(entries):

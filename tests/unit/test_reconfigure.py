@@ -1,4 +1,4 @@
-"""The pure choices of elasticctl.train.reconfigure: whether a hot-mode worker reconfigures one
+"""The pure choices of elasticctl.train.groups.reconfigure: whether a hot-mode worker reconfigures one
 process group in place or builds one per generation, and what it takes from a peer as a handle.
 What torch does underneath is pinned in tests/process/test_torch_reconfigure.py."""
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from elasticctl.errors import ConfigError
 from elasticctl.job.environment import REBUILD_GROUPS, rebuild_groups
-from elasticctl.train import reconfigure
-from elasticctl.train.reconfigure import (
+from elasticctl.train.groups import reconfigure
+from elasticctl.train.groups.reconfigure import (
     MAX_HANDLE_BYTES,
     GroupStrategy,
     checked_handle,

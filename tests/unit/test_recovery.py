@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from elasticctl.train.recovery.checkpoint import Checkpoint, FromCheckpoint
-from elasticctl.train.recovery.peer_copies import FromPeerCopies, PeerCopySource
-from elasticctl.train.recovery.replicas import FromReplicas, Replicas, ReplicaTransfer
+from elasticctl.train.recovery.from_checkpoint import Checkpoint, FromCheckpoint
+from elasticctl.train.recovery.from_peer_copies import FromPeerCopies, PeerCopySource
+from elasticctl.train.recovery.from_replicas import FromReplicas, Replicas, ReplicaTransfer
 from elasticctl.train.recovery.source import (
     NothingToMove,
     Reports,

@@ -1,4 +1,4 @@
-"""The replica check (elasticctl.train.replica_check, replica_watch): the rule that names a diverged
+"""The replica check (elasticctl.train.watches.replica_check, replica_watch): the rule that names a diverged
 replica, the checksum it compares, its settings and what a worker does with a verdict.
 
 Layer tests/unit: no etcd, no processes; the watch's all-gather is replaced by the reports a
@@ -18,9 +18,9 @@ from torch import nn
 from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
 from elasticctl.job.settings import ReplicaCheckSettings, WorkerSettings, parse_rdzv_options
-from elasticctl.train import replica_watch
-from elasticctl.train.stragglers import encode_name
-from elasticctl.train.replica_check import (
+from elasticctl.train.watches import replica_watch
+from elasticctl.train.groups.roster import encode_name
+from elasticctl.train.watches.replica_check import (
     NO_REPLICA,
     Diverged,
     NoMajority,
@@ -30,7 +30,7 @@ from elasticctl.train.replica_check import (
     parameters_digest,
     tensors_digest,
 )
-from elasticctl.train.replica_watch import ReplicaWatch
+from elasticctl.train.watches.replica_watch import ReplicaWatch
 
 A, B, C = 0xA, 0xB, 0xC  # checksums
 
@@ -174,7 +174,7 @@ def test_odd_sizes_and_views_are_read_as_bytes_without_error():
 
 
 def test_a_chunked_parameter_weighs_the_same_as_one_chunk(monkeypatch):
-    from elasticctl.train import replica_check
+    from elasticctl.train.watches import replica_check
 
     tensor = torch.randn(5 * replica_check._WIDTH + 7)  # six rows, the last one padded
     whole = tensors_digest([tensor])

@@ -15,7 +15,7 @@ import signal
 
 from support.runtime_phases import Trace, _runtime, _step
 
-from elasticctl.train.membership import RestartMembership
+from elasticctl.train.groups.membership import RestartMembership
 from elasticctl.train.runtime import Phase
 
 

@@ -1,18 +1,18 @@
-"""Who sends which shard when a sharded (HSDP) generation forms (elasticctl.train.recovery.replicas.plan_shards),
-and how a generation's workers are laid out as a mesh (elasticctl.train.shards.hsdp_layout), table-tested."""
+"""Who sends which shard when a sharded (HSDP) generation forms (elasticctl.train.recovery.from_replicas.plan_shards),
+and how a generation's workers are laid out as a mesh (elasticctl.train.sharding.shards.hsdp_layout), table-tested."""
 
 from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.recovery.replicas import (
+from elasticctl.train.recovery.from_replicas import (
     FromReplicas,
     ReplicaTransfer,
     plan_shards,
     unheld_shards,
 )
 from elasticctl.train.recovery.source import NothingToMove, Reports, trust
-from elasticctl.train.shards import LayoutError, hsdp_layout
+from elasticctl.train.sharding.shards import LayoutError, hsdp_layout
 
 T, F = True, False
 

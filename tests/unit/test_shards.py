@@ -1,4 +1,4 @@
-"""A sharded model re-wrapped for a new generation (elasticctl.train.shards) in a world of one:
+"""A sharded model re-wrapped for a new generation (elasticctl.train.sharding.shards) in a world of one:
 the new module continues bit for bit where the old one was (parameters, optimizer state), and
 its local shards travel and load back as DTensors of the receiver's own mesh."""
 
@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from elasticctl.train.shards import REPLICATE_DIM, SHARD_DIM, LocalShards, ShardedModel, hsdp_mesh, is_sharded
+from elasticctl.train.sharding.local_shards import LocalShards
+from elasticctl.train.sharding.shards import REPLICATE_DIM, SHARD_DIM, ShardedModel, hsdp_mesh, is_sharded
 from elasticctl.train.state import State
 
 

@@ -1,12 +1,12 @@
 """Who sends the state when a generation forms (elasticctl.train.recovery: whom the members believe,
-the replicas' plan for a replicated state), and in which buckets (elasticctl.train.buckets), table-tested."""
+the replicas' plan for a replicated state), and in which buckets (elasticctl.train.state_transfer.buckets), table-tested."""
 
 from __future__ import annotations
 
 import pytest
 
-from elasticctl.train.buckets import Bucket, Piece, bucket_owners, plan_buckets
-from elasticctl.train.recovery.replicas import FromReplicas, ReplicaTransfer, plan_whole_state
+from elasticctl.train.state_transfer.buckets import Bucket, Piece, bucket_owners, plan_buckets
+from elasticctl.train.recovery.from_replicas import FromReplicas, ReplicaTransfer, plan_whole_state
 from elasticctl.train.recovery.source import NothingToMove, previous_members, trust
 
 T, F = True, False

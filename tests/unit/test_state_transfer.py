@@ -1,4 +1,4 @@
-"""The state transfer's description (elasticctl.train.transfer, in elasticctl.train.description's one
+"""The state transfer's description (elasticctl.train.state_transfer.transfer, in elasticctl.train.state_transfer.description's one
 format): what a receiver reads from a peer and checks against its own state before anything is copied. The transfer itself runs between
 processes: tests/process/test_hot.py."""
 
@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from elasticctl.train import description, transfer
-from elasticctl.train.description import Own, TensorSpec, check_description, rebuild
+from elasticctl.train.state_transfer import description, transfer
+from elasticctl.train.state_transfer.description import Own, TensorSpec, check_description, rebuild
 from elasticctl.train.sampler import ResumableSampler
 from elasticctl.train.state import State, StateError
-from elasticctl.train.transfer import describe, parse_description
+from elasticctl.train.state_transfer.transfer import describe, parse_description
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

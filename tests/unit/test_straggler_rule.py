@@ -1,4 +1,4 @@
-"""The straggler rule (elasticctl.train.stragglers), its settings, its event and its dashboard mark."""
+"""The straggler rule (elasticctl.train.watches.stragglers), its settings, its event and its dashboard mark."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
 from elasticctl.job.settings import StragglerSettings, parse_rdzv_options
 from elasticctl.job.spec import JobSpec
-from elasticctl.train.stragglers import (
+from elasticctl.train.groups.roster import decode_name, encode_name
+from elasticctl.train.watches.stragglers import (
     MIN_EXCESS,
     Interval,
     StepClock,
     Straggler,
-    decode_name,
-    encode_name,
     find_stragglers,
     node_times,
     summarize,

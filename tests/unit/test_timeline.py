@@ -1,8 +1,8 @@
-"""The pure timeline of a hot recovery (elasticctl.train.timeline)."""
+"""The pure timeline of a hot recovery (elasticctl.train.recovery.timeline)."""
 
 import pytest
 
-from elasticctl.train.timeline import describe_timeline, recovery_timeline
+from elasticctl.train.recovery.timeline import describe_timeline, recovery_timeline
 
 
 @pytest.mark.parametrize(("noticed", "marks", "expected"), [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elasticctl.job.options import RecoveryMode
-from elasticctl.train.boundary import Agreed, BoundaryAction, at_boundary, checkpoint_before_leave
+from elasticctl.train.worker.boundary import Agreed, BoundaryAction, at_boundary, checkpoint_before_leave
 
 A = BoundaryAction
 

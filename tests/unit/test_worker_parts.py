@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elasticctl.job.options import RecoveryMode
-from elasticctl.train.boundary import Agreed
+from elasticctl.train.worker.boundary import Agreed
 from elasticctl.train.phase import Phase
 from elasticctl.train.worker.liveness import Liveness, LivenessBoard
 from elasticctl.train.worker.step_boundary import StepBoundary
@@ -20,7 +20,8 @@ from elasticctl.train.worker.watchdog import STOP_BOUND, no_step_warning_after, 
 
 WORKER = Path(__file__).resolve().parents[2] / "elasticctl" / "train" / "worker"
 COMPOSERS = {"executor", "forming"}   # they compose the parts; every other module is a part
-VALUES = {"place", "liveness"}        # what the parts are handed, not parts themselves
+# what the parts are handed or decide by, not parts themselves: values and the pure machine
+VALUES = {"place", "liveness", "lifecycle", "boundary"}
 
 
 def test_the_liveness_counts_a_step_only_within_a_generation():

@@ -19,7 +19,7 @@ The pure chooser (:func:`~.source.choose_plan`) asks the sources in precedence o
 the first plan; the order is :func:`~.sources.recovery_sources`': a live replica beats a
 buddy's copy, which beats the checkpoint (the checkpoint always has a plan). Every source
 believes the same members (:func:`~.source.trust`: the previous generation's members, none far
-ahead of its peers). :class:`elasticctl.train.state_sync.GenerationStateSync` gathers the reports
+ahead of its peers). :class:`elasticctl.train.recovery.state_sync.GenerationStateSync` gathers the reports
 once, chooses, and hands the plan to the source that made it.
 
 Adding a source (2-3 files):

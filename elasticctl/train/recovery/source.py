@@ -125,7 +125,7 @@ class Restoring:
     restore_from_checkpoint: Callable[..., Any]
     emit: Callable[..., None]
     worker: str
-    sharded: Any = None  # elasticctl.train.shards.ShardedModel
+    sharded: Any = None  # elasticctl.train.sharding.shards.ShardedModel
 
 
 class RecoverySource(Protocol):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Union
 
-from elasticctl.train.peer_copies import PeerCopies
-from elasticctl.train.recovery.checkpoint import Checkpoint, FromCheckpoint
-from elasticctl.train.recovery.peer_copies import FromPeerCopies, PeerCopySource
-from elasticctl.train.recovery.replicas import FromReplicas, Replicas
+from elasticctl.train.sharding.buddy_copies import PeerCopies
+from elasticctl.train.recovery.from_checkpoint import Checkpoint, FromCheckpoint
+from elasticctl.train.recovery.from_peer_copies import FromPeerCopies, PeerCopySource
+from elasticctl.train.recovery.from_replicas import FromReplicas, Replicas
 from elasticctl.train.recovery.source import NothingToMove, RecoverySource
 
 # What a forming generation does before it trains: exactly one of these, made by one source.

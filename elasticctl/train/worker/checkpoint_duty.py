@@ -6,7 +6,7 @@ that) and reports what it did through ``emit`` (the script's ``on_event``). A fa
 costs training nothing (no re-formation, no restart): the checkpointer logs it and records a
 ``checkpoint_failed`` event, the progress record carries it to status, doctor and the dashboard,
 and the next save tries again. How often the final checkpoint is retried is the lifecycle's
-(:func:`elasticctl.train.lifecycle.final_checkpoint_retry`)."""
+(:func:`elasticctl.train.worker.lifecycle.final_checkpoint_retry`)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.train import entry as worker_entry
-from elasticctl.train import lifecycle
+from elasticctl.train.worker import lifecycle
 from elasticctl.train.checkpoint import CheckpointError, Checkpointer
-from elasticctl.train.sharded_checkpoint import ShardedStateCheckpointer
+from elasticctl.train.checkpoints.sharded import ShardedStateCheckpointer
 from elasticctl.train.state import State
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class CheckpointDuty:
 
     def before_leave(self, stop_requested: bool) -> bool:
         """Every worker of the generation, at the boundary where some of them leave: a checkpoint
-        of the step all of them trained (:func:`elasticctl.train.boundary.checkpoint_before_leave`),
+        of the step all of them trained (:func:`elasticctl.train.worker.boundary.checkpoint_before_leave`),
         agreed on by every rank. False without a checkpoint directory, or when the write failed on
         any rank: one attempt, not the final checkpoint's retries, since the state lives on in the
         workers that stay (a full disk must not end them); the leave goes on as without it."""

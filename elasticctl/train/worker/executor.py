@@ -1,4 +1,4 @@
-"""The executor of a worker's state machine (:mod:`elasticctl.train.lifecycle`): it feeds the pure
+"""The executor of a worker's state machine (:mod:`elasticctl.train.worker.lifecycle`): it feeds the pure
 transition function what happened and carries out the commands it gets back, through parts that
 each own their state and never call one another:
 
@@ -8,7 +8,7 @@ each own their state and never call one another:
   the one read of the stop request per boundary;
 * :class:`~elasticctl.train.worker.checkpoint_duty.CheckpointDuty`: periodic, before a leave,
   final, restore;
-* :class:`~elasticctl.train.worker.watches.Watches`: stragglers, the replica check, non-finite;
+* :class:`~elasticctl.train.worker.watch_supervisor.Watches`: stragglers, the replica check, non-finite;
 * :class:`~elasticctl.train.worker.model_placement.ModelPlacement`: the state in sync, the model
   wrapped, per generation;
 * :class:`~elasticctl.train.worker.reporter.Reporter`: the script's events, the job's history,
@@ -40,20 +40,20 @@ from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.options import RecoveryMode
 from elasticctl.job.records import EventKind
 from elasticctl.train import entry as worker_entry
-from elasticctl.train import lifecycle
+from elasticctl.train.worker import lifecycle
 from elasticctl.train import script as worker_env
-from elasticctl.train.boundary import Agreed
+from elasticctl.train.worker.boundary import Agreed
 from elasticctl.train.group import Group
-from elasticctl.train.lifecycle import (CancelJoin, Command, Exit, Finish, Form, GiveUpForming, Leave, Raise,
+from elasticctl.train.worker.lifecycle import (CancelJoin, Command, Exit, Finish, Form, GiveUpForming, Leave, Raise,
                                         RaisePeerLeaving, SaveBeforeLeave, StartStopTimer, StopForAgent, Train,
                                         WarnNothingTrained, Withdraw, LifecycleState, on_stop_request, transition)
 from elasticctl.train.phase import Phase
-from elasticctl.train.reconfigure import (GroupStrategy, group_strategy, is_collective_timeout,
+from elasticctl.train.groups.reconfigure import (GroupStrategy, group_strategy, is_collective_timeout,
                                           torch_can_reconfigure)
-from elasticctl.train.replica_check import ReplicasDisagree
+from elasticctl.train.watches.replica_check import ReplicasDisagree
 from elasticctl.train.sample_ledger import SampleLedger
 from elasticctl.train.state import State
-from elasticctl.train.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from elasticctl.train.state_transfer.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from elasticctl.train.worker.checkpoint_duty import CheckpointDuty
 from elasticctl.train.worker.forming import GenerationForming
 from elasticctl.train.worker.generation_manager import GenerationManager
@@ -63,7 +63,7 @@ from elasticctl.train.worker.place import worker_place
 from elasticctl.train.worker.reporter import Reporter
 from elasticctl.train.worker.step_boundary import StepBoundary
 from elasticctl.train.worker.watchdog import Watchdog, no_step_warning_after
-from elasticctl.train.worker.watches import Watches
+from elasticctl.train.worker.watch_supervisor import Watches
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Runtime:
                                     restore_from_checkpoint=self._restore_from_checkpoint,
                                     emit=self.reporter.emit, bucket_observers=lambda: self.watches.bucket_observers())
         # Whether this worker's generations reconfigure one process group or build one each
-        # (train/reconfigure.py); restart mode has one generation per process either way.
+        # (train/groups/reconfigure.py); restart mode has one generation per process either way.
         choice = group_strategy(place.backend, torch_can_reconfigure(), sharded=bool(sharded),
                                 default_wrap=wrap is None, kept_mesh=self.model.keeps_mesh,
                                 forced_rebuild=environment_names.rebuild_groups())
@@ -136,7 +136,7 @@ class Runtime:
                                          reporter=self.reporter, liveness=self.liveness)
         # ELASTICCTL_SAMPLE_LEDGER: the samples each step trained (State.commit writes), per start
         self.ledger = SampleLedger.from_environment()
-        # The machine's state (train/lifecycle.py), replaced whole by each transition.
+        # The machine's state (train/worker/lifecycle.py), replaced whole by each transition.
         self._worker_state = LifecycleState(membership.mode, reconfigures=membership.recovers_in_process
                                          and choice.strategy is GroupStrategy.RECONFIGURE)
 
@@ -287,7 +287,7 @@ class Runtime:
         """Called by :meth:`State.commit` before the optimizer step; whether to apply it.
 
         Non-finite gradients are named, and the step skipped with ``--skip-non-finite 1``
-        (:mod:`elasticctl.train.non_finite_watch`: the same answer on every worker). Hot mode,
+        (:mod:`elasticctl.train.watches.non_finite_watch`: the same answer on every worker). Hot mode,
         sharded model: the workers of each shard group agree that all of their gradients arrived
         (:meth:`ModelPlacement.before_step_applied`). Restart mode restores every worker from
         the checkpoint anyway."""
@@ -370,6 +370,6 @@ def step_failure(step: int, failure: Exception, noticed_at: float | None) -> lif
     """The event of a step that raised ``failure``, with the facts the machine decides on: whether
     it is fatal (replicas that disagree with no majority: another generation would train on from
     state no one can vouch for) and whether it is a collective's timeout (a frozen peer, after
-    which the group may be kept: train/lifecycle.py)."""
+    which the group may be kept: train/worker/lifecycle.py)."""
     return lifecycle.StepFailed(step, failure, fatal=isinstance(failure, ReplicasDisagree),
                                 timed_out=is_collective_timeout(failure), noticed_at=noticed_at)

@@ -1,4 +1,4 @@
-"""Forming a generation, as the lifecycle's :class:`~elasticctl.train.lifecycle.Form` command
+"""Forming a generation, as the lifecycle's :class:`~elasticctl.train.worker.lifecycle.Form` command
 says: the generation in use ends (its group torn down, or kept to be reconfigured in place), the
 next one is sealed, its groups are built, the state is brought in sync and the model wrapped,
 and every part hears of the new generation. The order is this module's; each step is a part's."""
@@ -9,9 +9,9 @@ import logging
 from typing import Any
 
 from elasticctl.rendezvous.member import JoinCancelled
-from elasticctl.train import lifecycle
+from elasticctl.train.worker import lifecycle
 from elasticctl.train.group import Group
-from elasticctl.train.lifecycle import Form
+from elasticctl.train.worker.lifecycle import Form
 from elasticctl.train.state import State, StateError
 from elasticctl.train.worker.checkpoint_duty import CheckpointDuty
 from elasticctl.train.worker.generation_manager import GenerationManager
@@ -19,7 +19,7 @@ from elasticctl.train.worker.liveness import LivenessBoard
 from elasticctl.train.worker.model_placement import ModelPlacement
 from elasticctl.train.worker.reporter import Reporter
 from elasticctl.train.worker.step_boundary import StepBoundary
-from elasticctl.train.worker.watches import Watches
+from elasticctl.train.worker.watch_supervisor import Watches
 
 log = logging.getLogger(__name__)
 

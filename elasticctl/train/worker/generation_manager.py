@@ -6,7 +6,7 @@ Other threads reach the groups only through here: the lost-member abort (from th
 view's writer thread) aborts under the same lock the teardown holds, and only the generation it
 was asked for, so an abort never hits a group being torn down or its successor. Whether a group
 is kept, and whether a failed generation's connections are severed, is the lifecycle's decision
-(:mod:`elasticctl.train.lifecycle`); this part carries it out."""
+(:mod:`elasticctl.train.worker.lifecycle`); this part carries it out."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.job import environment as environment_names
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.options import RecoveryMode
-from elasticctl.train.connections import GenerationConnections
+from elasticctl.train.groups.connections import GenerationConnections
 from elasticctl.train.group import Group
-from elasticctl.train.loss_abort import LossAbort, backend_aborts
-from elasticctl.train.membership import HotMembership, Membership, RestartMembership, Sealed
+from elasticctl.train.groups.lost_member_abort import LossAbort, backend_aborts
+from elasticctl.train.groups.membership import HotMembership, Membership, RestartMembership, Sealed
 from elasticctl.train.phase import Phase
-from elasticctl.train.process_group import (build_control_group, build_generation_group,
+from elasticctl.train.groups.process_group import (build_control_group, build_generation_group,
                                             reconfigure_generation_group, reset_group_counter)
-from elasticctl.train.reconfigure import GroupStrategy, ReconfigurableGroup, StrategyChoice
-from elasticctl.train.shards import hsdp_layout
+from elasticctl.train.groups.reconfigure import GroupStrategy, ReconfigurableGroup, StrategyChoice
+from elasticctl.train.sharding.shards import hsdp_layout
 from elasticctl.train.worker.place import WorkerPlace
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class GenerationManager:
 
     def sever(self) -> None:
         """The failed generation's connections shut down: the peers still waiting on this worker
-        in its collectives learn of the failure now, not at their timeout (train/connections.py)."""
+        in its collectives learn of the failure now, not at their timeout (train/groups/connections.py)."""
         if self.connections is not None:
             self.connections.sever()
 
@@ -114,7 +114,7 @@ class GenerationManager:
         """The process groups of the generation ``sealed``: the training group reconfigured (the
         kept one, or a new reconfigurable one) or built, and the side group. Returns the recovery
         phase it ended (None: torchrun's round had the group up already)."""
-        # Only gloo's connections (train/connections.py): an NCCL group's own sockets are its
+        # Only gloo's connections (train/groups/connections.py): an NCCL group's own sockets are its
         # abort's business, so with NCCL only the gloo side group's are recorded.
         records_training_group = self.connections is not None and not backend_aborts(self.backend)
         connections_before = self.connections.current() if records_training_group else None
@@ -166,7 +166,7 @@ class GenerationManager:
             self.reconfigurable = None
             # destroy_process_group() below takes the side group down with the training group; the
             # last reference goes here, so that its gloo threads and sockets go with it. (A failed
-            # generation's connections were shut down before: train/connections.py.)
+            # generation's connections were shut down before: train/groups/connections.py.)
             self.control_group = None
             if not dist.is_initialized():
                 return
@@ -200,7 +200,7 @@ class GenerationManager:
     def _connect_generations(self):
         """Hot mode: this worker's part in its job's generations, from its environment."""
         from elasticctl.etcd.client import EtcdClient
-        from elasticctl.train.generations import Generations
+        from elasticctl.train.groups.generations import Generations
 
         etcd = self.environment.etcd_settings(retry_timeout=30.0)
         if etcd is None:
@@ -211,13 +211,13 @@ class GenerationManager:
             for name, value in environment_names.NCCL_HOT_RECOVERY.items():
                 os.environ.setdefault(name, value)
         addr = self.environment.node_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        # The connections of each generation's groups, shut down when one fails (train/connections.py):
+        # The connections of each generation's groups, shut down when one fails (train/groups/connections.py):
         # never etcd's, whose client lives on across generations.
         self.connections = GenerationConnections(self.worker, other_ports={e.port for e in etcd.endpoints})
         generations = Generations(EtcdClient(etcd), self.environment.job_keys(), self.worker, addr,
                                   self.membership.settings, self.environment.secret_bytes(), sharded=self.sharded)
         # A member lost while this worker may wait in a collective with it: abort the group
-        # where the backend can (train/loss_abort.py), not wait for the collective's timeout;
+        # where the backend can (train/groups/lost_member_abort.py), not wait for the collective's timeout;
         # under the lock the teardown holds, so never a group coming down or its successor.
         generations.on_member_lost(LossAbort(self.worker, self.backend,
                                              lambda: (self._phase(), self.running_generation),

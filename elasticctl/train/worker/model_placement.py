@@ -1,8 +1,8 @@
 """The model's place in each generation: the state brought in sync among the generation's
-members (:mod:`elasticctl.train.state_sync`), then the model wrapped on the generation's group:
+members (:mod:`elasticctl.train.recovery.state_sync`), then the model wrapped on the generation's group:
 the runtime's DDP (kept on a group reconfigured in place when no newcomer joined), the script's
-own wrap, or a sharded model re-wrapped on the generation's mesh (:mod:`elasticctl.train.shards`),
-with the in-memory peer copies of its shards (:mod:`elasticctl.train.peer_copies`)."""
+own wrap, or a sharded model re-wrapped on the generation's mesh (:mod:`elasticctl.train.sharding.shards`),
+with the in-memory peer copies of its shards (:mod:`elasticctl.train.sharding.buddy_copies`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elasticctl.errors import ConfigError
-from elasticctl.train.ddp_hooks import observe_buckets
+from elasticctl.train.watches.ddp_hooks import observe_buckets
 from elasticctl.train.group import Group
-from elasticctl.train.peer_copies import PeerCopies
-from elasticctl.train.shards import ShardedModel, is_sharded
+from elasticctl.train.sharding.buddy_copies import PeerCopies
+from elasticctl.train.sharding.shards import ShardedModel, is_sharded
 from elasticctl.train.state import State
-from elasticctl.train.state_sync import GenerationStateSync
+from elasticctl.train.recovery.state_sync import GenerationStateSync
 from elasticctl.train.worker.place import WorkerPlace
 
 log = logging.getLogger(__name__)
@@ -50,10 +50,10 @@ class ModelPlacement:
         self._bucket_observers = bucket_observers
         self._emit = emit
         # sharded="hsdp": the wrap shards on hsdp_mesh(group), a mesh kept across generations where
-        # the groups are reconfigured in place; else each generation's mesh is new (train/shards.py).
+        # the groups are reconfigured in place; else each generation's mesh is new (train/sharding/shards.py).
         self.keeps_mesh = sharded == "hsdp"
         self.sharded = ShardedModel(wrap) if sharded else None
-        # In-memory copies of the shards, on a buddy (train/peer_copies.py); None: not asked for.
+        # In-memory copies of the shards, on a buddy (train/sharding/buddy_copies.py); None: not asked for.
         self.peer_copies = (PeerCopies(state.peer_copies, worker=place.worker, timeout=place.pg_timeout,
                                        bucket_bytes=bucket_bytes, emit=emit) if state.peer_copies else None)
         self._wrapped: tuple[Any, torch.nn.Module] | None = None  # (the group it was wrapped on, the DDP)
@@ -151,7 +151,7 @@ class ModelPlacement:
 
     def _wrapped_in_ddp(self, model: torch.nn.Module, group: Group, reconfigured_in_place: bool) -> torch.nn.Module:
         """The default wrapping (DDP), timing this worker's own part of each step when the job
-        watches for stragglers (the hook's why: elasticctl.train.stragglers). On a group
+        watches for stragglers (the hook's why: elasticctl.train.watches.stragglers). On a group
         reconfigured in place the DDP it was wrapped on goes on: its reducer follows the group's
         live size (tests/process/test_torch_reconfigure.py), as long as no newcomer joined: a
         DDP's first steps run collectives of their own (the bucket order is agreed from rank 0

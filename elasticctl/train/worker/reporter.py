@@ -14,7 +14,7 @@ from elasticctl.errors import ElasticctlError
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.records import EventKind
 from elasticctl.train.group import Group
-from elasticctl.train.timeline import describe_timeline, recovery_timeline
+from elasticctl.train.recovery.timeline import describe_timeline, recovery_timeline
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Reporter:
         self._progress: Any = None
         self._registry: Any = None
         self._samples_since = (time.monotonic(), 0)
-        self._recovery_marks: dict[str, float] = {}  # phase -> wall time it ended (train/timeline.py)
+        self._recovery_marks: dict[str, float] = {}  # phase -> wall time it ended (train/recovery/timeline.py)
         # When the fault or change this generation recovers from was noticed; cleared once its
         # first step is recorded (None: the generation ends no recovery, or it is recorded).
         self._recovering_since: float | None = None

@@ -1,6 +1,6 @@
 """The flags of a step boundary: whether a membership change is pending and whether this worker
 leaves, summed over the generation's control group, and when the sum is read
-(:func:`elasticctl.train.lifecycle.when_flags_agreed`: at once, at the next boundary, or alone).
+(:func:`elasticctl.train.worker.lifecycle.when_flags_agreed`: at once, at the next boundary, or alone).
 
 It owns the flags in flight (one all-reduce at a time) and the stop request: the SIGTERM handler
 sets it between any two bytecodes of the training thread, so it is read once per boundary, and
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from elasticctl.job.options import RecoveryMode
-from elasticctl.train import lifecycle
-from elasticctl.train.boundary import Agreed
+from elasticctl.train.worker import lifecycle
+from elasticctl.train.worker.boundary import Agreed
 
 
 class StepBoundary:

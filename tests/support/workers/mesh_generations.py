@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from elasticctl.train import shards
-from elasticctl.train.shards import ShardedModel, hsdp_mesh
+from elasticctl.train.sharding import shards
+from elasticctl.train.sharding.shards import ShardedModel, hsdp_mesh
 from elasticctl.train.state import State
 
 

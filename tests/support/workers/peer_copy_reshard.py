@@ -8,7 +8,7 @@ shards; each prints one JSON line as below (the digest expected: the world of 2'
 model over a 1-D mesh of 3 (width 36: uneven shards), train 8 steps with copy rounds every 3 (and
 at the first boundary), and print the digest of the full state (parameters and optimizer) after
 each step. Worker 2 then exits (its node lost); workers 0 and 1 form a world of 2 on a new
-store, re-wrap, and sync their shards (elasticctl.train.state_sync with the peer copies): each
+store, re-wrap, and sync their shards (elasticctl.train.recovery.state_sync with the peer copies): each
 prints one JSON line with the step it went back to, the digest of the full state there, the
 digest the world of 3 had at that step, and the step after one more training step.
 """
@@ -62,8 +62,8 @@ def worker(rank: int, port: int, mode: str = "loss") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elasticctl.train.peer_copies import PeerCopies
-    from elasticctl.train.shards import ShardedModel
+    from elasticctl.train.sharding.buddy_copies import PeerCopies
+    from elasticctl.train.sharding.shards import ShardedModel
     from elasticctl.train.state import State
 
     def wrap(model, group):
@@ -121,8 +121,8 @@ def worker(rank: int, port: int, mode: str = "loss") -> None:
 def join(rank: int, port: int, wrap, train_step) -> None:
     from lm import LanguageModel, bigram_dataset
 
-    from elasticctl.train.peer_copies import PeerCopies
-    from elasticctl.train.shards import ShardedModel
+    from elasticctl.train.sharding.buddy_copies import PeerCopies
+    from elasticctl.train.sharding.shards import ShardedModel
     from elasticctl.train.state import State
 
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def join(rank: int, port: int, wrap, train_step) -> None:
 
 def state_sync(state, rank: int, sharded, copies, events: list):
     """The runtime's state sync of this worker, on CPU, its events into ``events``."""
-    from elasticctl.train.state_sync import GenerationStateSync
+    from elasticctl.train.recovery.state_sync import GenerationStateSync
 
     return GenerationStateSync(state, device=torch.device("cpu"), transport=torch.device("cpu"), bucket_bytes=4096,
                                restore_from_checkpoint=lambda **event: None,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from elasticctl.job.records import Round
-from elasticctl.train.process_group import build_generation_group, reset_group_counter
+from elasticctl.train.groups.process_group import build_generation_group, reset_group_counter
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rank", type=int, required=True)

@@ -5,10 +5,10 @@ it once.
     reconfigure_mesh_probe.py COORD_PORT NAME        (NAME: a0 a1 b0 b1: node, then local rank)
 
 Every worker starts alone, as a hot-mode worker does: its default group
-(elasticctl.train.reconfigure.ReconfigurableGroup) and its two mesh groups
-(elasticctl.train.reconfigure.MeshGroups: made alone with ``new_group`` on that group, whose
+(elasticctl.train.groups.reconfigure.ReconfigurableGroup) and its two mesh groups
+(elasticctl.train.groups.reconfigure.MeshGroups: made alone with ``new_group`` on that group, whose
 ``enable_reconfigure`` they inherit). Each generation reconfigures all three in place, the mesh
-groups over the generation's HSDP layout (elasticctl.train.shards.hsdp_layout), on a store the
+groups over the generation's HSDP layout (elasticctl.train.sharding.shards.hsdp_layout), on a store the
 generation's host keeps:
 
 1. node a (a0 a1): the world and the shard group over a0 a1, each replicate group over one of
@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elasticctl.train.reconfigure import (
+from elasticctl.train.groups.reconfigure import (
     MeshDim,
     MeshGroups,
     ReconfigurableGroup,
     handles_of,
     mesh_handles_of,
 )
-from elasticctl.train.shards import hsdp_layout
+from elasticctl.train.sharding.shards import hsdp_layout
 
 TIMEOUT = datetime.timedelta(seconds=30)
 RANKS = {"a0": 0, "a1": 1, "b0": 2, "b1": 3}

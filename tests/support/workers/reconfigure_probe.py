@@ -1,5 +1,5 @@
 """One worker of tests/process/test_torch_reconfigure.py: torch's in-place reconfiguration, driven
-through elasticctl.train.reconfigure as the runtime drives it.
+through elasticctl.train.groups.reconfigure as the runtime drives it.
 
     reconfigure_probe.py COORD_PORT NAME SCENARIO
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elasticctl.train.connections import GenerationConnections
-from elasticctl.train.reconfigure import ReconfigurableGroup
+from elasticctl.train.groups.connections import GenerationConnections
+from elasticctl.train.groups.reconfigure import ReconfigurableGroup
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
