@@ -88,3 +88,34 @@ def test_the_parts_never_import_one_another():
     crossing = {part: sorted(imported - VALUES) for part, imported in parts.items()
                 if part not in COMPOSERS and imported - VALUES}
     assert crossing == {}
+
+
+def test_one_roster_per_generation_is_gathered_once_and_shared(process_group, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from elasticctl.train.groups import roster as roster_module
+
+    gathers = []
+    real = roster_module.gather_node_names
+    monkeypatch.setattr(roster_module, "gather_node_names",
+                        lambda *args: gathers.append(args) or real(*args))  # counts the real all-gathers
+    roster = roster_module.Roster("a", "a.0")
+    first, second = SimpleNamespace(number=1, world_size=1), SimpleNamespace(number=2, world_size=1)
+    assert [roster.nodes(first, None, "x"), roster.nodes(first, None, "y")] == [["a"], ["a"]]
+    assert len(gathers) == 1  # the second watch to ask reads the first one's
+    assert roster.nodes(second, None, "x") == ["a"] and len(gathers) == 2  # a new generation gathers anew
+    roster.forget()
+    assert roster.nodes(second, None, "x") == ["a"] and len(gathers) == 3
+
+
+def test_a_roster_a_peer_spoiled_names_no_node_and_each_watch_says_what_it_costs(process_group, caplog):
+    from types import SimpleNamespace
+
+    from elasticctl.train.groups.roster import Roster
+
+    roster = Roster("a/b", "a.0")  # bytes that are no node name, as a peer's could be
+    generation = SimpleNamespace(number=4, world_size=1)
+    assert roster.nodes(generation, None, "the check names no node") == []
+    assert roster.nodes(generation, None, "stragglers are off") == []
+    warnings = [r.getMessage() for r in caplog.records if "generation 4" in r.getMessage()]
+    assert len(warnings) == 2 and "the check names no node" in warnings[0] and "stragglers are off" in warnings[1]

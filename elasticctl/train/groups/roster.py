@@ -1,6 +1,8 @@
 """The roster of a generation: each rank's node name, all-gathered over the generation's control
-group when a watch first needs it. What a peer sends is untrusted: bytes that are no node name
-leave the roster empty, and the watch that asked names no node in that generation."""
+group once, when a watch first needs it (every rank runs the same watches at the same
+boundaries, so the first to ask is the same on every rank), and shared by the watches after that.
+What a peer sends is untrusted: bytes that are no node name leave the roster empty, and each
+watch that asks names no node in that generation, saying so once."""
 
 from __future__ import annotations
 
@@ -38,12 +40,29 @@ def gather_node_names(node: str, world_size: int, group) -> list[str]:
     return [decode_name(n.tolist()) for n in names]
 
 
-def rank_nodes_or_empty(node: str, group, control_group, worker: str, without: str) -> list[str]:
-    """Every rank's node name (:func:`gather_node_names`), or [] when a peer sent bytes that are no
-    name: they are untrusted, so the caller names no node in this generation (``without``: what
-    that costs it, for the one warning)."""
-    try:
-        return gather_node_names(node, group.world_size, control_group)
-    except ConfigError as exc:
-        log.warning("[%s] %s in generation %d: %s", worker, without, group.number, exc)
-        return []
+class Roster:
+    """Worker ``worker`` (of node ``node``)'s roster, one per generation."""
+
+    def __init__(self, node: str, worker: str) -> None:
+        self.node = node
+        self.worker = worker
+        self._gathered: tuple[int, list[str] | ConfigError] | None = None  # (generation, names or why none)
+
+    def forget(self) -> None:
+        """A new generation: its roster is gathered anew."""
+        self._gathered = None
+
+    def nodes(self, group, control_group, without: str) -> list[str]:
+        """Every rank's node name in ``group``'s generation, or [] when a peer sent bytes that are no
+        name (``without``: what that costs the asking watch, for its warning)."""
+        if self._gathered is None or self._gathered[0] != group.number:
+            try:
+                found: list[str] | ConfigError = gather_node_names(self.node, group.world_size, control_group)
+            except ConfigError as exc:
+                found = exc
+            self._gathered = (group.number, found)
+        found = self._gathered[1]
+        if isinstance(found, ConfigError):
+            log.warning("[%s] %s in generation %d: %s", self.worker, without, group.number, found)
+            return []
+        return found

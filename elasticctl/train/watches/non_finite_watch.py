@@ -39,7 +39,7 @@ from elasticctl.train.watches.non_finite import (
     read_flags,
     starts_a_run,
 )
-from elasticctl.train.groups.roster import rank_nodes_or_empty
+from elasticctl.train.groups.roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,13 @@ class NonFiniteWatch:
     """The non-finite checks of this worker's run."""
 
     def __init__(self, settings: NonFiniteSettings | None, worker: str, node: str, *, enabled: bool,
-                 control_group: Callable[[], Any], record: Callable[..., None]) -> None:
+                 control_group: Callable[[], Any], record: Callable[..., None],
+                 roster: Callable[[Any, Any, str], list[str]] | None = None) -> None:
         self.settings = settings
         self.enabled = enabled and settings is not None and bool(settings.check)
         self.worker, self.node = worker, node
+        # the generation's roster, shared with the other watches (groups/roster.py)
+        self._roster = roster or Roster(node, worker).nodes
         self._control_group = control_group  # the current generation's (None: torch's default)
         self._record = record                # record(kind, node=..., **fields): an event, later
         self._bucket_flags: list[torch.Tensor] = []  # this step's: each bucket finite before its all-reduce
@@ -117,8 +120,7 @@ class NonFiniteWatch:
             return judge_non_finite(step, [mine])
         control_group = self._control_group()
         if self._rank_nodes is None:
-            self._rank_nodes = rank_nodes_or_empty(self.node, group, control_group, self.worker,
-                                                  "non-finite steps name no node")
+            self._rank_nodes = self._roster(group, control_group, "non-finite steps name no node")
         sent = torch.tensor(mine.encode(), dtype=torch.int64)
         gathered = [torch.empty_like(sent) for _ in range(group.world_size)]
         dist.all_gather(gathered, sent, group=control_group)

@@ -35,7 +35,7 @@ from elasticctl.train.watches.replica_check import (
     judge_replicas,
     parameters_digest,
 )
-from elasticctl.train.groups.roster import rank_nodes_or_empty
+from elasticctl.train.groups.roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,12 @@ class ReplicaWatch:
 
     def __init__(self, settings: ReplicaCheckSettings | None, worker: str, node: str, *,
                  control_group: Callable[[], Any], replica_set: Callable[[], int | None], sharded: bool,
-                 record: Callable[..., None], request_leave: Callable[[str], None]) -> None:
+                 record: Callable[..., None], request_leave: Callable[[str], None],
+                 roster: Callable[[Any, Any, str], list[str]] | None = None) -> None:
         self.settings = settings
         self.worker, self.node = worker, node
+        # the generation's roster, shared with the other watches (groups/roster.py)
+        self._roster = roster or Roster(node, worker).nodes
         self._control_group = control_group  # the current generation's, as the flags' (None: torch's default)
         self._replica_set = replica_set      # this worker's replica-set key (None: its state has no replica)
         self._sharded = sharded              # the replica sets are shard indexes (else one set: DDP)
@@ -91,8 +94,7 @@ class ReplicaWatch:
         worker; the verdict on them (any two int64 are a report: the rule reads nothing else)."""
         control_group = self._control_group()
         if self._rank_nodes is None:
-            self._rank_nodes = rank_nodes_or_empty(self.node, group, control_group, self.worker,
-                                                  "the replica check names no node and evicts none")
+            self._rank_nodes = self._roster(group, control_group, "the replica check names no node and evicts none")
         mine = torch.tensor([digest, key if key >= 0 else NO_REPLICA], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
         dist.all_gather(gathered, mine, group=control_group)

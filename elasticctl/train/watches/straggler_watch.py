@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from elasticctl.job.settings import StragglerSettings
 from elasticctl.job.records import EventKind
-from elasticctl.train.groups.roster import rank_nodes_or_empty
+from elasticctl.train.groups.roster import Roster
 from elasticctl.train.watches.stragglers import (
     Interval,
     StepClock,
@@ -42,9 +42,12 @@ class StragglerWatch:
 
     def __init__(self, settings: StragglerSettings | None, worker: str, node: str, *,
                  control_group: Callable[[], Any], record: Callable[..., None],
-                 request_leave: Callable[[str], None]) -> None:
+                 request_leave: Callable[[str], None],
+                 roster: Callable[[Any, Any, str], list[str]] | None = None) -> None:
         self.settings = settings
         self.worker, self.node = worker, node
+        # the generation's roster, shared with the other watches (groups/roster.py)
+        self._roster = roster or Roster(node, worker).nodes
         self._control_group = control_group  # the current generation's, as the flags' (None: torch's default)
         self._record = record              # record(kind, node=..., **fields): an event, later
         self._request_leave = request_leave  # ask a node to leave, as `elasticctl leave` does
@@ -90,8 +93,7 @@ class StragglerWatch:
         fastest, median, steps = self.clock.take()
         control_group = self._control_group()
         if self._rank_nodes is None:
-            self._rank_nodes = rank_nodes_or_empty(self.node, group, control_group, self.worker,
-                                                  "straggler detection is off")
+            self._rank_nodes = self._roster(group, control_group, "straggler detection is off")
         mine = torch.tensor([fastest, median, float(steps)], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(group.world_size)]
         dist.all_gather(gathered, mine, group=control_group)

@@ -124,7 +124,7 @@ class Runtime:
         membership = self.generations.membership
         self.boundary = StepBoundary(membership.mode, after_stop_flag_read=lambda: after_stop_flag_read(self))
         self.watches = Watches(environment.settings, worker=place.worker, node=place.node, record=self.reporter.record,
-                               request_leave=self.reporter.request_leave,
+                               request_leave=self.reporter.request_leave, roster=self.generations.roster.nodes,
                                control_group=lambda: self.generations.control_group,
                                replica_set=self.model.replica_set, sharded=sharded,
                                non_finite=state.scaler is None)

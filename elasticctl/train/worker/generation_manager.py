@@ -31,6 +31,7 @@ from elasticctl.train.groups.membership import HotMembership, Membership, Restar
 from elasticctl.train.phase import Phase
 from elasticctl.train.groups.process_group import (build_control_group, build_generation_group,
                                             reconfigure_generation_group, reset_group_counter)
+from elasticctl.train.groups.roster import Roster
 from elasticctl.train.groups.reconfigure import GroupStrategy, ReconfigurableGroup, StrategyChoice
 from elasticctl.train.sharding.shards import hsdp_layout
 from elasticctl.train.worker.place import WorkerPlace
@@ -64,6 +65,7 @@ class GenerationManager:
         self.control_group: Any = None
         self.connections: GenerationConnections | None = None  # hot mode: its generations' groups' connections
         self.group: Group | None = None  # the generation in use, while the worker trains in it (and its end)
+        self.roster = Roster(place.node, place.worker)  # each rank's node name, one gather per generation
         self._lock = threading.Lock()  # the groups change (teardown) or are aborted under it, never both
 
     @property
@@ -150,6 +152,7 @@ class GenerationManager:
         """The generation ``group`` is the one in use from now on."""
         with self._lock:
             self.group = group
+        self.roster.forget()
 
     # -- ending ------------------------------------------------------------------------------
 

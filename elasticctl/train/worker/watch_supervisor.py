@@ -19,21 +19,23 @@ from elasticctl.train.watches.straggler_watch import StragglerWatch
 class Watches:
     """The watches of worker ``worker`` (node ``node``) under ``settings`` (None: not under
     elasticctl: none watches). ``record`` and ``request_leave``: the reporter's, which acts on
-    what they conclude; ``control_group()``: the generation's group for their exchanges;
-    ``replica_set()``: this worker's replica-set key for the replica check; ``non_finite``: the
+    what they conclude; ``roster``: the generation's node names, shared; ``control_group()``: the
+    generation's group for their exchanges; ``replica_set()``: this worker's replica-set key for the replica check; ``non_finite``: the
     non-finite watch may run (not under a gradient scaler, which skips such steps itself)."""
 
     def __init__(self, settings: WorkerSettings | None, *, worker: str, node: str, record: Callable[..., None],
-                 request_leave: Callable[[str], None], control_group: Callable[[], Any], replica_set: Callable[[], int | None], sharded: bool | str,
+                 request_leave: Callable[[str], None], roster: Callable[[Any, Any, str], list[str]],
+                 control_group: Callable[[], Any], replica_set: Callable[[], int | None], sharded: bool | str,
                  non_finite: bool) -> None:
         self.stragglers = StragglerWatch(None if settings is None else settings.stragglers, worker, node,
                                          control_group=control_group, record=record,
-                                         request_leave=request_leave)
+                                         request_leave=request_leave, roster=roster)
         self.replicas = ReplicaWatch(None if settings is None else settings.replicas, worker, node,
                                      control_group=control_group, replica_set=replica_set, sharded=sharded,
-                                     record=record, request_leave=request_leave)
+                                     record=record, request_leave=request_leave, roster=roster)
         self.non_finite = NonFiniteWatch(None if settings is None else settings.non_finite, worker, node,
-                                         enabled=non_finite, control_group=control_group, record=record)
+                                         enabled=non_finite, control_group=control_group, record=record,
+                                         roster=roster)
 
     def new_generation(self) -> None:
         self.stragglers.new_generation()
