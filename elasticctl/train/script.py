@@ -62,6 +62,16 @@ def restart_count(environment: WorkerEnvironment | None = None) -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0")
 
 
+def local_device() -> tuple[int, torch.device, str]:
+    """This worker's local rank (LOCAL_RANK), its device (the GPU of that index, made current,
+    where there are GPUs; else the CPU) and the backend for it (NCCL on a GPU, else gloo)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return local_rank, torch.device("cuda", local_rank), "nccl"
+    return local_rank, torch.device("cpu"), "gloo"
+
+
 def init(timeout: float = 60.0, backend: str | None = None,
          environment: WorkerEnvironment | None = None) -> WorkerContext:
     """Join the process group described by the environment and pick this worker's device.
@@ -74,12 +84,7 @@ def init(timeout: float = 60.0, backend: str | None = None,
     """
     if timeout <= 0:
         raise ConfigError(f"The process-group timeout ({timeout:g} s) must be positive.")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, default_backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, default_backend = torch.device("cpu"), "gloo"
+    local_rank, device, default_backend = local_device()
     backend = backend or default_backend
     pg_timeout = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():

@@ -10,6 +10,7 @@ import torch
 
 from elasticctl.job.environment import WorkerEnvironment
 from elasticctl.job.options import RecoveryMode
+from elasticctl.train.script import local_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +36,7 @@ class WorkerPlace:
 def worker_place(environment: WorkerEnvironment, backend: str | None, pg_timeout: float | None) -> WorkerPlace:
     """This worker's place: its device from LOCAL_RANK (a GPU where there is one, with NCCL),
     its groups' timeout (hot mode: the node TTL, so that a frozen peer costs about the TTL)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, default_backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, default_backend = torch.device("cpu"), "gloo"
+    local_rank, device, default_backend = local_device()
     settings = environment.settings  # the worker settings, None outside elasticctl's handler
     hot = environment.recovery is RecoveryMode.HOT
     default_timeout = (settings.hot.node_ttl if hot else None) or 60.0
