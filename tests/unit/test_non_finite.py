@@ -19,6 +19,7 @@ from elasticctl.errors import ConfigError
 from elasticctl.job.records import Event, EventKind
 from elasticctl.job.settings import NonFiniteSettings, WorkerSettings, parse_rdzv_options
 from elasticctl.train.watches.ddp_hooks import observe_buckets
+from support.watches import collecting
 from elasticctl.train.group import Group
 from elasticctl.train.watches.non_finite import (
     NonFinite,
@@ -184,8 +185,8 @@ def test_skipping_without_the_check_is_one_sentence():
 
 def test_with_the_check_off_the_watch_does_nothing():
     events: list = []
-    watch = NonFiniteWatch(NonFiniteSettings(check=0), "a.0", "a", enabled=True, control_group=lambda: None,
-                           record=lambda kind, **fields: events.append(kind))
+    watch = collecting(NonFiniteWatch(NonFiniteSettings(check=0), "a.0", "a", enabled=True,
+                                      control_group=lambda: None), events, kinds_only=True)
     group = _group()
     _backward(group.model, poison=True)
     assert watch.bucket_observer() is None
@@ -239,8 +240,8 @@ def _group() -> Group:
 
 
 def _watch(skip: int, events: list, enabled: bool = True) -> NonFiniteWatch:
-    return NonFiniteWatch(NonFiniteSettings(skip=skip), "a.0", "a", enabled=enabled, control_group=lambda: None,
-                          record=lambda kind, **fields: events.append((kind, fields)))
+    return collecting(NonFiniteWatch(NonFiniteSettings(skip=skip), "a.0", "a", enabled=enabled,
+                                     control_group=lambda: None), events)
 
 
 def _backward(model: nn.Module, poison: bool) -> None:

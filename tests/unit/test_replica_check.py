@@ -31,6 +31,7 @@ from elasticctl.train.watches.replica_check import (
     tensors_digest,
 )
 from elasticctl.train.watches.replica_watch import ReplicaWatch
+from support.watches import collecting
 
 A, B, C = 0xA, 0xB, 0xC  # checksums
 
@@ -256,9 +257,9 @@ def _watch(monkeypatch, reports, *, nodes=("a", "b", "c"), evict=0, interval=5, 
     exchange = _Exchange(list(nodes), reports)
     monkeypatch.setattr(replica_watch.dist, "all_gather", exchange)
     events, leaves = [], []
-    watch = ReplicaWatch(ReplicaCheckSettings(interval=interval, evict=evict, min_nodes=min_nodes), "a.0", "a",
-                         control_group=lambda: None, replica_set=lambda: key, sharded=sharded,
-                         record=lambda kind, **fields: events.append((kind, fields)), request_leave=leaves.append)
+    watch = collecting(ReplicaWatch(ReplicaCheckSettings(interval=interval, evict=evict, min_nodes=min_nodes), "a.0",
+                                    "a", control_group=lambda: None, replica_set=lambda: key, sharded=sharded),
+                       events, leaves)
     watch.new_generation()
     return watch, exchange, events, leaves
 
@@ -335,11 +336,10 @@ def test_off_or_alone_nothing_is_exchanged(monkeypatch, settings_):
     exchange = _Exchange(["a"], [])
     monkeypatch.setattr(replica_watch.dist, "all_gather", exchange)
     watch = ReplicaWatch(settings_, "a.0", "a", control_group=lambda: None, replica_set=lambda: 0,
-                         sharded=False, record=lambda *a, **k: None, request_leave=lambda node: None)
+                         sharded=False)
     watch.at_boundary(_Group(0, 3), 100, _model())
     ReplicaWatch(ReplicaCheckSettings(interval=5), "a.0", "a", control_group=lambda: None, replica_set=lambda: 0,
-                 sharded=False, record=lambda *a, **k: None,
-                 request_leave=lambda node: None).at_boundary(_Group(0, 1), 100, _model())
+                 sharded=False).at_boundary(_Group(0, 1), 100, _model())
     assert exchange.sent == []
 
 

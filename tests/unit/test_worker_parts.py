@@ -119,3 +119,27 @@ def test_a_roster_a_peer_spoiled_names_no_node_and_each_watch_says_what_it_costs
     assert roster.nodes(generation, None, "stragglers are off") == []
     warnings = [r.getMessage() for r in caplog.records if "generation 4" in r.getMessage()]
     assert len(warnings) == 2 and "the check names no node" in warnings[0] and "stragglers are off" in warnings[1]
+
+
+def test_the_supervisor_hands_every_verdict_to_the_reporter_even_when_the_check_stops_the_job():
+    from elasticctl.job.records import EventKind
+    from elasticctl.train.watches.replica_check import ReplicasDisagree
+    from elasticctl.train.worker.watch_supervisor import Watches
+
+    recorded, asked = [], []
+    watches = Watches(None, worker="a.0", node="a", record=lambda kind, **fields: recorded.append((kind, fields)),
+                      request_leave=asked.append, roster=lambda *args: ["a"], control_group=lambda: None,
+                      replica_set=lambda: 0, sharded=False, non_finite=False)
+
+    def concludes_then_stops(group, step, model):
+        watches.replicas.verdicts.record(EventKind.REPLICA_DIVERGED, node="b", step=step)
+        watches.replicas.verdicts.evict("b")
+        watches.replicas.verdicts.record(EventKind.REPLICA_DIVERGED, node="", step=step)
+        raise ReplicasDisagree("no majority")
+
+    watches.replicas.at_boundary = concludes_then_stops
+    with pytest.raises(ReplicasDisagree):
+        watches.at_boundary(None, 7, None)
+    assert recorded == [(EventKind.REPLICA_DIVERGED, {"node": "b", "step": 7}),
+                        (EventKind.REPLICA_DIVERGED, {"node": "", "step": 7})]
+    assert asked == ["b"] and watches.replicas.verdicts.take() == []

@@ -40,6 +40,7 @@ from elasticctl.train.watches.non_finite import (
     starts_a_run,
 )
 from elasticctl.train.groups.roster import Roster
+from elasticctl.train.watches.verdicts import Verdicts
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class NonFiniteWatch:
     """The non-finite checks of this worker's run."""
 
     def __init__(self, settings: NonFiniteSettings | None, worker: str, node: str, *, enabled: bool,
-                 control_group: Callable[[], Any], record: Callable[..., None],
+                 control_group: Callable[[], Any],
                  roster: Callable[[Any, Any, str], list[str]] | None = None) -> None:
         self.settings = settings
         self.enabled = enabled and settings is not None and bool(settings.check)
@@ -56,7 +57,7 @@ class NonFiniteWatch:
         # the generation's roster, shared with the other watches (groups/roster.py)
         self._roster = roster or Roster(node, worker).nodes
         self._control_group = control_group  # the current generation's (None: torch's default)
-        self._record = record                # record(kind, node=..., **fields): an event, later
+        self.verdicts = Verdicts()  # what it concludes: the reporter acts on them (watches/verdicts.py)
         self._bucket_flags: list[torch.Tensor] = []  # this step's: each bucket finite before its all-reduce
         self._rank_nodes: list[str] | None = None    # the node of each rank ([]: a peer sent a bad id)
         self.last_non_finite: int | None = None      # the newest non-finite step of this run
@@ -100,7 +101,7 @@ class NonFiniteWatch:
                 # its gradients are finite, so no other worker can know: its own word, once per run
                 log.warning("[%s] the loss of step %d is not finite on this worker (rank %d), its gradients are",
                             self.worker, step, group.rank)
-                self._record(EventKind.NON_FINITE, step=step, world_size=group.world_size,
+                self.verdicts.record(EventKind.NON_FINITE, step=step, world_size=group.world_size,
                              reason=f"rank {group.rank}'s loss was not finite, its gradients were (the step was "
                                     "applied)")
             if loss_finite is False:
@@ -142,10 +143,10 @@ class NonFiniteWatch:
             by_node.setdefault(nodes[rank], []).append(rank)
         for node, ranks in by_node.items():
             produced = ", ".join(f"rank {rank}'s {found.what(rank)}" for rank in ranks)
-            self._record(EventKind.NON_FINITE, node=node, step=found.step, world_size=group.world_size,
+            self.verdicts.record(EventKind.NON_FINITE, node=node, step=found.step, world_size=group.world_size,
                          reason=f"{produced} were not finite before the all-reduce; the step was {action}")
         if not by_node:
-            self._record(EventKind.NON_FINITE, node="", step=found.step, world_size=group.world_size,
+            self.verdicts.record(EventKind.NON_FINITE, node="", step=found.step, world_size=group.world_size,
                          reason="the gradients were not finite after the all-reduce and no rank's own values were "
                                 "before it (a sum that overflowed, or a sharded model's reduce-scatter, where no "
                                 f"rank looks); the step was {action}")

@@ -36,6 +36,7 @@ from elasticctl.train.watches.replica_check import (
     parameters_digest,
 )
 from elasticctl.train.groups.roster import Roster
+from elasticctl.train.watches.verdicts import Verdicts
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ class ReplicaWatch:
 
     def __init__(self, settings: ReplicaCheckSettings | None, worker: str, node: str, *,
                  control_group: Callable[[], Any], replica_set: Callable[[], int | None], sharded: bool,
-                 record: Callable[..., None], request_leave: Callable[[str], None],
                  roster: Callable[[Any, Any, str], list[str]] | None = None) -> None:
         self.settings = settings
         self.worker, self.node = worker, node
@@ -54,8 +54,7 @@ class ReplicaWatch:
         self._control_group = control_group  # the current generation's, as the flags' (None: torch's default)
         self._replica_set = replica_set      # this worker's replica-set key (None: its state has no replica)
         self._sharded = sharded              # the replica sets are shard indexes (else one set: DDP)
-        self._record = record                # record(kind, node=..., **fields): an event, later
-        self._request_leave = request_leave  # ask a node to leave, as `elasticctl leave` does
+        self.verdicts = Verdicts()  # what it concludes: the reporter acts on them (watches/verdicts.py)
         self._rank_nodes: list[str] | None = None  # the node of each rank ([]: a peer sent a bad id)
         self._named: set[str] = set()    # nodes named diverged in this generation (one event each)
         self._evicted: set[str] = set()  # nodes asked to leave as diverged (once each, per run)
@@ -114,7 +113,7 @@ class ReplicaWatch:
                 log.error("[%s] the parameters of rank %d (node %s) differ from those of %d of the %d replicas%s at "
                           "step %d: silent corruption on that node", self.worker, diverged.rank, node,
                           diverged.agreeing, diverged.members, what, step)
-                self._record(EventKind.REPLICA_DIVERGED, node=node, step=step, world_size=group.world_size,
+                self.verdicts.record(EventKind.REPLICA_DIVERGED, node=node, step=step, world_size=group.world_size,
                              reason=f"rank {diverged.rank}'s parameters differ from those of {diverged.agreeing} of "
                                     f"its {diverged.members} replicas{what} (a parameter checksum every "
                                     f"{self.interval} steps)")
@@ -122,7 +121,7 @@ class ReplicaWatch:
                 self._evict(group, step, node, diverged)
         for split in verdict.no_majority:
             nodes = sorted({self._rank_nodes[rank] for rank in split.ranks})
-            self._record(EventKind.REPLICA_DIVERGED, node="", step=step, world_size=group.world_size,
+            self.verdicts.record(EventKind.REPLICA_DIVERGED, node="", step=step, world_size=group.world_size,
                          reason=f"the replicas{self._set_name(split.replica_set)} on {', '.join(nodes)} hold "
                                 f"{split.checksums} different parameter checksums and none is held by a majority: "
                                 "the job stops")
@@ -138,10 +137,10 @@ class ReplicaWatch:
             return
         self._evicted.add(node)
         log.warning("[%s] evicting the diverged node %s (--evict-diverged)", self.worker, node)
-        self._record(EventKind.REPLICA_DIVERGED, node=node, step=step, world_size=group.world_size,
+        self.verdicts.record(EventKind.REPLICA_DIVERGED, node=node, step=step, world_size=group.world_size,
                      reason=f"evicted: rank {diverged.rank}'s parameters differ from its replicas' majority "
                             "(--evict-diverged); asked to leave")
-        self._request_leave(node)
+        self.verdicts.evict(node)
 
     def _set_name(self, key: int) -> str:
         """How a sentence names a replica set: nothing for DDP's one set, the shard for HSDP's."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from elasticctl.job.settings import StragglerSettings
 from elasticctl.job.records import EventKind
 from elasticctl.train.groups.roster import Roster
+from elasticctl.train.watches.verdicts import Verdicts
 from elasticctl.train.watches.stragglers import (
     Interval,
     StepClock,
@@ -41,16 +42,14 @@ class StragglerWatch:
     """This worker's own step times, and what the exchanges of the current generation found."""
 
     def __init__(self, settings: StragglerSettings | None, worker: str, node: str, *,
-                 control_group: Callable[[], Any], record: Callable[..., None],
-                 request_leave: Callable[[str], None],
+                 control_group: Callable[[], Any],
                  roster: Callable[[Any, Any, str], list[str]] | None = None) -> None:
         self.settings = settings
         self.worker, self.node = worker, node
         # the generation's roster, shared with the other watches (groups/roster.py)
         self._roster = roster or Roster(node, worker).nodes
         self._control_group = control_group  # the current generation's, as the flags' (None: torch's default)
-        self._record = record              # record(kind, node=..., **fields): an event, later
-        self._request_leave = request_leave  # ask a node to leave, as `elasticctl leave` does
+        self.verdicts = Verdicts()  # what it concludes: the reporter acts on them (watches/verdicts.py)
         self.clock = StepClock()
         self._intervals: list[Interval] = []
         self._rank_nodes: list[str] | None = None  # the node of each rank ([]: a peer sent a bad id)
@@ -123,14 +122,14 @@ class StragglerWatch:
             log.warning("[%s] node %s is a straggler: its own step time is %.2fx the others' median, slow at "
                         "most of its last %d steps and %d of its last %d", self.worker, node, straggler.ratio,
                         settings.window, straggler.steps, 2 * settings.window)
-            self._record(EventKind.STRAGGLER, node=node, ratio=straggler.ratio, step=step,
+            self.verdicts.record(EventKind.STRAGGLER, node=node, ratio=straggler.ratio, step=step,
                          world_size=group.world_size,
                          reason=f"own step time above {settings.ratio:g}x the others' median at most of its "
                                 f"last {settings.window} steps ({straggler.steps} of its last "
                                 f"{2 * settings.window})")
         for node in sorted(self._named - named.keys()):
             log.info("[%s] node %s is no longer a straggler", self.worker, node)
-            self._record(EventKind.STRAGGLER_CLEARED, node=node, step=step)
+            self.verdicts.record(EventKind.STRAGGLER_CLEARED, node=node, step=step)
         self._named = set(named)
         if not settings.evict:
             return
@@ -142,9 +141,9 @@ class StragglerWatch:
         log.warning("[%s] evicting the straggler %s (%.2fx the others, above %g at %d of its last %d steps; "
                     "--evict-stragglers)", self.worker, evict.node, evict.ratio, settings.evict, evict.steps,
                     2 * settings.window)
-        self._record(EventKind.STRAGGLER, node=evict.node, ratio=evict.ratio, step=step,
+        self.verdicts.record(EventKind.STRAGGLER, node=evict.node, ratio=evict.ratio, step=step,
                      world_size=group.world_size,
                      reason=f"evicted: above {settings.evict:g}x the others' median at most of its last "
                             f"{settings.window} steps ({evict.steps} of its last {2 * settings.window}) "
                             f"(--evict-stragglers); asked to leave")
-        self._request_leave(evict.node)
+        self.verdicts.evict(evict.node)
