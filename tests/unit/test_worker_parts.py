@@ -143,3 +143,43 @@ def test_the_supervisor_hands_every_verdict_to_the_reporter_even_when_the_check_
     assert recorded == [(EventKind.REPLICA_DIVERGED, {"node": "b", "step": 7}),
                         (EventKind.REPLICA_DIVERGED, {"node": "", "step": 7})]
     assert asked == ["b"] and watches.replicas.verdicts.take() == []
+
+
+def test_the_inbox_hands_each_event_to_its_own_thread_in_order_and_drains_before_it_closes():
+    import os
+    import signal
+    import threading
+
+    from elasticctl.train.worker.inbox import Inbox, StopRequested
+
+    handled = []
+    inbox = Inbox("a.0", lambda event: handled.append((event, threading.current_thread().name)))
+    first, second = StopRequested(at=1.0), StopRequested(at=2.0)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: inbox.put(second))  # a handler only puts
+    try:
+        inbox.put(first)
+        os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before this call returns
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    inbox.start()
+    inbox.close()  # what was put before is handled first
+    assert handled == [(first, "elasticctl-inbox"), (second, "elasticctl-inbox")]
+
+
+def test_an_event_that_fails_to_be_handled_does_not_end_the_inbox(caplog):
+    from elasticctl.train.worker.inbox import Inbox, StopRequested
+
+    handled = []
+
+    def handle(event):
+        if not handled:
+            handled.append("failed")
+            raise RuntimeError("boom")
+        handled.append(event.at)
+
+    inbox = Inbox("a.0", handle)
+    inbox.start()
+    inbox.put(StopRequested(at=1.0))
+    inbox.put(StopRequested(at=2.0))
+    inbox.close()
+    assert handled == ["failed", 2.0] and "handling" in caplog.text

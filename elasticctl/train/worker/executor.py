@@ -56,6 +56,7 @@ from elasticctl.train.state import State
 from elasticctl.train.state_transfer.transfer import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from elasticctl.train.worker.checkpoint_duty import CheckpointDuty
 from elasticctl.train.worker.forming import GenerationForming
+from elasticctl.train.worker.inbox import Inbox, InboxEvent, StopRequested
 from elasticctl.train.worker.generation_manager import GenerationManager
 from elasticctl.train.worker.liveness import LivenessBoard
 from elasticctl.train.worker.model_placement import ModelPlacement
@@ -134,6 +135,8 @@ class Runtime:
         self.forming = GenerationForming(state, generations=self.generations, model=self.model,
                                          checkpoints=self.checkpoints, boundary=self.boundary, watches=self.watches,
                                          reporter=self.reporter, liveness=self.liveness)
+        # What other threads and the SIGTERM handler tell the worker (train/worker/inbox.py).
+        self.inbox = Inbox(place.worker, self._on_inbox)
         # ELASTICCTL_SAMPLE_LEDGER: the samples each step trained (State.commit writes), per start
         self.ledger = SampleLedger.from_environment()
         # The machine's state (train/worker/lifecycle.py), replaced whole by each transition.
@@ -169,6 +172,7 @@ class Runtime:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self, train: Callable[[State, Group], object]) -> None:
+        self.inbox.start()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.watchdog.start()
         try:
@@ -178,6 +182,7 @@ class Runtime:
             self._set_state(lifecycle.ended(self._worker_state))
             self.watchdog.stop()
             signal.signal(signal.SIGTERM, previous)
+            self.inbox.close()
             self._close()
 
     def _execute(self, train: Callable[[State, Group], object], started: lifecycle.Started) -> None:
@@ -269,13 +274,19 @@ class Runtime:
     # -- signals and silences ------------------------------------------------------------------
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.boundary.request_stop()  # acted on at the next step boundary every worker agrees on
-        worker_entry.note_stop_request()
-        for command in on_stop_request(self.phase):
-            if isinstance(command, CancelJoin):
-                self.generations.membership.cancel()  # between generations there is no boundary to wait for
-            elif isinstance(command, StartStopTimer):
-                self.watchdog.start_stop_timer()
+        self.inbox.put(StopRequested())  # all a signal handler does: the inbox's thread acts
+
+    def _on_inbox(self, event: InboxEvent) -> None:
+        """On the inbox's thread: a stop request is acted on at the next step boundary every worker
+        agrees on; what cannot wait for one is done now, as the lifecycle says."""
+        if isinstance(event, StopRequested):
+            self.boundary.request_stop()
+            worker_entry.note_stop_request()
+            for command in on_stop_request(self.phase):
+                if isinstance(command, CancelJoin):
+                    self.generations.membership.cancel()  # between generations there is no boundary to wait for
+                elif isinstance(command, StartStopTimer):
+                    self.watchdog.start_stop_timer()
 
     def _warn_no_step(self, what: str) -> None:
         log.warning("[%s] %s", self.worker, what)
