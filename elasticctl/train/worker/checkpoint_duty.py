@@ -100,7 +100,7 @@ class CheckpointDuty:
             self._emit("checkpoint_failed", step=self.state.step, reason=str(exc))
             return False
         if self.checkpointer.is_writer:  # blocked_ms: how long the training thread stood still for it
-            self._emit("checkpoint", step=self.state.step, epoch=self._epoch(), consumed=self.consumed(),
+            self._emit("checkpoint", step=self.state.step, epoch=self._epoch(), consumed=self._consumed(),
                        blocked_ms=round((time.perf_counter() - began) * 1000, 2),
                        **{"async": not blocking and self.checkpointer.async_save})
         return True
@@ -176,7 +176,7 @@ class CheckpointDuty:
             self.state.step = restored.step
             self.state.update_fields(restored.extra.get("fields", {}))
             log.info("[%s] resumed from %s at step %d", self.worker, restored.path, restored.step)
-            self._emit("resume", step=restored.step, epoch=self._epoch(), consumed=self.consumed(),
+            self._emit("resume", step=restored.step, epoch=self._epoch(), consumed=self._consumed(),
                        from_world_size=restored.world_size, path=str(restored.path))
             if recovers_in_process:
                 self._emit("state_restored", step=restored.step, source="checkpoint", path=str(restored.path),
@@ -196,7 +196,7 @@ class CheckpointDuty:
     def _epoch(self) -> int:
         return int(getattr(self.state.sampler, "epoch", 0))
 
-    def consumed(self) -> int | None:
+    def _consumed(self) -> int | None:
         consumed = getattr(self.state.sampler, "consumed", None)
         return None if consumed is None else int(consumed)
 

@@ -324,9 +324,10 @@ class Runtime:
         self.watches.at_boundary(group, step, self.state.model)
         self.checkpoints.at_boundary(step)
         self.model.at_boundary(group)
-        self.reporter.progress(group, samples, step=step, epoch=int(getattr(self.state.sampler, "epoch", 0)),
-                               loss=loss, last_checkpoint_step=self.checkpoints.last_step,
-                               **self.checkpoints.health())
+        if self.reporter.publishes_progress(group):
+            self.reporter.progress(group, samples, step=step, epoch=int(getattr(self.state.sampler, "epoch", 0)),
+                                   loss=loss, last_checkpoint_step=self.checkpoints.last_step,
+                                   **self.checkpoints.health())
         membership = self.generations.membership
         self._act_on(self.boundary.send(membership.change_pending(), group.world_size,
                                         self.generations.control_group))

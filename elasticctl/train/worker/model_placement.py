@@ -63,10 +63,6 @@ class ModelPlacement:
                                         emit=emit, worker=place.worker, sharded=self.sharded,
                                         peer_copies=self.peer_copies)
 
-    @property
-    def default_wrap(self) -> bool:
-        return self._wrap is None
-
     def warm_up(self, make_group_alone: Callable[[], object] | None) -> bool:
         """Hot mode with a kept HSDP mesh (``make_group_alone``: how to make the worker's group
         alone, None where its generations do not reconfigure one): before its first generation,

@@ -110,10 +110,15 @@ class Reporter:
 
     # -- progress ----------------------------------------------------------------------------
 
+    def publishes_progress(self, group: Group) -> bool:
+        """Whether this worker publishes the progress record (rank 0 under elasticctl): the other
+        ranks skip gathering its fields at every step."""
+        return self._progress is not None and group.rank == 0
+
     def progress(self, group: Group, samples: int, **fields: Any) -> None:
         """Rank 0's progress record at a step boundary (``fields``: step, epoch, loss, the
         checkpoint's), with the samples per second since the generation began."""
-        if self._progress is None or group.rank != 0:
+        if not self.publishes_progress(group):
             return
         began, count = self._samples_since
         count += samples * group.world_size
