@@ -49,16 +49,17 @@ def test_the_liveness_is_replaced_whole_never_changed_in_place():
 @pytest.mark.parametrize(("pending", "stop"), [(False, False), (True, False), (False, True), (True, True)])
 def test_alone_the_flags_are_agreed_at_once_and_the_stop_is_read_once(mode, pending, stop):
     reads = []
-    boundary = StepBoundary(mode, after_stop_flag_read=lambda: reads.append(boundary.leaving_sent))
-    if stop:
-        boundary.request_stop()
+    boundary = StepBoundary(mode, stop_requested=lambda: stop,
+                            after_stop_flag_read=lambda: reads.append(boundary.leaving_sent))
     assert boundary.send(pending, world_size=1, control_group=None) == Agreed(int(pending), int(stop), 1)
     assert boundary.leaving_sent is stop and reads == [stop]
     assert boundary.in_flight() is None
 
 
 def test_a_stop_after_the_read_is_sent_at_the_next_boundary():
-    boundary = StepBoundary(RecoveryMode.HOT, after_stop_flag_read=lambda: boundary.request_stop())
+    told = []
+    boundary = StepBoundary(RecoveryMode.HOT, stop_requested=lambda: bool(told),
+                            after_stop_flag_read=lambda: told.append(True))
     assert boundary.send(False, world_size=1, control_group=None) == Agreed(0, 0, 1)  # read before the stop
     assert boundary.stop_requested and not boundary.leaving_sent
     assert boundary.send(False, world_size=1, control_group=None) == Agreed(0, 1, 1)
@@ -161,6 +162,7 @@ def test_the_inbox_hands_each_event_to_its_own_thread_in_order_and_drains_before
         os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before this call returns
     finally:
         signal.signal(signal.SIGUSR1, previous)
+    assert inbox.stop_requested  # by the put itself, before the inbox's thread runs
     inbox.start()
     inbox.close()  # what was put before is handled first
     assert handled == [(first, "elasticctl-inbox"), (second, "elasticctl-inbox")]

@@ -123,7 +123,10 @@ class Runtime:
         self.generations = GenerationManager(environment, place, group_choice=choice, keeps_mesh=self.model.keeps_mesh,
                                              sharded=bool(sharded), phase=lambda: self.phase)
         membership = self.generations.membership
-        self.boundary = StepBoundary(membership.mode, after_stop_flag_read=lambda: after_stop_flag_read(self))
+        # What other threads and the SIGTERM handler tell the worker (train/worker/inbox.py).
+        self.inbox = Inbox(place.worker, self._on_inbox)
+        self.boundary = StepBoundary(membership.mode, stop_requested=lambda: self.inbox.stop_requested,
+                                     after_stop_flag_read=lambda: after_stop_flag_read(self))
         self.watches = Watches(environment.settings, worker=place.worker, node=place.node, record=self.reporter.record,
                                request_leave=self.reporter.request_leave, roster=self.generations.roster.nodes,
                                control_group=lambda: self.generations.control_group,
@@ -135,8 +138,6 @@ class Runtime:
         self.forming = GenerationForming(state, generations=self.generations, model=self.model,
                                          checkpoints=self.checkpoints, boundary=self.boundary, watches=self.watches,
                                          reporter=self.reporter, liveness=self.liveness)
-        # What other threads and the SIGTERM handler tell the worker (train/worker/inbox.py).
-        self.inbox = Inbox(place.worker, self._on_inbox)
         # ELASTICCTL_SAMPLE_LEDGER: the samples each step trained (State.commit writes), per start
         self.ledger = SampleLedger.from_environment()
         # The machine's state (train/worker/lifecycle.py), replaced whole by each transition.
@@ -279,8 +280,7 @@ class Runtime:
     def _on_inbox(self, event: InboxEvent) -> None:
         """On the inbox's thread: a stop request is acted on at the next step boundary every worker
         agrees on; what cannot wait for one is done now, as the lifecycle says."""
-        if isinstance(event, StopRequested):
-            self.boundary.request_stop()
+        if isinstance(event, StopRequested):  # the flag the next boundary reads is set already
             worker_entry.note_stop_request()
             for command in on_stop_request(self.phase):
                 if isinstance(command, CancelJoin):

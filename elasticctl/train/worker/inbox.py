@@ -3,9 +3,9 @@ put here, and one thread of the worker's drains it. A signal handler only puts (
 is reentrant, safe in a handler that interrupted a put): it never reaches into the worker's parts
 between two bytecodes of the training thread.
 
-The drain keeps what the training thread reads at its next step boundary (the stop request, read
-once there: train/worker/step_boundary.py) and carries out at once what cannot wait for a
-boundary, as the lifecycle says (:func:`elasticctl.train.worker.lifecycle.on_stop_request`): the
+The inbox keeps what the training thread reads at its next step boundary (the stop request, noted
+by the put itself and read once there: train/worker/step_boundary.py), and its thread carries out
+at once what cannot wait for a boundary, as the lifecycle says (:func:`elasticctl.train.worker.lifecycle.on_stop_request`): the
 end of a wait for a generation, the start of the stop bound."""
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ class Inbox:
 
     def __init__(self, worker: str, handle: Callable[[InboxEvent], None]) -> None:
         self.worker = worker
+        # Set by the put itself (one assignment, as safe in a handler as the put): the next step
+        # boundary reads it, not whenever the inbox's thread gets to the event.
+        self.stop_requested = False
         self._handle = handle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def put(self, event: InboxEvent) -> None:
         """From any thread, or a signal handler."""
+        if isinstance(event, StopRequested):
+            self.stop_requested = True
         self._queue.put(event)
 
     def start(self) -> None:

@@ -22,20 +22,22 @@ from elasticctl.train.worker.boundary import Agreed
 
 
 class StepBoundary:
-    """The boundary flags of a worker in ``mode``; ``after_stop_flag_read()`` is called right after
+    """The boundary flags of a worker in ``mode``; ``stop_requested()``: whether it was told to stop;
+    ``after_stop_flag_read()`` is called right after
     each boundary reads the stop request (a seam for tests: a stop delivered there is one that
     boundary did not send)."""
 
-    def __init__(self, mode: RecoveryMode, after_stop_flag_read: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, mode: RecoveryMode, stop_requested: Callable[[], bool],
+                 after_stop_flag_read: Callable[[], None] = lambda: None) -> None:
         self.mode = mode
+        self._stop_requested = stop_requested  # told to stop (SIGTERM): the inbox's; acted on at an agreed boundary
         self._after_stop_flag_read = after_stop_flag_read
-        self.stop_requested = False  # told to stop (SIGTERM); acted on at an agreed boundary
         self.leaving_sent = False    # stop_requested as this worker sent it with the last flags
         self._in_flight: tuple[torch.Tensor, Any, int] | None = None  # (the flags, torch's Work, world size)
 
-    def request_stop(self) -> None:
-        """From the SIGTERM handler: only a flag, read at the next boundary."""
-        self.stop_requested = True
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested()
 
     def new_generation(self) -> None:
         """Nothing of the last generation's flags is read in the next one."""
